@@ -1,0 +1,39 @@
+# Two commands set up a fresh machine:
+#   make test   installs what the suite needs and runs it
+#   make demo   installs what the demo needs and runs it on CPU
+PY ?= python3
+# A CPU build of torch is pinned for machines that have no torch yet. A torch that is
+# already installed (for example a CUDA build) is kept as long as it is new enough.
+TORCH_SPEC ?= torch==2.13.0
+TORCH_MIN ?= 2.6
+PIP = $(PY) -m pip install --quiet --disable-pip-version-check
+
+.PHONY: install-torch install install-test test test-gpu demo bench clean
+
+install-torch:
+	@$(PY) -c "import sys, torch; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(0 if v >= tuple(int(x) for x in '$(TORCH_MIN)'.split('.')) else 1)" 2>/dev/null \
+		&& echo "using installed torch $$($(PY) -c 'import torch; print(torch.__version__)')" \
+		|| $(PIP) "$(TORCH_SPEC)"
+
+install: install-torch
+	$(PIP) triton numpy pyyaml omegaconf safetensors tqdm matplotlib
+	$(PIP) --no-build-isolation -e .
+
+install-test: install
+	$(PIP) pytest
+
+test: install-test
+	$(PY) -m pytest -q tests
+
+# On a GPU machine: the CUDA-only tests, and the rest of the suite on CUDA tensors.
+test-gpu: install-test
+	$(PY) -m pytest -q -m gpu tests
+
+demo: install
+	$(PY) -m replay_ops demo
+
+bench: install
+	$(PY) bench/bench_all.py
+
+clean:
+	rm -rf build dist *.egg-info replay_ops/*.so

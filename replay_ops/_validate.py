@@ -1,0 +1,170 @@
+"""Input checks shared by every backend.
+
+Static checks (shape, dtype, device, options) always run: they cost no device sync.
+Data checks (index range, duplicates in a row) need the index values, so they run only
+when `validate=True`; with `validate=False` the ops are sync-free and CUDA-graph safe,
+and the caller promises the indices are valid.
+
+Every message names the argument, and for data errors the row and the value.
+"""
+from __future__ import annotations
+
+import torch
+
+SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
+PLAN_DTYPE = torch.int32
+
+
+def check_score_func(score_func: str) -> None:
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(
+            f"replay_ops.gate: unknown score_func={score_func!r}; expected one of {SCORE_FUNCS}"
+        )
+
+
+def check_gate_inputs(
+    logits: torch.Tensor,
+    expert_indices: torch.Tensor,
+    replay_mask: torch.Tensor | None,
+    score_func: str,
+    align: int,
+) -> None:
+    check_score_func(score_func)
+    if not isinstance(align, int) or isinstance(align, bool) or align < 1:
+        raise ValueError(f"replay_ops.gate: align must be an integer >= 1, got align={align!r}")
+    if logits.dim() != 2:
+        raise ValueError(
+            f"replay_ops.gate: logits must be 2-D [T, E], got shape {tuple(logits.shape)}"
+        )
+    if logits.dtype not in LOGIT_DTYPES:
+        raise TypeError(
+            f"replay_ops.gate: logits dtype {logits.dtype} is not supported; "
+            f"expected one of {LOGIT_DTYPES}"
+        )
+    if expert_indices.is_floating_point() or expert_indices.is_complex():
+        raise TypeError(
+            f"replay_ops.gate: expert_indices must be an integer tensor "
+            f"(int16/int32/int64), got dtype {expert_indices.dtype}"
+        )
+    if expert_indices.dtype not in INDEX_DTYPES:
+        raise TypeError(
+            f"replay_ops.gate: expert_indices dtype {expert_indices.dtype} is not supported; "
+            f"expected one of {INDEX_DTYPES}"
+        )
+    if expert_indices.dim() != 2:
+        raise ValueError(
+            f"replay_ops.gate: expert_indices must be 2-D [T, K], got shape "
+            f"{tuple(expert_indices.shape)} (slice one layer out of a [T, L, K] recording "
+            f"with recording[:, layer, :])"
+        )
+    T, E = logits.shape
+    if expert_indices.shape[0] != T:
+        raise ValueError(
+            f"replay_ops.gate: shape mismatch: logits has T={T} rows but expert_indices has "
+            f"{expert_indices.shape[0]} rows (shapes {tuple(logits.shape)} and "
+            f"{tuple(expert_indices.shape)})"
+        )
+    K = expert_indices.shape[1]
+    if K < 1:
+        raise ValueError(f"replay_ops.gate: expert_indices needs at least one column, got K={K}")
+    if K > E:
+        raise ValueError(
+            f"replay_ops.gate: top-k K={K} (expert_indices.shape[1]) is larger than the "
+            f"number of experts E={E} (logits.shape[1])"
+        )
+    if expert_indices.device != logits.device:
+        raise ValueError(
+            f"replay_ops.gate: tensors on different devices: logits on {logits.device}, "
+            f"expert_indices on {expert_indices.device}"
+        )
+    if replay_mask is not None:
+        if replay_mask.dtype != torch.bool:
+            raise TypeError(
+                f"replay_ops.gate: replay_mask must be a bool tensor, got {replay_mask.dtype}"
+            )
+        if replay_mask.shape != (T,):
+            raise ValueError(
+                f"replay_ops.gate: replay_mask must have shape [T]=({T},), got "
+                f"{tuple(replay_mask.shape)}"
+            )
+        if replay_mask.device != logits.device:
+            raise ValueError(
+                f"replay_ops.gate: tensors on different devices: logits on {logits.device}, "
+                f"replay_mask on {replay_mask.device}"
+            )
+
+
+def check_index_values(
+    expert_indices: torch.Tensor, num_experts: int, replay_mask: torch.Tensor | None
+) -> None:
+    """Data checks: range and duplicates. Rows with replay_mask False are not checked
+    (their recorded content is ignored and replaced by the fallback top-k)."""
+    if expert_indices.numel() == 0:
+        return
+    idx = expert_indices.to(torch.int64)
+    checked = torch.ones(idx.shape[0], dtype=torch.bool, device=idx.device)
+    if replay_mask is not None:
+        checked = replay_mask
+    bad = ((idx < -1) | (idx >= num_experts)) & checked[:, None]
+    sorted_idx = idx.sort(dim=1).values
+    dup = (sorted_idx[:, 1:] == sorted_idx[:, :-1]) & (sorted_idx[:, 1:] >= 0)
+    dup_rows = dup.any(dim=1) & checked
+    # One host sync for the common (valid) case.
+    flags = torch.stack([bad.any(), dup_rows.any()]).cpu()
+    if flags[0]:
+        t, k = (int(v) for v in bad.nonzero()[0])
+        v = int(idx[t, k])
+        raise ValueError(
+            f"replay_ops.gate: expert_indices[{t}, {k}] = {v} is out of range for "
+            f"num_experts E={num_experts}; valid values are 0..{num_experts - 1}, or -1 for "
+            f"an empty slot (row {t}: {idx[t].tolist()})"
+        )
+    if flags[1]:
+        t = int(dup_rows.nonzero()[0, 0])
+        row = idx[t].tolist()
+        seen: dict[int, int] = {}
+        for k, v in enumerate(row):
+            if v >= 0 and v in seen:
+                raise ValueError(
+                    f"replay_ops.gate: expert_indices row {t} repeats expert {v} "
+                    f"(columns {seen[v]} and {k}; row {t}: {row}); each expert may appear at "
+                    f"most once per token, or the dispatch token count differs from T*K"
+                )
+            seen[v] = k
+
+
+def check_plan_tensors(name: str, row_id_map: torch.Tensor, sorted_slots: torch.Tensor) -> None:
+    if row_id_map.dtype != PLAN_DTYPE or row_id_map.dim() != 2:
+        raise ValueError(
+            f"replay_ops.{name}: row_id_map must be int32 [T, K], got {row_id_map.dtype} "
+            f"{tuple(row_id_map.shape)}; pass the RoutingPlan returned by replay_ops.gate"
+        )
+    if sorted_slots.dtype != PLAN_DTYPE or sorted_slots.dim() != 1:
+        raise ValueError(
+            f"replay_ops.{name}: sorted_slots must be int32 [T*K + E*(align-1)], got "
+            f"{sorted_slots.dtype} {tuple(sorted_slots.shape)}"
+        )
+    if row_id_map.device != sorted_slots.device:
+        raise ValueError(
+            f"replay_ops.{name}: tensors on different devices: row_id_map on "
+            f"{row_id_map.device}, sorted_slots on {sorted_slots.device}"
+        )
+
+
+def check_hidden(name: str, arg: str, x: torch.Tensor, rows: int, rows_what: str, device) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"replay_ops.{name}: {arg} must be 2-D [rows, H], got {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"replay_ops.{name}: {arg} must be floating point, got {x.dtype}")
+    if x.shape[0] != rows:
+        raise ValueError(
+            f"replay_ops.{name}: {arg} has {x.shape[0]} rows but the plan has {rows} "
+            f"({rows_what}); shape {tuple(x.shape)}"
+        )
+    if x.device != device:
+        raise ValueError(
+            f"replay_ops.{name}: tensors on different devices: {arg} on {x.device}, "
+            f"the plan on {device}"
+        )

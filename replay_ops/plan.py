@@ -1,0 +1,65 @@
+"""`RoutingPlan`: the gate weights plus the dispatch plan for one MoE layer.
+
+Layout of the permuted ("expert-major") buffer that `permute` fills:
+
+* Expert `e` owns rows `expert_offsets[e] : expert_offsets[e+1]`.
+* Inside that segment, the expert's valid slots come first, in ascending flat-slot order
+  (`t*K + k`), so tokens are ascending and, for one token, columns are ascending. Then come
+  padding rows, up to a multiple of `align`.
+* `expert_offsets[E]` is the number of used rows `R`. `sorted_slots` has a fixed
+  length `T*K + E*(align-1)` (an upper bound on `R` that does not depend on the data);
+  entries `>= R` are -1.
+
+Empty slots (index -1) have `weights == 0`, `row_id_map == -1`, and take no row.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class RoutingPlan(NamedTuple):
+    weights: torch.Tensor  # [T, K], logits dtype
+    expert_indices: torch.Tensor  # [T, K] int32, indices used (after fallback); -1 = empty
+    tokens_per_expert: torch.Tensor  # [E] int32, valid slots per expert
+    expert_offsets: torch.Tensor  # [E+1] int32, exclusive prefix sum of aligned counts
+    row_id_map: torch.Tensor  # [T, K] int32, destination row of slot (t, k); -1 = empty
+    sorted_slots: torch.Tensor  # [T*K + E*(align-1)] int32, flat slot per row; -1 = none
+
+    @property
+    def num_tokens(self) -> int:
+        return self.expert_indices.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        return self.expert_indices.shape[1]
+
+    @property
+    def num_experts(self) -> int:
+        return self.tokens_per_expert.shape[0]
+
+    @property
+    def max_rows(self) -> int:
+        """Static upper bound on the permuted rows (the length of `sorted_slots`)."""
+        return self.sorted_slots.shape[0]
+
+    @property
+    def align(self) -> int:
+        T, K, E = self.num_tokens, self.top_k, self.num_experts
+        return 1 if E == 0 else (self.max_rows - T * K) // E + 1
+
+    def num_rows(self) -> int:
+        """Rows actually used, `expert_offsets[E]` (a host sync on CUDA)."""
+        return int(self.expert_offsets[-1])
+
+    def to_dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Megatron-Core's format: probs `[T, E]` (logits dtype) and a bool routing map."""
+        T, E = self.num_tokens, self.num_experts
+        valid = self.expert_indices >= 0
+        idx = self.expert_indices.clamp_min(0).long()
+        probs = torch.zeros(T, E, dtype=self.weights.dtype, device=self.weights.device)
+        probs = probs.scatter_add(1, idx, torch.where(valid, self.weights, 0))
+        hits = torch.zeros(T, E, dtype=torch.int32, device=idx.device)
+        routing_map = hits.scatter_add(1, idx, valid.to(torch.int32)) > 0
+        return probs, routing_map

@@ -1,0 +1,194 @@
+"""Pure-PyTorch reference: the numerical oracle for every backend.
+
+Written from the math in the README (and Megatron-Core's gate semantics under replay),
+never from a kernel. It is differentiable through ordinary autograd, so it is the oracle
+for the backward ops too. It favours clarity over speed.
+
+    T tokens, E experts, K slots per token, H hidden size.
+    flat slot s = t*K + k.  expert_indices[t, k] == -1 marks an empty slot.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._validate import check_gate_inputs, check_index_values
+from .plan import RoutingPlan
+
+NORM_EPS = 1e-20
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Math runs in fp32, or in fp64 for fp64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
+    """Dense scores over all experts in the compute dtype (used for the fallback top-k)."""
+    x = logits.to(compute_dtype(logits.dtype))
+    if score_func == "softmax":
+        return torch.softmax(x, dim=-1)
+    if score_func == "sigmoid":
+        return torch.sigmoid(x)
+    if score_func == "sqrtsoftplus":
+        return F.softplus(x).sqrt()
+    raise ValueError(f"unknown score_func {score_func!r}")
+
+
+def fallback_topk(logits: torch.Tensor, top_k: int, score_func: str) -> torch.Tensor:
+    """Native top-k of the scores, in torch.topk order (descending)."""
+    return torch.topk(scores(logits, score_func), top_k, dim=-1).indices.to(torch.int32)
+
+
+def resolve_indices(
+    logits: torch.Tensor,
+    expert_indices: torch.Tensor,
+    replay_mask: torch.Tensor | None,
+    score_func: str,
+) -> torch.Tensor:
+    """int32 [T, K] indices actually used: recorded rows, and top-k where replay_mask is False."""
+    idx = expert_indices.to(torch.int32)
+    if replay_mask is None:
+        return idx.contiguous()
+    rows = (~replay_mask).nonzero().flatten()
+    out = idx.clone(memory_format=torch.contiguous_format)
+    if rows.numel():
+        out[rows] = fallback_topk(logits[rows], idx.shape[1], score_func)
+    return out
+
+
+def gate_weights(
+    logits: torch.Tensor,
+    idx: torch.Tensor,
+    score_func: str,
+    normalize: bool,
+    scaling_factor: float,
+) -> torch.Tensor:
+    """Gate weights [T, K] from the dense logits at the given indices (differentiable)."""
+    cdt = compute_dtype(logits.dtype)
+    x = logits.to(cdt)
+    valid = idx >= 0
+    safe = idx.clamp_min(0).long()
+    if score_func == "softmax" and not normalize:
+        # softmax over all E, then gather (Megatron pre-softmax, HF norm_topk_prob=False)
+        w = torch.softmax(x, dim=-1).gather(1, safe)
+    elif score_func == "softmax":
+        # softmax over the selected valid logits only
+        z = torch.where(valid, x.gather(1, safe), float("-inf"))
+        m = z.amax(dim=-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, 0.0)
+        e = torch.exp(z - m)
+        s = e.sum(dim=-1, keepdim=True)
+        w = e / torch.where(s > 0, s, 1.0)
+    else:
+        z = x.gather(1, safe)
+        sc = torch.sigmoid(z) if score_func == "sigmoid" else F.softplus(z).sqrt()
+        sc = torch.where(valid, sc, 0.0)
+        if normalize:
+            many = valid.sum(dim=-1, keepdim=True) > 1
+            w = torch.where(many, sc / (sc.sum(dim=-1, keepdim=True) + NORM_EPS), sc)
+        else:
+            w = sc
+    w = w * scaling_factor
+    return torch.where(valid, w, 0.0).to(logits.dtype)
+
+
+def build_plan(idx: torch.Tensor, num_experts: int, align: int):
+    """(tokens_per_expert, expert_offsets, row_id_map, sorted_slots) for int indices [T, K]."""
+    T, K = idx.shape
+    E = num_experts
+    dev = idx.device
+    flat = idx.reshape(-1).long()
+    valid = flat >= 0
+    key = torch.where(valid, flat, E)  # empty slots sort after every expert
+    counts = torch.bincount(key, minlength=E + 1)[:E]
+    padded = (counts + align - 1) // align * align
+    zero = torch.zeros(1, dtype=torch.long, device=dev)
+    offsets = torch.cat([zero, padded.cumsum(0)])
+    starts = torch.cat([zero, counts.cumsum(0)])  # unpadded segment starts in sorted order
+    # Stable sort by expert: within an expert, slots stay in ascending flat-slot order.
+    order = torch.sort(key, stable=True).indices
+    sorted_key = key[order]
+    rank = torch.arange(T * K, device=dev) - starts[sorted_key]
+    keep = sorted_key < E
+    rows = offsets[sorted_key[keep]] + rank[keep]
+    slots = order[keep]
+    row_id_map = torch.full((T * K,), -1, dtype=torch.long, device=dev)
+    row_id_map[slots] = rows
+    sorted_slots = torch.full((T * K + E * (align - 1),), -1, dtype=torch.long, device=dev)
+    sorted_slots[rows] = slots
+    i32 = torch.int32
+    return (
+        counts.to(i32),
+        offsets.to(i32),
+        row_id_map.view(T, K).to(i32),
+        sorted_slots.to(i32),
+    )
+
+
+def gate(
+    logits: torch.Tensor,
+    expert_indices: torch.Tensor,
+    *,
+    score_func: str = "softmax",
+    normalize: bool = True,
+    scaling_factor: float = 1.0,
+    align: int = 1,
+    replay_mask: torch.Tensor | None = None,
+    validate: bool = True,
+) -> RoutingPlan:
+    check_gate_inputs(logits, expert_indices, replay_mask, score_func, align)
+    if validate:
+        check_index_values(expert_indices, logits.shape[1], replay_mask)
+    idx = resolve_indices(logits.detach(), expert_indices, replay_mask, score_func)
+    weights = gate_weights(logits, idx, score_func, normalize, scaling_factor)
+    return RoutingPlan(weights, idx, *build_plan(idx, logits.shape[1], align))
+
+
+def permute_rows(
+    hidden: torch.Tensor, sorted_slots: torch.Tensor, top_k: int, num_rows: int
+) -> torch.Tensor:
+    """[num_rows, H]: row r is hidden[sorted_slots[r] // top_k], zero where the slot is -1
+    or r is past the end of sorted_slots."""
+    src = torch.full((num_rows,), -1, dtype=torch.long, device=hidden.device)
+    n = min(num_rows, sorted_slots.shape[0])
+    src[:n] = sorted_slots[:n].long()
+    if hidden.shape[0] == 0:
+        return hidden.new_zeros(num_rows, hidden.shape[1])
+    token = src.clamp_min(0) // top_k
+    return torch.where((src >= 0)[:, None], hidden[token], 0.0)
+
+
+def combine(expert_out: torch.Tensor, row_id_map: torch.Tensor, weights: torch.Tensor):
+    """[T, H]: sum_k weights[t, k] * expert_out[row_id_map[t, k]], accumulated in fp32 (fp64
+    for fp64) in column order k = 0..K-1; empty slots (-1) contribute nothing."""
+    T, K = row_id_map.shape
+    R, H = expert_out.shape
+    cdt = compute_dtype(expert_out.dtype)
+    acc = torch.zeros(T, H, dtype=cdt, device=expert_out.device)
+    if R == 0:
+        return acc.to(expert_out.dtype)
+    for k in range(K):
+        row = row_id_map[:, k].long()
+        valid = ((row >= 0) & (row < R))[:, None]
+        x = expert_out[row.clamp(0, R - 1)].to(cdt)
+        w = weights[:, k].to(cdt)[:, None]
+        acc = acc + torch.where(valid, w * x, 0.0)
+    return acc.to(expert_out.dtype)
+
+
+def permute(hidden: torch.Tensor, plan: RoutingPlan, num_rows: int | None = None) -> torch.Tensor:
+    """Row r of the result is hidden[sorted_slots[r] // K]; padding rows are zero.
+    The result has expert_offsets[E] rows, or num_rows (which must be large enough)."""
+    used = plan.num_rows()
+    if num_rows is not None and num_rows < used:
+        raise ValueError(
+            f"replay_ops.permute: num_rows={num_rows} is smaller than the {used} rows the plan "
+            f"needs (expert_offsets[E])"
+        )
+    return permute_rows(hidden, plan.sorted_slots, plan.top_k, used if num_rows is None else num_rows)
+
+
+def unpermute(expert_out: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+    """out[t] = sum_k weights[t, k] * expert_out[row_id_map[t, k]]."""
+    return combine(expert_out, plan.row_id_map, plan.weights)
