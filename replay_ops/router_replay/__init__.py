@@ -1,0 +1,39 @@
+"""Router replay: record the experts each MoE layer picked, and force them again later.
+
+    from replay_ops.router_replay import RouterReplay, RouterReplayConfig, ReplayAction
+
+    rr = RouterReplay(RouterReplayConfig(mode="R2"), num_experts=E, top_k=K,
+                      moe_layer_ids=[1, 2, 3], num_hidden_layers=4)
+    rr.set_action(ReplayAction.RECORD)          # old-logprob pass: record
+    ...                                          # each MoE layer: plan = rr.route(...)
+    rr.set_action(ReplayAction.REPLAY_FORWARD)   # update pass: replay what was recorded
+    rr.set_action(ReplayAction.REPLAY_BACKWARD)  # activation recompute: same indices, FIFO
+
+Modes (`RouterReplayConfig.mode`): "disabled", "R2", "R3". Record files: `files`.
+Rollout engines' routing (vLLM, SGLang) to training layouts: `adapters`.
+See docs/router_replay.md.
+"""
+from __future__ import annotations
+
+from .config import (
+    ConfigError,
+    ReplayAction,
+    ReplayMode,
+    RouterReplayConfig,
+    check_combination,
+    config_from_omegaconf,
+    load_config,
+)
+from .replay import RouterReplay, RouterReplayError
+
+__all__ = [
+    "ConfigError",
+    "ReplayAction",
+    "ReplayMode",
+    "RouterReplay",
+    "RouterReplayConfig",
+    "RouterReplayError",
+    "check_combination",
+    "config_from_omegaconf",
+    "load_config",
+]

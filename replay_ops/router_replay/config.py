@@ -1,0 +1,259 @@
+"""Router replay configuration: modes, actions and the verl config names.
+
+The names users already type are accepted as they are:
+
+    actor_rollout_ref.actor.router_replay.mode=R3            # disabled | R2 | R3
+    actor_rollout_ref.actor.router_replay.record_file=/path/routing.safetensors
+    actor_rollout_ref.actor.router_replay.replay_file=/path/routing.safetensors
+    actor_rollout_ref.rollout.enable_rollout_routing_replay=True
+
+`load_config(yaml_files, overrides)` merges YAML files and dotted command-line overrides
+with OmegaConf, checks the `router_replay` node against a typed schema (a misspelt key is
+an error, not ignored) and checks the combination of options (`check_combination`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+ROUTER_REPLAY_KEY = "actor_rollout_ref.actor.router_replay"
+ROLLOUT_FLAG_KEY = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
+
+
+class ConfigError(ValueError):
+    """An invalid router replay configuration (a bad value or a bad combination)."""
+
+
+class ReplayMode(str, enum.Enum):
+    """`disabled`: native routing. `R2`: the training engine records routing in its
+    forward-only pass and replays it in the update passes. `R3`: the rollout engine's
+    routing is replayed in every training pass."""
+
+    DISABLED = "disabled"
+    R2 = "R2"
+    R3 = "R3"
+
+    def __str__(self) -> str:  # "R3", not "ReplayMode.R3", in messages
+        return self.value
+
+    @classmethod
+    def parse(cls, value: "ReplayMode | str | None", *, where: str = "mode") -> "ReplayMode":
+        if isinstance(value, ReplayMode):
+            return value
+        if value is None:
+            return cls.DISABLED
+        if isinstance(value, str):
+            key = value.strip().lower()
+            for m in cls:
+                if m.value.lower() == key:
+                    return m
+        raise ConfigError(
+            f"router_replay: unknown {where}={value!r}; expected one of "
+            f"{[m.value for m in cls]}"
+        )
+
+
+class ReplayAction(enum.Enum):
+    """What `RouterReplay.route` does at the next MoE layer call.
+
+    RECORD: run the layer's own top-k, gate with it and store the indices used.
+    REPLAY_FORWARD: gate with the routing set by `set_routing` (or recorded), and push the
+    indices used onto the layer's first-in first-out queue.
+    REPLAY_BACKWARD: pop the layer's queue (activation recompute replays the same indices).
+    """
+
+    RECORD = "record"
+    REPLAY_FORWARD = "replay_forward"
+    REPLAY_BACKWARD = "replay_backward"
+
+    @classmethod
+    def parse(cls, value: "ReplayAction | str | None") -> "ReplayAction | None":
+        if value is None or isinstance(value, ReplayAction):
+            return value
+        if isinstance(value, str):
+            key = value.strip().lower()
+            for a in cls:
+                if key in (a.value, a.name.lower()):
+                    return a
+        raise ConfigError(
+            f"router_replay: unknown action={value!r}; expected None or one of "
+            f"{[a.name for a in cls]}"
+        )
+
+
+@dataclass
+class RouterReplayConfig:
+    """Options of one model's router replay (`actor_rollout_ref.actor.router_replay`).
+
+    mode: disabled | R2 | R3.
+    record_file: where `RouterReplay.save()` writes by default (R2 recordings).
+    replay_file: a recording that `RouterReplay` loads at construction and replays.
+    recompute: push the indices of every grad-enabled REPLAY_FORWARD onto the layer's
+        queue, for REPLAY_BACKWARD (activation recompute). Turn off when the model does
+        not recompute activations, so the queue does not grow.
+    max_queue: a queue longer than this raises (a forward was never matched by a
+        recompute: the caller forgot REPLAY_BACKWARD or `clear()`).
+    validate: check recorded indices (range, duplicates) in every gate call (one host
+        sync per layer). Turn off only for CUDA-graph capture of trusted data.
+    fallback: rows whose replay mask is False (padding, the final token with no route)
+        use "gate" (replay_ops.gate's torch.topk of the scores) or "topk_fn" (the layer's
+        own top-k function, e.g. with expert bias or group limits).
+    enable_rollout_routing_replay: the rollout flag (`actor_rollout_ref.rollout.
+        enable_rollout_routing_replay`); `load_config` fills it from there.
+    model_name: stored in files written by `save()`, and compared by `load()` if set.
+    """
+
+    mode: str = "disabled"
+    record_file: Optional[str] = None
+    replay_file: Optional[str] = None
+    recompute: bool = True
+    max_queue: int = 64
+    validate: bool = True
+    fallback: str = "gate"
+    enable_rollout_routing_replay: Optional[bool] = None
+    model_name: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        self.mode = ReplayMode.parse(self.mode).value
+
+    @property
+    def replay_mode(self) -> ReplayMode:
+        return ReplayMode.parse(self.mode)
+
+    @property
+    def enabled(self) -> bool:
+        return self.replay_mode is not ReplayMode.DISABLED
+
+    def check(self) -> "RouterReplayConfig":
+        check_combination(self)
+        return self
+
+
+FALLBACKS = ("gate", "topk_fn")
+
+
+def check_combination(cfg: RouterReplayConfig) -> None:
+    """Raise ConfigError on a bad value or an invalid combination of options."""
+    mode = ReplayMode.parse(cfg.mode)
+    flag = cfg.enable_rollout_routing_replay
+    if mode is ReplayMode.R2 and flag:
+        raise ConfigError(
+            f"router_replay: mode=R2 cannot be combined with {ROLLOUT_FLAG_KEY}=True: R2 "
+            f"replays the training engine's own recording; rollout routing replay is R3 "
+            f"(set {ROUTER_REPLAY_KEY}.mode=R3, or {ROLLOUT_FLAG_KEY}=False)"
+        )
+    if mode is ReplayMode.R3 and flag is not None and not flag:
+        raise ConfigError(
+            f"router_replay: mode=R3 needs the rollout to return its routing, but "
+            f"{ROLLOUT_FLAG_KEY}={flag}; set {ROLLOUT_FLAG_KEY}=True"
+        )
+    if mode is ReplayMode.DISABLED and flag:
+        raise ConfigError(
+            f"router_replay: {ROLLOUT_FLAG_KEY}=True but {ROUTER_REPLAY_KEY}.mode=disabled: "
+            f"the rollout routing would be dropped silently; set mode=R3"
+        )
+    if mode is ReplayMode.DISABLED and (cfg.record_file or cfg.replay_file):
+        which = "record_file" if cfg.record_file else "replay_file"
+        raise ConfigError(
+            f"router_replay: {which}={getattr(cfg, which)!r} is set but mode=disabled; "
+            f"set mode=R2 or R3, or remove {which}"
+        )
+    if cfg.fallback not in FALLBACKS:
+        raise ConfigError(
+            f"router_replay: unknown fallback={cfg.fallback!r}; expected one of {FALLBACKS}"
+        )
+    if not isinstance(cfg.max_queue, int) or cfg.max_queue < 1:
+        raise ConfigError(f"router_replay: max_queue must be an integer >= 1, got {cfg.max_queue!r}")
+    if cfg.replay_file is not None and not os.path.exists(cfg.replay_file):
+        raise ConfigError(f"router_replay: replay_file={cfg.replay_file!r} does not exist")
+
+
+def load_config(
+    yaml_files: Iterable[str | os.PathLike] | str | os.PathLike = (),
+    overrides: Iterable[str] = (),
+) -> RouterReplayConfig:
+    """Merge YAML files (in order) and dotted overrides (`a.b.c=value`, as on a verl
+    command line; a leading `--` or `+` is accepted) and return the checked config.
+
+    Only `actor_rollout_ref.actor.router_replay` and `actor_rollout_ref.rollout.
+    enable_rollout_routing_replay` are read; the rest of a full training config is left
+    alone. Keys under `router_replay` must be fields of RouterReplayConfig.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(yaml_files, (str, os.PathLike)):
+        yaml_files = [yaml_files]
+    parts = []
+    for path in yaml_files:
+        try:
+            parts.append(OmegaConf.load(path))
+        except FileNotFoundError:
+            raise ConfigError(f"router_replay: config file {str(path)!r} does not exist") from None
+        except Exception as e:
+            raise ConfigError(f"router_replay: cannot parse config file {str(path)!r}: {e}") from e
+    dotlist = [_strip_override(o) for o in overrides]
+    try:
+        parts.append(OmegaConf.from_dotlist(dotlist))
+        merged = OmegaConf.merge(*parts) if parts else OmegaConf.create()
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"router_replay: bad override in {dotlist}: {e}") from e
+    return config_from_omegaconf(merged)
+
+
+def _strip_override(item: str) -> str:
+    item = item.strip()
+    if item.startswith("--"):
+        item = item[2:]
+    if item.startswith("++") or item.startswith("+"):
+        item = item.lstrip("+")
+    if "=" not in item:
+        raise ConfigError(f"router_replay: override {item!r} is not of the form key=value")
+    return item
+
+
+def config_from_omegaconf(cfg) -> RouterReplayConfig:
+    """RouterReplayConfig from a full (verl-shaped) OmegaConf/dict config."""
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.create(cfg)
+    node = OmegaConf.select(cfg, ROUTER_REPLAY_KEY, default=None)
+    flag = OmegaConf.select(cfg, ROLLOUT_FLAG_KEY, default=None)
+    schema = OmegaConf.structured(RouterReplayConfig)
+    try:
+        if node is not None:
+            if not isinstance(node, DictConfig):
+                raise ConfigError(
+                    f"router_replay: {ROUTER_REPLAY_KEY} must be a mapping, got {node!r}"
+                )
+            merged = OmegaConf.merge(schema, node)
+        else:
+            merged = schema
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"router_replay: invalid {ROUTER_REPLAY_KEY}: {e}") from e
+    values = OmegaConf.to_container(merged, resolve=True)
+    if flag is not None:
+        flag = _as_bool(flag, ROLLOUT_FLAG_KEY)
+        values["enable_rollout_routing_replay"] = flag
+    out = RouterReplayConfig(**values)
+    check_combination(out)
+    return out
+
+
+def _as_bool(value, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ConfigError(f"router_replay: {key} must be true or false, got {value!r}")
+
+
+def to_dict(cfg: RouterReplayConfig) -> dict:
+    return dataclasses.asdict(cfg)
