@@ -1,0 +1,64 @@
+"""Test configuration shared by the whole suite.
+
+Triton reads TRITON_INTERPRET when a kernel is decorated, so it must be set before
+anything imports triton or replay_ops. On a machine without a CUDA device, the Triton
+kernels then run under the interpreter on CPU tensors and the parity tests cover them.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+
+def _cuda_device_present() -> bool:
+    # Decided without importing torch or triton (the env var must be set first).
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return False
+    return os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi") is not None
+
+
+if not _cuda_device_present():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "gpu: needs a CUDA device (run with `pytest -m gpu` on a GPU machine)"
+    )
+    config.addinivalue_line("markers", "slow: larger shapes; still CPU-friendly")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; none is present on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def pytest_report_header(config):
+    import replay_ops
+
+    from _helpers import usable_backends
+
+    lines = [f"replay_ops backends: cpu={usable_backends('cpu')}"]
+    if HAS_CUDA:
+        lines.append(f"replay_ops backends: cuda={usable_backends('cuda')}")
+    lines.append(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}")
+    info = replay_ops.backends()["backends"]
+    for name, row in sorted(info.items()):
+        if row.get("reason"):
+            lines.append(f"  {name}: unavailable ({row['reason']})")
+    return lines
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield

@@ -1,0 +1,429 @@
+"""replay_ops.gate: forward parity with the reference, the plan's structure, fallback rows,
+and gradients (parity with autograd through the reference, and fp64 gradcheck)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import replay_ops
+from replay_ops import reference as ref
+
+from _helpers import (
+    INDEX_DTYPES,
+    SCORE_FUNCS,
+    assert_fa_close,
+    assert_int_equal,
+    assert_plan_ints_equal,
+    backend_params,
+    case_params,
+    check_plan_structure,
+    dense_by_loops,
+    is_interpreted,
+    make_indices,
+    make_logits,
+    strided_indices,
+)
+
+# (T, E, K): zero-sized, T=1, odd, K in {1, 2, E}, E in {1, 7, 64, 256}, a few hundred tokens.
+SHAPES = [
+    (0, 7, 2),
+    (1, 1, 1),
+    (1, 7, 7),
+    (7, 7, 7),
+    (1, 64, 2),
+    (13, 64, 1),
+    (37, 64, 2),
+    (5, 256, 2),
+    (301, 256, 8),
+    (300, 7, 2),
+]
+SHAPES_INTERP = [(0, 7, 2), (1, 1, 1), (7, 7, 7), (13, 64, 1), (37, 64, 2), (5, 256, 2), (300, 7, 2)]
+
+MODES = [
+    (sf, norm, scale)
+    for sf in SCORE_FUNCS
+    for norm in (False, True)
+    for scale in (1.0, 2.5)
+]
+MODES_INTERP = [(sf, norm, 2.5) for sf in SCORE_FUNCS for norm in (False, True)]
+
+ALIGNS = [1, 16, 128]
+
+
+def _mode_id(m):
+    return f"{m[0]}-norm{int(m[1])}-s{m[2]}"
+
+
+def _shape_id(s):
+    return "T{}E{}K{}".format(*s)
+
+
+def check_gate(logits, idx, backend, **kw):
+    """Run the op and compare every output with the reference (weights by the FA rule,
+    integer outputs exactly); returns the op's plan."""
+    out = replay_ops.gate(logits, idx, backend=backend, **kw)
+    ref_plan = ref.gate(logits, idx, **kw)
+    used = ref_plan.expert_indices
+    kw64 = {k: v for k, v in kw.items() if k in ("score_func", "normalize", "scaling_factor")}
+    ref64 = ref.gate_weights(
+        logits.detach().double(),
+        used,
+        kw64.get("score_func", "softmax"),
+        kw64.get("normalize", True),
+        kw64.get("scaling_factor", 1.0),
+    )
+    assert isinstance(out, replay_ops.RoutingPlan)
+    assert_fa_close(out.weights, ref_plan.weights, ref64, "weights")
+    assert_plan_ints_equal(out, ref_plan)
+    for f in out._fields:
+        assert getattr(out, f).device == logits.device, f"{f} on {getattr(out, f).device}"
+    return out
+
+
+# ------------------------------------------------------------------- forward parity
+@pytest.mark.parametrize(
+    "device,backend,shape", case_params(SHAPES, SHAPES_INTERP, ids=_shape_id)
+)
+def test_gate_parity_shapes(device, backend, shape):
+    T, E, K = shape
+    logits = make_logits(T, E, device=device)
+    idx = make_indices(T, E, K, device=device, empty=0.2 if K > 1 else 0.0)
+    plan = check_gate(logits, idx, backend)
+    check_plan_structure(plan, idx, E, 1)
+
+
+@pytest.mark.parametrize("device,backend,mode", case_params(MODES, MODES_INTERP, ids=_mode_id))
+def test_gate_parity_modes(device, backend, mode):
+    sf, norm, scale = mode
+    T, E, K = (29, 64, 4)
+    logits = make_logits(T, E, device=device, seed=3)
+    idx = make_indices(T, E, K, device=device, empty=0.25)
+    idx[0, :] = torch.tensor([5, -1, -1, -1])  # one valid slot: sigmoid is not normalised
+    check_gate(logits, idx, backend, score_func=sf, normalize=norm, scaling_factor=scale)
+
+
+@pytest.mark.parametrize(
+    "device,backend,case",
+    case_params(
+        [(a, s) for a in ALIGNS for s in [(0, 7, 2), (1, 7, 2), (29, 7, 2), (45, 64, 3)]],
+        [(a, s) for a in ALIGNS for s in [(0, 7, 2), (29, 7, 2)]],
+        ids=lambda c: f"align{c[0]}-" + _shape_id(c[1]),
+    ),
+)
+def test_gate_align(device, backend, case):
+    align, (T, E, K) = case
+    logits = make_logits(T, E, device=device, seed=4)
+    idx = make_indices(T, E, K, device=device, empty=0.2)
+    plan = check_gate(logits, idx, backend, align=align, score_func="sigmoid")
+    check_plan_structure(plan, idx, E, align)
+    assert plan.align == align
+
+
+@pytest.mark.parametrize(
+    "device,backend,case",
+    case_params(
+        [(d, m) for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64) for m in SCORE_FUNCS],
+        [(d, "softmax") for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)]
+        + [(torch.bfloat16, "sigmoid"), (torch.float16, "sqrtsoftplus")],
+        ids=lambda c: f"{str(c[0])[6:]}-{c[1]}",
+    ),
+)
+def test_gate_logit_dtypes(device, backend, case):
+    dtype, sf = case
+    T, E, K = (33, 64, 6)
+    logits = make_logits(T, E, dtype=dtype, device=device, seed=5, scale=3.0)
+    idx = make_indices(T, E, K, device=device, empty=0.1)
+    for norm in (False, True):
+        plan = check_gate(logits, idx, backend, score_func=sf, normalize=norm, scaling_factor=1.5)
+        assert plan.weights.dtype == dtype
+
+
+@pytest.mark.parametrize(
+    "device,backend,idx_dtype",
+    case_params(list(INDEX_DTYPES), ids=lambda d: str(d)[6:]),
+)
+def test_gate_strided_index_view(device, backend, idx_dtype):
+    """A layer sliced out of a [T, L, K] recording (int16 as in verl/vLLM) is read in place."""
+    T, E, K = (23, 64, 3)
+    rec, view = strided_indices(T, E, K, dtype=idx_dtype, device=device, empty=0.2)
+    assert not view.is_contiguous()
+    logits = make_logits(T, E, device=device, seed=6)
+    out_plan = check_gate(logits, view, backend)
+    # same result as the contiguous int32 copy
+    out_plan2 = replay_ops.gate(logits, view.to(torch.int32).contiguous(), backend=backend)
+    assert_plan_ints_equal(out_plan, out_plan2)
+    assert torch.equal(out_plan.weights, out_plan2.weights)
+    # the recording is not modified
+    assert torch.equal(rec[:, 1, :], view)
+
+
+@pytest.mark.parametrize("dev_backend", backend_params())
+def test_gate_noncontiguous_logits(dev_backend):
+    device, backend = dev_backend
+    T, E, K = (19, 7, 2)
+    wide = make_logits(T, 2 * E + 1, device=device, seed=7)
+    logits = wide[:, 1 : 2 * E + 1 : 2]  # column stride 2
+    t_logits = make_logits(E, T, device=device, seed=8).t()  # transposed
+    idx = make_indices(T, E, K, device=device, empty=0.2)
+    for lg in (logits, t_logits):
+        assert not lg.is_contiguous()
+        for sf in SCORE_FUNCS:
+            check_gate(lg, idx, backend, score_func=sf, normalize=True)
+            check_gate(lg, idx, backend, score_func=sf, normalize=False)
+
+
+@pytest.mark.parametrize("dev_backend", backend_params())
+def test_gate_int16_extremes(dev_backend):
+    """int16 recordings with E close to the int16 range and -1 slots."""
+    device, backend = dev_backend
+    T, E, K = (5, 300, 2)
+    idx = torch.tensor([[299, 0], [-1, 298], [-1, -1], [150, 299], [0, 1]], dtype=torch.int16)
+    logits = make_logits(T, E, device=device)
+    plan = check_gate(logits, idx.to(device), backend)
+    check_plan_structure(plan, idx, E, 1)
+
+
+# ------------------------------------------------------------- semantic properties
+@pytest.mark.parametrize("dev_backend", backend_params())
+def test_gate_empty_slots(dev_backend):
+    """-1 slots have weight 0, row -1, take no row, and are left out of normalisation."""
+    device, backend = dev_backend
+    T, E, K = (4, 7, 3)
+    idx = torch.tensor([[2, -1, 5], [-1, -1, -1], [0, 1, 2], [-1, 6, -1]], device=device)
+    logits = make_logits(T, E, device=device)
+    for sf in SCORE_FUNCS:
+        plan = replay_ops.gate(logits, idx, score_func=sf, normalize=True, backend=backend)
+        empty = idx < 0
+        assert (plan.weights[empty] == 0).all()
+        assert (plan.row_id_map[empty] == -1).all()
+        assert int(plan.tokens_per_expert.sum()) == int((~empty).sum()) == 6
+        assert plan.num_rows() == 6
+        # normalised over valid slots only: each row with >1 valid slot sums to 1
+        # (single-slot rows too for softmax, where softmax of one logit is 1)
+        s = plan.weights.float().sum(dim=1)
+        assert torch.allclose(s[[0, 2]], torch.ones(2, device=device), atol=1e-6)
+        assert s[1] == 0
+        if sf == "softmax":
+            assert s[3] == 1.0
+        else:  # one valid slot: the raw score, not normalised
+            x = logits[3, 6].double()
+            want = torch.sigmoid(x) if sf == "sigmoid" else torch.nn.functional.softplus(x).sqrt()
+            assert abs(s[3].item() - want.item()) < 1e-6
+
+
+@pytest.mark.parametrize("dev_backend", backend_params())
+def test_gate_all_rows_empty(dev_backend):
+    device, backend = dev_backend
+    T, E, K = (3, 5, 2)
+    idx = torch.full((T, K), -1, dtype=torch.int16, device=device)
+    for align in (1, 16):
+        plan = check_gate(make_logits(T, E, device=device), idx, backend, align=align)
+        assert plan.num_rows() == 0
+        assert (plan.sorted_slots == -1).all()
+        assert plan.sorted_slots.numel() == T * K + E * (align - 1)
+
+
+@pytest.mark.parametrize("dev_backend", backend_params())
+def test_gate_keeps_recorded_column_order(dev_backend):
+    """Column order is the recorded order, never sorted; weights follow their column."""
+    device, backend = dev_backend
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]], device=device)
+    a = replay_ops.gate(logits, torch.tensor([[3, 0]], device=device), backend=backend)
+    b = replay_ops.gate(logits, torch.tensor([[0, 3]], device=device), backend=backend)
+    assert a.expert_indices.tolist() == [[3, 0]] and b.expert_indices.tolist() == [[0, 3]]
+    assert torch.equal(a.weights.flip(1), b.weights)
+    assert a.weights[0, 0] > a.weights[0, 1]
+    # the plan is expert-major: expert 0 first, so slot 1 of `a` gets row 0
+    assert a.row_id_map.tolist() == [[1, 0]] and b.row_id_map.tolist() == [[0, 1]]
+
+
+@pytest.mark.parametrize("dev_backend", backend_params())
+def test_gate_to_dense(dev_backend):
+    device, backend = dev_backend
+    T, E, K = (11, 9, 3)
+    logits = make_logits(T, E, device=device)
+    idx = make_indices(T, E, K, device=device, empty=0.3)
+    plan = replay_ops.gate(logits, idx, score_func="sigmoid", backend=backend)
+    probs, rmap = plan.to_dense()
+    want_probs, want_map = dense_by_loops(plan.weights.cpu(), idx.cpu(), E)
+    assert probs.dtype == plan.weights.dtype and rmap.dtype == torch.bool
+    assert torch.equal(probs.cpu(), want_probs)
+    assert torch.equal(rmap.cpu(), want_map)
+
+
+# --------------------------------------------------------------- replay_mask rows
+@pytest.mark.parametrize(
+    "device,backend,case",
+    case_params(
+        [(sf, dt) for sf in SCORE_FUNCS for dt in (torch.float32, torch.bfloat16)],
+        [("softmax", torch.float32), ("sqrtsoftplus", torch.bfloat16)],
+        ids=lambda c: f"{c[0]}-{str(c[1])[6:]}",
+    ),
+)
+def test_gate_replay_mask_fallback(device, backend, case):
+    """Rows with replay_mask False use torch.topk of the fp32 scores; their recorded content
+    is ignored, not validated (here: out of range, duplicates, -1)."""
+    sf, dtype = case
+    T, E, K = (9, 16, 3)
+    logits = make_logits(T, E, dtype=dtype, device=device, seed=11)
+    idx = make_indices(T, E, K, dtype=torch.int16, device=device)
+    mask = torch.tensor([True, False, True, False, False, True, True, False, True], device=device)
+    idx[1] = torch.tensor([99, -7, 3])  # garbage in a fallback row
+    idx[3] = torch.tensor([2, 2, 2])
+    idx[4] = torch.tensor([-1, -1, -1])
+    x = logits.float()
+    scores = {
+        "softmax": torch.softmax(x, -1),
+        "sigmoid": torch.sigmoid(x),
+        "sqrtsoftplus": torch.nn.functional.softplus(x).sqrt(),
+    }[sf]
+    want = torch.where(mask[:, None], idx.int(), torch.topk(scores, K, dim=-1).indices.int())
+    for norm in (False, True):
+        plan = check_gate(logits, idx, backend, score_func=sf, normalize=norm, replay_mask=mask)
+        assert_int_equal(plan.expert_indices, want, "expert_indices")
+        check_plan_structure(plan, want, E, 1)
+
+
+@pytest.mark.parametrize("dev_backend", backend_params())
+def test_gate_replay_mask_all_true_equals_no_mask(dev_backend):
+    device, backend = dev_backend
+    T, E, K = (8, 7, 2)
+    logits = make_logits(T, E, device=device)
+    idx = make_indices(T, E, K, device=device, empty=0.2)
+    a = replay_ops.gate(logits, idx, backend=backend)
+    b = replay_ops.gate(logits, idx, replay_mask=torch.ones(T, dtype=torch.bool, device=device),
+                        backend=backend)
+    assert_plan_ints_equal(a, b)
+    assert torch.equal(a.weights, b.weights)
+
+
+# ----------------------------------------------------------------------- backward
+def _grad(fn, logits, gw):
+    x = logits.detach().clone().requires_grad_(True)
+    w = fn(x)
+    (w.float() * gw).sum().backward() if w.dtype != torch.float64 else (w * gw.double()).sum().backward()
+    return x.grad
+
+
+@pytest.mark.parametrize(
+    "device,backend,case",
+    case_params(
+        [(m, d) for m in MODES for d in (torch.float32, torch.bfloat16)],
+        [(m, torch.float32) for m in MODES_INTERP] + [(("softmax", True, 1.0), torch.bfloat16)],
+        ids=lambda c: _mode_id(c[0]) + "-" + str(c[1])[6:],
+    ),
+)
+def test_gate_backward_parity(device, backend, case):
+    """d(logits) from the op's backward vs autograd through the reference (FA rule)."""
+    (sf, norm, scale), dtype = case
+    T, E, K = (21, 64, 4)
+    logits = make_logits(T, E, dtype=dtype, device=device, seed=12)
+    idx = make_indices(T, E, K, device=device, empty=0.25)
+    idx[0] = torch.tensor([3, -1, -1, -1])
+    gw = torch.randn(T, K, device=device)
+    kw = dict(score_func=sf, normalize=norm, scaling_factor=scale)
+    out_g = _grad(lambda x: replay_ops.gate(x, idx, backend=backend, **kw).weights, logits, gw)
+    ref_g = _grad(lambda x: ref.gate(x, idx, **kw).weights, logits, gw)
+    ref64 = _grad(lambda x: ref.gate(x, idx, **kw).weights, logits.double(), gw)
+    assert_fa_close(out_g, ref_g, ref64, "grad logits")
+    if sf != "softmax" or norm:
+        # gradient only at the selected experts
+        sel = torch.zeros(T, E, dtype=torch.bool, device=device)
+        v = idx >= 0
+        sel[torch.arange(T, device=device)[:, None].expand(T, K)[v], idx[v].long()] = True
+        assert (out_g[~sel] == 0).all()
+
+
+@pytest.mark.parametrize("dev_backend", backend_params())
+def test_gate_backward_reaches_unlikely_replayed_experts(dev_backend):
+    """Known bug class: gathering from a sparse, already-scattered probs tensor gives zero
+    gradient to replayed experts that the live top-k would not pick."""
+    device, backend = dev_backend
+    logits = torch.tensor([[4.0, 3.0, -2.0, -3.0]], device=device)
+    idx = torch.tensor([[2, 3]], device=device)  # neither would be picked by top-2
+    for sf in SCORE_FUNCS:
+        for norm in (False, True):
+            x = logits.clone().requires_grad_(True)
+            w = replay_ops.gate(x, idx, score_func=sf, normalize=norm, backend=backend).weights
+            w[0, 0].backward()
+            g = x.grad[0]
+            assert g[2] != 0, (sf, norm, g)
+            if not (sf == "softmax" and not norm):
+                assert g[0] == 0 and g[1] == 0, (sf, norm, g)
+
+
+@pytest.mark.parametrize("dev_backend", backend_params())
+def test_gate_backward_with_fallback_rows(dev_backend):
+    device, backend = dev_backend
+    T, E, K = (6, 8, 2)
+    logits = make_logits(T, E, device=device, seed=13)
+    idx = make_indices(T, E, K, device=device)
+    mask = torch.tensor([True, False, True, True, False, True], device=device)
+    gw = torch.randn(T, K, device=device)
+    for sf in SCORE_FUNCS:
+        kw = dict(score_func=sf, replay_mask=mask, scaling_factor=0.5)
+        out_g = _grad(lambda x: replay_ops.gate(x, idx, backend=backend, **kw).weights, logits, gw)
+        ref_g = _grad(lambda x: ref.gate(x, idx, **kw).weights, logits, gw)
+        ref64 = _grad(lambda x: ref.gate(x, idx, **kw).weights, logits.double(), gw)
+        assert_fa_close(out_g, ref_g, ref64, f"grad logits ({sf})")
+
+
+@pytest.mark.parametrize(
+    "device,backend,mode",
+    case_params(
+        [(sf, n, 2.5) for sf in SCORE_FUNCS for n in (False, True)]
+        + [("softmax", True, 1.0), ("sigmoid", True, 1.0)],
+        ids=_mode_id,
+    ),
+)
+def test_gate_gradcheck(device, backend, mode):
+    sf, norm, scale = mode
+    T, E, K = (4, 6, 3)
+    logits = make_logits(T, E, dtype=torch.float64, device=device, seed=14, scale=1.5)
+    idx = torch.tensor([[1, 4, 0], [5, -1, 2], [-1, 3, -1], [-1, -1, -1]], device=device)
+    fn = lambda x: replay_ops.gate(  # noqa: E731
+        x, idx, score_func=sf, normalize=norm, scaling_factor=scale, backend=backend
+    ).weights
+    x = logits.requires_grad_(True)
+    assert torch.autograd.gradcheck(fn, (x,), fast_mode=is_interpreted(device, backend))
+
+
+@pytest.mark.parametrize("dev_backend", backend_params())
+def test_gate_gradcheck_sqrtsoftplus_large_logits(dev_backend):
+    """sqrt(softplus(x)) is linear-regime above softplus's threshold (20); the analytic
+    gradient must stay right there and for very negative logits."""
+    device, backend = dev_backend
+    logits = torch.tensor([[25.0, -30.0, 19.5, 0.3], [40.0, 21.0, -5.0, 2.0]],
+                          dtype=torch.float64, device=device)
+    idx = torch.tensor([[0, 2, 3], [1, 0, 2]], device=device)
+    for norm in (False, True):
+        fn = lambda x: replay_ops.gate(  # noqa: E731
+            x, idx, score_func="sqrtsoftplus", normalize=norm, backend=backend
+        ).weights
+        assert torch.autograd.gradcheck(fn, (logits.clone().requires_grad_(True),))
+
+
+@pytest.mark.parametrize("dev_backend", backend_params())
+def test_gate_integer_outputs_have_no_grad(dev_backend):
+    device, backend = dev_backend
+    x = make_logits(5, 7, device=device).requires_grad_(True)
+    plan = replay_ops.gate(x, make_indices(5, 7, 2, device=device), backend=backend)
+    assert plan.weights.requires_grad
+    for f in ("expert_indices", "tokens_per_expert", "expert_offsets", "row_id_map", "sorted_slots"):
+        assert not getattr(plan, f).requires_grad, f
+
+
+def test_backends_cover_the_registry():
+    """Guard: a Triton backend that exists in the checkout must be usable on CPU under the
+    interpreter, or the Triton parity tests would silently not run."""
+    import importlib.util
+    import os
+
+    from _helpers import usable_backends
+    from replay_ops import backend as rb
+
+    assert "torch" in usable_backends("cpu")
+    if importlib.util.find_spec("replay_ops._triton_backend") is None:
+        pytest.skip("no replay_ops._triton_backend in this checkout")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert "triton" in usable_backends("cpu"), rb.backends()["backends"]["triton"]
