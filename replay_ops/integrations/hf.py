@@ -1,0 +1,495 @@
+"""Router replay for Hugging Face `transformers` MoE models.
+
+    from replay_ops.integrations import hf
+    from replay_ops.router_replay import ReplayAction
+
+    patch = hf.patch_model(model, "R3")          # or a RouterReplayConfig / RouterReplay
+    patch.replay.set_routing(rollout_routing)    # [T, L, K] from the inference engine
+    patch.replay.set_action(ReplayAction.REPLAY_FORWARD)
+    out = model(input_ids)                       # every MoE block replays that routing
+    patch.remove()                               # (or hf.unpatch_model(model))
+
+Each supported MoE block (see `SUPPORTED`) gets an instance-level `forward` that
+
+1. runs the block's own router module (`block.gate`), which gives the router logits exactly
+   as the unpatched model computes them (and keeps `output_router_logits` working);
+2. asks the replay object for a plan: `replay.route(layer_id, logits, topk_fn=<the block's
+   native selection>, score_func=..., normalize=..., scaling_factor=...)`;
+3. runs the experts on the expert-major rows: `replay_ops.permute`, one SwiGLU per expert
+   segment, `replay_ops.unpermute` (fp32 accumulation in the recorded column order);
+4. adds the shared experts where the architecture has them.
+
+When the replay object returns no plan (mode "disabled", or no action set) the block runs
+its original forward, so a patched model in disabled mode is the unpatched model.
+
+Per architecture (transformers 5.x module code):
+
+| model_type  | block                   | scores  | normalize            | scaling               | shared experts            |
+|-------------|-------------------------|---------|----------------------|-----------------------|---------------------------|
+| mixtral     | MixtralSparseMoeBlock   | softmax | always               | 1                     | none                      |
+| qwen2_moe   | Qwen2MoeSparseMoeBlock  | softmax | config.norm_topk_prob| 1                     | sigmoid-gated shared MLP  |
+| qwen3_moe   | Qwen3MoeSparseMoeBlock  | softmax | config.norm_topk_prob| 1                     | none                      |
+| olmoe       | OlmoeSparseMoeBlock     | softmax | config.norm_topk_prob| 1                     | none                      |
+| deepseek_v3 | DeepseekV3MoE           | sigmoid | config.norm_topk_prob| routed_scaling_factor | shared MLP                |
+
+DeepSeek-V3 selects with `sigmoid(logits) + e_score_correction_bias` restricted to the
+`topk_group` best of `n_group` groups; the gate weights are the *unbiased* sigmoid scores.
+Under replay the recorded indices are used as they are, so the bias and the groups affect
+nothing; they only matter for RECORD and for fallback rows. Build its replay object with
+`fallback="topk_fn"` (the default of `patch_model` for DeepSeek-V3) so that rows with
+no route fall back to the model's own biased, group-limited selection rather than a plain
+top-k.
+
+Mixtral and DeepSeek-V3 keep their gate weights in fp32 (the unpatched models do the
+same), the others cast them to the model dtype, as the unpatched models do.
+
+Activation recompute (`model.gradient_checkpointing_enable()`): a block that runs while
+autograd is executing a backward pass is a recompute, so a REPLAY_FORWARD action is served
+as REPLAY_BACKWARD for that call (it pops the layer's queue). Turn this off with
+`patch_model(..., auto_recompute=False)` and set the action yourself.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import replay_ops
+from replay_ops.plan import RoutingPlan
+from replay_ops.router_replay import (
+    ReplayAction,
+    RouterReplay,
+    RouterReplayConfig,
+)
+
+__all__ = [
+    "SUPPORTED",
+    "ArchSpec",
+    "MoELayout",
+    "ReplayPatch",
+    "UnsupportedModelError",
+    "moe_layout",
+    "make_router_replay",
+    "native_topk",
+    "patch_model",
+    "unpatch_model",
+    "supported_architectures",
+]
+
+
+class UnsupportedModelError(ValueError):
+    """The model is not one of the architectures this integration supports."""
+
+
+# ----------------------------------------------------------------------------- native top-k
+# Each function reproduces the unpatched router's selection op by op (so RECORD stores what
+# the unpatched model would pick); tests compare it with the router module's own output.
+
+
+def _softmax_topk(gate: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
+    return torch.topk(probs, gate.top_k, dim=-1)[1]
+
+
+def _deepseek_v3_topk(gate: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    E, G = gate.num_experts, gate.num_group
+    scores = logits.sigmoid()
+    scores_for_choice = scores + gate.e_score_correction_bias
+    group_scores = scores_for_choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=gate.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores)
+    group_mask.scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
+    scores_for_choice = scores_for_choice.masked_fill(~score_mask.bool(), float("-inf"))
+    return torch.topk(scores_for_choice, k=gate.top_k, dim=-1, sorted=False)[1]
+
+
+# ----------------------------------------------------------------------------- shared experts
+
+
+def _qwen2_moe_shared(block, x_flat, hidden_states, routed):
+    shared = block.shared_expert(x_flat)
+    shared = F.sigmoid(block.shared_expert_gate(x_flat)) * shared
+    return routed + shared
+
+
+def _deepseek_v3_shared(block, x_flat, hidden_states, routed):
+    return routed.view(*hidden_states.shape) + block.shared_experts(hidden_states)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArchSpec:
+    """How one architecture's MoE block routes (see the module docstring's table)."""
+
+    model_type: str
+    block_class: str
+    score_func: str
+    normalize: Callable[[torch.nn.Module], bool]  # of the router module
+    scaling_factor: Callable[[torch.nn.Module], float]
+    weights_fp32: bool  # gate weights stay fp32 in the unpatched model
+    topk: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
+    add_shared: Callable | None = None
+    jitter: bool = False  # Mixtral's router_jitter_noise in training mode
+    fallback: str = "gate"  # RouterReplayConfig.fallback that matches the native selection
+
+
+def _norm_attr(gate) -> bool:
+    return bool(gate.norm_topk_prob)
+
+
+SUPPORTED: dict[str, ArchSpec] = {
+    "mixtral": ArchSpec(
+        "mixtral", "MixtralSparseMoeBlock", "softmax", lambda g: True, lambda g: 1.0,
+        weights_fp32=True, topk=_softmax_topk, jitter=True,
+    ),
+    "qwen2_moe": ArchSpec(
+        "qwen2_moe", "Qwen2MoeSparseMoeBlock", "softmax", _norm_attr, lambda g: 1.0,
+        weights_fp32=False, topk=_softmax_topk, add_shared=_qwen2_moe_shared,
+    ),
+    "qwen3_moe": ArchSpec(
+        "qwen3_moe", "Qwen3MoeSparseMoeBlock", "softmax", _norm_attr, lambda g: 1.0,
+        weights_fp32=False, topk=_softmax_topk,
+    ),
+    "olmoe": ArchSpec(
+        "olmoe", "OlmoeSparseMoeBlock", "softmax", _norm_attr, lambda g: 1.0,
+        weights_fp32=False, topk=_softmax_topk,
+    ),
+    "deepseek_v3": ArchSpec(
+        "deepseek_v3", "DeepseekV3MoE", "sigmoid", _norm_attr,
+        lambda g: float(g.routed_scaling_factor),
+        weights_fp32=True, topk=_deepseek_v3_topk, add_shared=_deepseek_v3_shared,
+        fallback="topk_fn",
+    ),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(SUPPORTED)
+
+
+def native_topk(model_type: str, gate: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """The unpatched router's top-k indices [T, K] for router logits [T, E]."""
+    return _spec_for(model_type).topk(gate, logits)
+
+
+def _spec_for(model_type: str) -> ArchSpec:
+    spec = SUPPORTED.get(model_type)
+    if spec is None:
+        raise UnsupportedModelError(
+            f"replay_ops.integrations.hf: model_type={model_type!r} is not supported; "
+            f"supported architectures: {', '.join(supported_architectures())}"
+        )
+    return spec
+
+
+# ----------------------------------------------------------------------------- layout
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclasses.dataclass
+class MoELayout:
+    """Where the MoE blocks of a model are and how they route."""
+
+    model_type: str
+    spec: ArchSpec
+    moe_layer_ids: list[int]
+    num_hidden_layers: int
+    num_experts: int
+    top_k: int
+    blocks: dict[int, torch.nn.Module]  # absolute layer id -> MoE block
+    score_func: str
+    normalize: bool
+    scaling_factor: float
+
+
+def moe_layout(model: torch.nn.Module) -> MoELayout:
+    """Find the MoE blocks of a supported `transformers` model (dense layers are skipped;
+    a layer id is the index in the model's list of decoder layers)."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type is None:
+        raise UnsupportedModelError(
+            f"replay_ops.integrations.hf: {type(model).__name__} has no config.model_type; "
+            f"expected a transformers model, one of: {', '.join(supported_architectures())}"
+        )
+    spec = _spec_for(model_type)
+    blocks: dict[int, torch.nn.Module] = {}
+    for name, mod in model.named_modules():
+        if type(mod).__name__ != spec.block_class:
+            continue
+        m = _LAYER_RE.search(name + ".")
+        if m is None:
+            raise UnsupportedModelError(
+                f"replay_ops.integrations.hf: cannot tell the layer id of MoE block {name!r} "
+                f"(expected a name like 'model.layers.<i>.mlp')"
+            )
+        lid = int(m.group(1))
+        if lid in blocks:
+            raise UnsupportedModelError(
+                f"replay_ops.integrations.hf: layer {lid} has two MoE blocks ({name!r})"
+            )
+        _check_block(name, mod)
+        blocks[lid] = mod
+    if not blocks:
+        raise UnsupportedModelError(
+            f"replay_ops.integrations.hf: {type(model).__name__} (model_type={model_type!r}) "
+            f"has no {spec.block_class} module; nothing to route"
+        )
+    ids = sorted(blocks)
+    first = blocks[ids[0]]
+    E, K = int(first.gate.num_experts), int(first.gate.top_k)
+    for lid in ids:
+        g = blocks[lid].gate
+        if (int(g.num_experts), int(g.top_k)) != (E, K):
+            raise UnsupportedModelError(
+                f"replay_ops.integrations.hf: layer {lid} routes {g.num_experts} experts top-"
+                f"{g.top_k}, layer {ids[0]} routes {E} top-{K}; one RouterReplay needs the same "
+                f"E and K in every MoE layer"
+            )
+    n_layers = int(getattr(config, "num_hidden_layers", ids[-1] + 1))
+    return MoELayout(
+        model_type=model_type,
+        spec=spec,
+        moe_layer_ids=ids,
+        num_hidden_layers=n_layers,
+        num_experts=E,
+        top_k=K,
+        blocks=blocks,
+        score_func=spec.score_func,
+        normalize=spec.normalize(first.gate),
+        scaling_factor=spec.scaling_factor(first.gate),
+    )
+
+
+def _check_block(name: str, block: torch.nn.Module) -> None:
+    experts = getattr(block, "experts", None)
+    gate = getattr(block, "gate", None)
+    if experts is None or gate is None:
+        raise UnsupportedModelError(
+            f"replay_ops.integrations.hf: MoE block {name!r} has no .gate/.experts modules"
+        )
+    for attr in ("gate_up_proj", "down_proj"):
+        if not isinstance(getattr(experts, attr, None), torch.Tensor):
+            raise UnsupportedModelError(
+                f"replay_ops.integrations.hf: {name}.experts has no fused {attr} tensor "
+                f"(expected [E, 2I, H] / [E, H, I] expert weights)"
+            )
+    layout = {
+        "is_transposed": False, "has_bias": False, "has_gate": True,
+        "is_concatenated": True, "has_post_expert_norm": False,
+    }
+    for attr, want in layout.items():
+        got = getattr(experts, attr, want)
+        if bool(got) != want:
+            raise UnsupportedModelError(
+                f"replay_ops.integrations.hf: {name}.experts has {attr}={got}; only the "
+                f"layout {layout} is supported"
+            )
+
+
+def make_router_replay(
+    model: torch.nn.Module, config: RouterReplayConfig | str | None = None
+) -> RouterReplay:
+    """A RouterReplay sized for `model` (experts, top-k, MoE layer ids). A mode string
+    builds a RouterReplayConfig with the architecture's fallback."""
+    lay = moe_layout(model)
+    if config is None or isinstance(config, str):
+        config = RouterReplayConfig(mode=config or "disabled", fallback=lay.spec.fallback)
+    return RouterReplay(
+        config,
+        num_experts=lay.num_experts,
+        top_k=lay.top_k,
+        moe_layer_ids=lay.moe_layer_ids,
+        num_hidden_layers=lay.num_hidden_layers,
+    )
+
+
+# ----------------------------------------------------------------------------- the patch
+
+
+def _in_backward() -> bool:
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+class ReplayPatch:
+    """The handle `patch_model` returns: `.replay` (the RouterReplay), `.layout`,
+    `.last_routing()`, `.remove()`; also a context manager that removes the patch."""
+
+    def __init__(self, model, layout: MoELayout, replay: RouterReplay, auto_recompute: bool):
+        self.model = model
+        self.layout = layout
+        self.replay = replay
+        self.auto_recompute = auto_recompute
+        self._last: dict[int, torch.Tensor] = {}
+        self.active = False
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        return list(self.layout.moe_layer_ids)
+
+    def last_routing(self) -> torch.Tensor:
+        """int32 [T, L_moe, K]: the indices every MoE layer used in its latest routed
+        forward (RECORD or REPLAY_FORWARD; recomputes are not counted)."""
+        missing = [lid for lid in self.layout.moe_layer_ids if lid not in self._last]
+        if missing:
+            raise RuntimeError(
+                f"ReplayPatch.last_routing: MoE layers {missing} have not routed through "
+                f"replay_ops yet (replay disabled, or no action set)"
+            )
+        per = [self._last[lid] for lid in self.layout.moe_layer_ids]
+        T = {lid: t.shape[0] for lid, t in zip(self.layout.moe_layer_ids, per)}
+        if len(set(T.values())) != 1:
+            raise RuntimeError(
+                f"ReplayPatch.last_routing: layers saw different token counts {T}"
+            )
+        return torch.stack(per, dim=1)
+
+    def remove(self) -> None:
+        """Restore every block's original forward."""
+        if not self.active:
+            return
+        for block in self.layout.blocks.values():
+            block.__dict__.pop("forward", None)
+            block.__dict__.pop("_replay_ops_layer", None)
+        if getattr(self.model, "_replay_ops_patch", None) is self:
+            del self.model._replay_ops_patch
+        self.active = False
+
+    def __enter__(self) -> "ReplayPatch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        lay = self.layout
+        return (
+            f"ReplayPatch(model_type={lay.model_type}, moe_layer_ids={lay.moe_layer_ids}, "
+            f"num_experts={lay.num_experts}, top_k={lay.top_k}, active={self.active}, "
+            f"replay={self.replay!r})"
+        )
+
+
+def patch_model(
+    model: torch.nn.Module,
+    replay: RouterReplay | RouterReplayConfig | str | None = None,
+    *,
+    auto_recompute: bool = True,
+) -> ReplayPatch:
+    """Route every MoE block of `model` through replay_ops under `replay` (a RouterReplay
+    built for this model, a RouterReplayConfig, a mode string "disabled"/"R2"/"R3", or None
+    for disabled). Returns a `ReplayPatch`; undo with `.remove()` or `unpatch_model`."""
+    if getattr(model, "_replay_ops_patch", None) is not None:
+        raise RuntimeError(
+            "replay_ops.integrations.hf.patch_model: the model is already patched; call "
+            "unpatch_model(model) first"
+        )
+    lay = moe_layout(model)
+    if not isinstance(replay, RouterReplay):
+        replay = make_router_replay(model, replay)
+    else:
+        want = (lay.num_experts, lay.top_k, lay.moe_layer_ids, lay.num_hidden_layers)
+        got = (replay.num_experts, replay.top_k, list(replay.moe_layer_ids),
+               replay.num_hidden_layers)
+        if want != got:
+            raise ValueError(
+                f"replay_ops.integrations.hf.patch_model: the RouterReplay was built for "
+                f"(num_experts, top_k, moe_layer_ids, num_hidden_layers)={got}, but the model "
+                f"has {want}"
+            )
+    patch = ReplayPatch(model, lay, replay, auto_recompute)
+    for lid, block in lay.blocks.items():
+        block._replay_ops_layer = (patch, lid)
+        block.forward = types.MethodType(_patched_forward, block)
+    model._replay_ops_patch = patch
+    patch.active = True
+    return patch
+
+
+def unpatch_model(model: torch.nn.Module) -> None:
+    """Undo `patch_model` (no-op for a model that is not patched)."""
+    patch = getattr(model, "_replay_ops_patch", None)
+    if patch is not None:
+        patch.remove()
+
+
+def _patched_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    patch, lid = block._replay_ops_layer
+    replay = patch.replay
+    original = type(block).forward
+    if not replay.enabled or replay.action is None:
+        return original(block, hidden_states)
+    spec = patch.layout.spec
+    if spec.jitter and block.training and block.jitter_noise > 0:
+        hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
+            1.0 - block.jitter_noise, 1.0 + block.jitter_noise
+        )
+    H = hidden_states.shape[-1]
+    x = hidden_states.reshape(-1, H)
+    gate = block.gate
+    logits, _, native_idx = gate(x)
+    if spec.weights_fp32:
+        logits = logits.float()
+
+    def topk_fn(lg: torch.Tensor) -> torch.Tensor:
+        if lg.shape == logits.shape and lg.data_ptr() == logits.data_ptr():
+            return native_idx  # the router's own output for these very logits
+        return spec.topk(gate, lg)
+
+    action = replay.action
+    recompute = (
+        patch.auto_recompute and action is ReplayAction.REPLAY_FORWARD and _in_backward()
+    )
+    if recompute:
+        replay.set_action(ReplayAction.REPLAY_BACKWARD)
+    try:
+        plan = replay.route(
+            lid,
+            logits,
+            topk_fn=topk_fn,
+            score_func=spec.score_func,
+            normalize=spec.normalize(gate),
+            scaling_factor=spec.scaling_factor(gate),
+        )
+    finally:
+        if recompute:
+            replay.set_action(action)
+    if plan is None:  # the replay object chose the native path
+        return original(block, hidden_states)
+    if not recompute:
+        patch._last[lid] = plan.expert_indices
+    routed = _experts_forward(block.experts, x, plan)
+    if spec.add_shared is not None:
+        out = spec.add_shared(block, x, hidden_states, routed)
+    else:
+        out = routed
+    return out.reshape(hidden_states.shape)
+
+
+def _experts_forward(experts: torch.nn.Module, x: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+    """sum_k w[t,k] * MLP_{e[t,k]}(x[t]) through permute -> per-expert SwiGLU -> unpermute."""
+    rows = replay_ops.permute(x, plan)
+    counts = plan.tokens_per_expert.tolist()
+    offsets = plan.expert_offsets.tolist()
+    apply_gate = getattr(experts, "_apply_gate", None)
+    outs = []
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        seg = rows[offsets[e]: offsets[e] + n]
+        gate_up = F.linear(seg, experts.gate_up_proj[e])
+        if apply_gate is not None:
+            h = apply_gate(gate_up)
+        else:
+            g, u = gate_up.chunk(2, dim=-1)
+            h = experts.act_fn(g) * u
+        outs.append(F.linear(h, experts.down_proj[e]))
+    # align=1: the expert segments tile rows [0, R) with no padding rows between them.
+    expert_out = torch.cat(outs, dim=0) if outs else rows.new_zeros(0, x.shape[1])
+    return replay_ops.unpermute(expert_out, plan)
