@@ -25,9 +25,21 @@ from .config import (
     load_config,
 )
 from .replay import RouterReplay, RouterReplayError
+from . import adapters, files
+from .adapters import ModelLayout, ReplayBatch, RoutingMismatchError
+from .files import RecordMeta, RoutingFileError, RoutingShapeError, open_routing
 
 __all__ = [
     "ConfigError",
+    "ModelLayout",
+    "RecordMeta",
+    "ReplayBatch",
+    "RoutingFileError",
+    "RoutingMismatchError",
+    "RoutingShapeError",
+    "adapters",
+    "files",
+    "open_routing",
     "ReplayAction",
     "ReplayMode",
     "RouterReplay",
