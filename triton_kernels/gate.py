@@ -1,0 +1,379 @@
+"""Fused replayed gate + dispatch plan, and the gate backward, in Triton.
+
+Forward math, per token t (fp32, or fp64 for fp64 logits), with valid slots k (idx >= 0):
+
+    softmax, normalize=False:  w[t,k] = s * softmax(x[t,:])[idx[t,k]]
+    softmax, normalize=True:   w[t,k] = s * exp(x[t,idx[t,k]]) / sum_valid exp(x[t,idx[t,j]])
+    sigmoid / sqrtsoftplus:    c[t,k] = f(x[t,idx[t,k]]);  w = s * c / (sum_valid c + 1e-20)
+                               when normalize and more than one slot is valid, else s * c
+    empty slots:               w = 0
+
+Plan, over flat slots f = t*K + k (no atomics anywhere, so the order never depends on
+thread timing):
+
+    rank[f]   = #{valid f' < f : idx[f'] == idx[f]}            (one-hot running counts)
+    counts[e] = #{valid f : idx[f] == e}
+    offsets   = exclusive prefix sum of round_up(counts, align)
+    row[f]    = offsets[idx[f]] + rank[f]
+    sorted_slots[row[f]] = f;  padding rows and the tail hold -1
+
+Launches:
+    T*K <= SINGLE_PROGRAM_MAX_SLOTS: one program does everything (1 launch).
+    otherwise: (1) per-chunk weights, ranks and histograms, (2) one program scans the
+    chunk histograms into chunk bases and writes counts, offsets and padding, (3) per-chunk
+    scatter of rows (3 launches).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._common import cast_rne
+
+SCORE_IDS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+
+# NOTE: above ~4K slots a single program serialises too much work; the 3-launch path keeps
+# every program's share to BLOCK_T*K ~ 1K slots.
+SINGLE_PROGRAM_MAX_SLOTS = 4096
+CHUNK_SLOTS = 1024
+ONE_HOT_ELEMS = 8192  # size of the [SLOT_BLOCK, E_HIST] one-hot tile
+GRAD_TILE_ELEMS = 8192  # size of the [BLOCK_T, K_PAD, E_BLOCK] tile in the backward
+
+
+def gate_config(T: int, K: int, E: int, align: int) -> dict:
+    """Block sizes for the gate kernels (pinned by the tests)."""
+    n = T * K
+    K_PAD = triton.next_power_of_2(K)
+    E_HIST = triton.next_power_of_2(E)
+    single = n <= SINGLE_PROGRAM_MAX_SLOTS
+    BLOCK_T = max(1, min(triton.next_power_of_2(max(1, CHUNK_SLOTS // K)), 256))
+    BLOCK_T = min(BLOCK_T, triton.next_power_of_2(max(T, 1)))
+    return dict(
+        single=single,
+        BLOCK_T=BLOCK_T,
+        K_PAD=K_PAD,
+        E_HIST=E_HIST,
+        E_BLOCK=min(E_HIST, 128),
+        SLOT_BLOCK=max(1, min(64, ONE_HOT_ELEMS // E_HIST)),
+        PAD_J=max(1, min(triton.next_power_of_2(max(align - 1, 1)), ONE_HOT_ELEMS // E_HIST)),
+        TAIL_BLOCK=1024,
+        CHUNK_BLOCK=max(1, min(64, ONE_HOT_ELEMS // E_HIST)),
+        num_chunks=1 if single else triton.cdiv(T, BLOCK_T),
+    )
+
+
+def gate_bwd_config(T: int, K: int, E: int) -> dict:
+    K_PAD = triton.next_power_of_2(K)
+    E_BLOCK = min(triton.next_power_of_2(E), 128)
+    BLOCK_T = max(1, min(64, GRAD_TILE_ELEMS // (K_PAD * E_BLOCK)))
+    BLOCK_T = min(BLOCK_T, triton.next_power_of_2(max(T, 1)))
+    return dict(BLOCK_T=BLOCK_T, K_PAD=K_PAD, E_BLOCK=E_BLOCK)
+
+
+# ----------------------------------------------------------------------------- math
+@triton.jit
+def _log1p(u):
+    # log(1+u) accurate for tiny u (the classic w = 1+u correction).
+    w = 1.0 + u
+    return tl.where(w == 1.0, u, tl.log(w) * u / (w - 1.0))
+
+
+@triton.jit
+def _score(z, SCORE: tl.constexpr):
+    if SCORE == 1:
+        return 1.0 / (1.0 + tl.exp(-z))
+    else:
+        # sqrt(softplus(z)), softplus linear above 20 like torch.nn.functional.softplus
+        sp = tl.where(z > 20.0, z, _log1p(tl.exp(tl.minimum(z, 20.0))))
+        return tl.sqrt(sp)
+
+
+@triton.jit
+def _row_softmax_stats(Logits_ptr, rows, rmask, stride_lt, stride_le, E,
+                       CDT: tl.constexpr, BLOCK_T: tl.constexpr, E_BLOCK: tl.constexpr):
+    """Online max and sum(exp(x - max)) over all E for a block of rows."""
+    m = tl.full([BLOCK_T], float("-inf"), CDT)
+    s = tl.zeros([BLOCK_T], CDT)
+    for e0 in range(0, E, E_BLOCK):
+        ecols = e0 + tl.arange(0, E_BLOCK)
+        lmask = rmask[:, None] & (ecols < E)[None, :]
+        x = tl.load(Logits_ptr + rows[:, None] * stride_lt + ecols[None, :] * stride_le,
+                    mask=lmask, other=float("-inf")).to(CDT)
+        m_new = tl.maximum(m, tl.max(x, axis=1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift[:, None]), axis=1)
+        m = m_new
+    return tl.where(m == float("-inf"), 0.0, m), s
+
+
+@triton.jit
+def _gate_weights_block(
+    Logits_ptr, Idx_ptr, W_ptr, IdxOut_ptr,
+    r0, T, E, K, stride_lt, stride_le, stride_it, stride_ik, scaling_factor,
+    SCORE: tl.constexpr, NORMALIZE: tl.constexpr, CDT: tl.constexpr,
+    BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, E_BLOCK: tl.constexpr,
+):
+    rows = (r0 + tl.arange(0, BLOCK_T)).to(tl.int64)
+    cols = tl.arange(0, K_PAD)
+    rmask = rows < T
+    m2 = rmask[:, None] & (cols < K)[None, :]
+    idx = tl.load(Idx_ptr + rows[:, None] * stride_it + cols[None, :] * stride_ik,
+                  mask=m2, other=-1).to(tl.int32)
+    valid = m2 & (idx >= 0)
+    x = tl.load(Logits_ptr + rows[:, None] * stride_lt + idx.to(tl.int64) * stride_le,
+                mask=valid, other=0.0).to(CDT)
+    if SCORE == 0:
+        if NORMALIZE:
+            z = tl.where(valid, x, float("-inf"))
+            m = tl.max(z, axis=1)
+            m = tl.where(m == float("-inf"), 0.0, m)
+            e = tl.where(valid, tl.exp(z - m[:, None]), 0.0)
+            s = tl.sum(e, axis=1)
+            w = e / tl.where(s > 0.0, s, 1.0)[:, None]
+        else:
+            m, s = _row_softmax_stats(Logits_ptr, rows, rmask, stride_lt, stride_le, E,
+                                      CDT, BLOCK_T, E_BLOCK)
+            w = tl.exp(x - m[:, None]) / tl.where(s > 0.0, s, 1.0)[:, None]
+    else:
+        c = tl.where(valid, _score(x, SCORE), 0.0)
+        if NORMALIZE:
+            nvalid = tl.sum(valid.to(tl.int32), axis=1)
+            denom = tl.sum(c, axis=1) + 1e-20
+            w = tl.where((nvalid > 1)[:, None], c / denom[:, None], c)
+        else:
+            w = c
+    w = tl.where(valid, w * scaling_factor, 0.0)
+    out = rows[:, None] * K + cols[None, :]
+    tl.store(W_ptr + out, cast_rne(w, W_ptr.dtype.element_ty), mask=m2)
+    tl.store(IdxOut_ptr + out, idx, mask=m2)
+
+
+@triton.jit
+def _slot_experts(Idx_ptr, f, fmask, K, stride_it, stride_ik):
+    """Expert of flat slot f (-1 for empty or out-of-range slots)."""
+    f = f.to(tl.int64)
+    t = f // K
+    k = f - t * K
+    return tl.load(Idx_ptr + t * stride_it + k * stride_ik, mask=fmask, other=-1).to(tl.int32)
+
+
+@triton.jit
+def _one_hot_ranks(e, running, E_HIST: tl.constexpr):
+    """For a block of slots with experts e (-1 = none): rank of each slot among earlier
+    slots of the same expert (running counts carried in), and the updated counts."""
+    hit = (e[:, None] == tl.arange(0, E_HIST)[None, :]).to(tl.int32)
+    before = tl.cumsum(hit, axis=0) - hit + running[None, :]
+    rank = tl.sum(before * hit, axis=1)
+    return rank, running + tl.sum(hit, axis=0)
+
+
+@triton.jit
+def _write_offsets_and_padding(
+    counts, Tpe_ptr, Offsets_ptr, Sorted_ptr, E, align, n_sorted,
+    E_HIST: tl.constexpr, PAD_J: tl.constexpr, TAIL_BLOCK: tl.constexpr,
+):
+    """Store counts and aligned offsets, fill padding rows and the tail of sorted_slots
+    with -1. Returns the exclusive offsets [E_HIST]."""
+    ecols = tl.arange(0, E_HIST)
+    emask = ecols < E
+    counts = tl.where(emask, counts, 0)
+    padded = (counts + align - 1) // align * align
+    incl = tl.cumsum(padded, axis=0)
+    offsets = incl - padded
+    total = tl.sum(padded, axis=0)
+    tl.store(Tpe_ptr + ecols, counts, mask=emask)
+    tl.store(Offsets_ptr + ecols, offsets, mask=emask)
+    tl.store(Offsets_ptr + E, total)
+    # padding rows: [offsets[e] + counts[e], offsets[e] + padded[e])
+    start = (offsets + counts).to(tl.int64)
+    npad = padded - counts
+    for j0 in range(0, align - 1, PAD_J):
+        j = j0 + tl.arange(0, PAD_J)
+        pm = emask[:, None] & (j[None, :] < npad[:, None])
+        tl.store(Sorted_ptr + start[:, None] + j[None, :],
+                 tl.full([E_HIST, PAD_J], -1, tl.int32), mask=pm)
+    for p0 in range(total, n_sorted, TAIL_BLOCK):
+        p = p0 + tl.arange(0, TAIL_BLOCK)
+        tl.store(Sorted_ptr + p, tl.full([TAIL_BLOCK], -1, tl.int32), mask=p < n_sorted)
+    return offsets
+
+
+@triton.jit
+def _gate_fwd_kernel(
+    # inputs
+    Logits_ptr, Idx_ptr,
+    # outputs
+    W_ptr, IdxOut_ptr, RowMap_ptr, ChunkCounts_ptr, Tpe_ptr, Offsets_ptr, Sorted_ptr,
+    # sizes and strides
+    T, E, K, stride_lt, stride_le, stride_it, stride_ik, scaling_factor, align, n_sorted,
+    # constexprs
+    SCORE: tl.constexpr, NORMALIZE: tl.constexpr, CDT: tl.constexpr, SINGLE: tl.constexpr,
+    BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, E_BLOCK: tl.constexpr, E_HIST: tl.constexpr,
+    SLOT_BLOCK: tl.constexpr, PAD_J: tl.constexpr, TAIL_BLOCK: tl.constexpr,
+):
+    """Weights for this program's rows, then either the whole plan (SINGLE) or this
+    chunk's slot ranks (kept in row_id_map) and expert histogram (multi-chunk)."""
+    pid = tl.program_id(0).to(tl.int64)
+    if SINGLE:
+        row_begin = 0
+        row_end = T
+    else:
+        row_begin = pid * BLOCK_T
+        row_end = tl.minimum(row_begin + BLOCK_T, T)
+    for r0 in range(row_begin, row_end, BLOCK_T):
+        _gate_weights_block(Logits_ptr, Idx_ptr, W_ptr, IdxOut_ptr, r0, T, E, K,
+                            stride_lt, stride_le, stride_it, stride_ik, scaling_factor,
+                            SCORE, NORMALIZE, CDT, BLOCK_T, K_PAD, E_BLOCK)
+    f_begin = row_begin * K
+    f_end = row_end * K
+    running = tl.zeros([E_HIST], tl.int32)
+    if SINGLE:
+        # pass 1: histogram
+        for f0 in range(f_begin, f_end, SLOT_BLOCK):
+            f = f0 + tl.arange(0, SLOT_BLOCK)
+            e = _slot_experts(Idx_ptr, f, f < f_end, K, stride_it, stride_ik)
+            hit = (e[:, None] == tl.arange(0, E_HIST)[None, :]).to(tl.int32)
+            running += tl.sum(hit, axis=0)
+        offsets = _write_offsets_and_padding(running, Tpe_ptr, Offsets_ptr, Sorted_ptr, E,
+                                             align, n_sorted, E_HIST, PAD_J, TAIL_BLOCK)
+        # pass 2: ranks and scatter
+        running = tl.zeros([E_HIST], tl.int32)
+        for f0 in range(f_begin, f_end, SLOT_BLOCK):
+            f = f0 + tl.arange(0, SLOT_BLOCK)
+            fmask = f < f_end
+            e = _slot_experts(Idx_ptr, f, fmask, K, stride_it, stride_ik)
+            rank, running = _one_hot_ranks(e, running, E_HIST)
+            base = tl.sum(tl.where(e[:, None] == tl.arange(0, E_HIST)[None, :],
+                                   offsets[None, :], 0), axis=1)
+            valid = fmask & (e >= 0)
+            row = tl.where(valid, base + rank, -1)
+            tl.store(RowMap_ptr + f, row, mask=fmask)
+            tl.store(Sorted_ptr + row, f.to(tl.int32), mask=valid)
+    else:
+        for f0 in range(f_begin, f_end, SLOT_BLOCK):
+            f = f0 + tl.arange(0, SLOT_BLOCK)
+            fmask = f < f_end
+            e = _slot_experts(Idx_ptr, f, fmask, K, stride_it, stride_ik)
+            rank, running = _one_hot_ranks(e, running, E_HIST)
+            tl.store(RowMap_ptr + f, tl.where(e >= 0, rank, -1), mask=fmask)
+        ecols = tl.arange(0, E_HIST)
+        tl.store(ChunkCounts_ptr + pid * E + ecols, running, mask=ecols < E)
+
+
+@triton.jit
+def _plan_scan_kernel(
+    ChunkCounts_ptr, Tpe_ptr, Offsets_ptr, Sorted_ptr,
+    num_chunks, E, align, n_sorted,
+    E_HIST: tl.constexpr, CHUNK_BLOCK: tl.constexpr, PAD_J: tl.constexpr,
+    TAIL_BLOCK: tl.constexpr,
+):
+    """One program: chunk histograms -> exclusive chunk bases (in place), then counts,
+    aligned offsets and padding."""
+    ecols = tl.arange(0, E_HIST)
+    emask = ecols < E
+    running = tl.zeros([E_HIST], tl.int32)
+    for c0 in range(0, num_chunks, CHUNK_BLOCK):
+        c = (c0 + tl.arange(0, CHUNK_BLOCK)).to(tl.int64)
+        m = (c < num_chunks)[:, None] & emask[None, :]
+        ptr = ChunkCounts_ptr + c[:, None] * E + ecols[None, :]
+        cnt = tl.load(ptr, mask=m, other=0)
+        tl.store(ptr, tl.cumsum(cnt, axis=0) - cnt + running[None, :], mask=m)
+        running += tl.sum(cnt, axis=0)
+    _write_offsets_and_padding(running, Tpe_ptr, Offsets_ptr, Sorted_ptr, E, align,
+                               n_sorted, E_HIST, PAD_J, TAIL_BLOCK)
+
+
+@triton.jit
+def _plan_scatter_kernel(
+    IdxOut_ptr, RowMap_ptr, ChunkCounts_ptr, Offsets_ptr, Sorted_ptr,
+    T, E, K,
+    BLOCK_T: tl.constexpr, SLOT_BLOCK: tl.constexpr,
+):
+    """row = offsets[e] + chunk_base[chunk, e] + rank, for this chunk's slots."""
+    pid = tl.program_id(0).to(tl.int64)
+    f_begin = pid * BLOCK_T * K
+    f_end = tl.minimum(f_begin + BLOCK_T * K, T * K)
+    for f0 in range(f_begin, f_end, SLOT_BLOCK):
+        f = f0 + tl.arange(0, SLOT_BLOCK)
+        fmask = f < f_end
+        e = tl.load(IdxOut_ptr + f, mask=fmask, other=-1)
+        valid = fmask & (e >= 0)
+        rank = tl.load(RowMap_ptr + f, mask=valid, other=0)
+        es = tl.where(valid, e, 0).to(tl.int64)
+        base = tl.load(Offsets_ptr + es, mask=valid, other=0) + \
+            tl.load(ChunkCounts_ptr + pid * E + es, mask=valid, other=0)
+        row = tl.where(valid, base + rank, -1)
+        tl.store(RowMap_ptr + f, row, mask=fmask)
+        tl.store(Sorted_ptr + row, f.to(tl.int32), mask=valid)
+
+
+@triton.jit
+def _gate_bwd_kernel(
+    # inputs
+    G_ptr, Logits_ptr, Idx_ptr,
+    # outputs
+    DLogits_ptr,
+    # sizes and strides
+    T, E, K, stride_lt, stride_le, scaling_factor,
+    # constexprs
+    SCORE: tl.constexpr, NORMALIZE: tl.constexpr, DENSE: tl.constexpr, CDT: tl.constexpr,
+    BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, E_BLOCK: tl.constexpr,
+):
+    """Dense [T, E] logits gradient from the [T, K] weight gradient g (s = scaling):
+
+        softmax, no norm:  dx_j = sum_k a_k [j == i_k] - p_j * sum_k a_k,  a_k = s g_k p_{i_k}
+        softmax, norm:     dz_k = s q_k (g_k - sum_j g_j q_j)
+        sigmoid/sqrtsp:    dz_k = f'(z_k) * s (g_k / S - sum_j g_j c_j / S^2)  (normalised)
+                           dz_k = f'(z_k) * s g_k                              (otherwise)
+    Each output element is written exactly once; no atomics."""
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, K_PAD)
+    rmask = rows < T
+    m2 = rmask[:, None] & (cols < K)[None, :]
+    kk = rows[:, None] * K + cols[None, :]
+    idx = tl.load(Idx_ptr + kk, mask=m2, other=-1)
+    valid = m2 & (idx >= 0)
+    g = tl.load(G_ptr + kk, mask=valid, other=0.0).to(CDT) * scaling_factor
+    x = tl.load(Logits_ptr + rows[:, None] * stride_lt + idx.to(tl.int64) * stride_le,
+                mask=valid, other=0.0).to(CDT)
+    if DENSE:
+        m, s = _row_softmax_stats(Logits_ptr, rows, rmask, stride_lt, stride_le, E,
+                                  CDT, BLOCK_T, E_BLOCK)
+        s = tl.where(s > 0.0, s, 1.0)
+        dz = tl.where(valid, g * (tl.exp(x - m[:, None]) / s[:, None]), 0.0)
+        c = tl.sum(dz, axis=1)
+    else:
+        if SCORE == 0:
+            z = tl.where(valid, x, float("-inf"))
+            mq = tl.max(z, axis=1)
+            mq = tl.where(mq == float("-inf"), 0.0, mq)
+            e = tl.where(valid, tl.exp(z - mq[:, None]), 0.0)
+            se = tl.sum(e, axis=1)
+            q = e / tl.where(se > 0.0, se, 1.0)[:, None]
+            dz = q * (g - tl.sum(g * q, axis=1)[:, None])
+        else:
+            c = tl.where(valid, _score(x, SCORE), 0.0)
+            if SCORE == 1:
+                dc = c * (1.0 - c)
+            else:
+                slope = tl.where(x > 20.0, 1.0, 1.0 / (1.0 + tl.exp(-x)))
+                dc = tl.where(c > 0.0, slope / (2.0 * tl.where(c > 0.0, c, 1.0)), 0.0)
+            if NORMALIZE:
+                nvalid = tl.sum(valid.to(tl.int32), axis=1)
+                S = tl.sum(c, axis=1) + 1e-20
+                gn = g / S[:, None] - (tl.sum(g * c, axis=1) / (S * S))[:, None]
+                g = tl.where((nvalid > 1)[:, None], gn, g)
+            dz = g * dc
+        dz = tl.where(valid, dz, 0.0)
+    for e0 in range(0, E, E_BLOCK):
+        ecols = e0 + tl.arange(0, E_BLOCK)
+        emask = rmask[:, None] & (ecols < E)[None, :]
+        hit = idx[:, :, None] == ecols[None, None, :]
+        acc = tl.sum(tl.where(hit, dz[:, :, None], 0.0), axis=1)
+        if DENSE:
+            xl = tl.load(Logits_ptr + rows[:, None] * stride_lt + ecols[None, :] * stride_le,
+                         mask=emask, other=float("-inf")).to(CDT)
+            acc = acc - tl.exp(xl - m[:, None]) / s[:, None] * c[:, None]
+        tl.store(DLogits_ptr + rows[:, None] * E + ecols[None, :],
+                 cast_rne(acc, DLogits_ptr.dtype.element_ty), mask=emask)
