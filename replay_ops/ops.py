@@ -45,7 +45,9 @@ def gate(
     if validate:
         check_index_values(expert_indices, logits.shape[1], replay_mask)
     if replay_mask is not None:
-        expert_indices = ref.resolve_indices(logits, expert_indices, replay_mask, score_func)
+        expert_indices = ref.resolve_indices(
+            logits.detach(), expert_indices, replay_mask, score_func, sync_free=not validate
+        )
     impl = select(logits.device.type, backend)
     return impl.gate_fwd(logits, expert_indices, score_func, normalize, scaling_factor, align)
 

@@ -45,11 +45,20 @@ def resolve_indices(
     expert_indices: torch.Tensor,
     replay_mask: torch.Tensor | None,
     score_func: str,
+    sync_free: bool = False,
 ) -> torch.Tensor:
-    """int32 [T, K] indices actually used: recorded rows, and top-k where replay_mask is False."""
+    """int32 [T, K] indices actually used: recorded rows, and top-k where replay_mask is False.
+
+    By default the top-k runs only on the fallback rows (finding them is a host sync).
+    With `sync_free=True` it runs on every row and a `where` keeps the recorded rows: the
+    same result (top-k is per row), with no host sync, for CUDA graphs.
+    """
     idx = expert_indices.to(torch.int32)
     if replay_mask is None:
         return idx.contiguous()
+    if sync_free:
+        fallback = fallback_topk(logits, idx.shape[1], score_func)
+        return torch.where(replay_mask[:, None], idx, fallback).contiguous()
     rows = (~replay_mask).nonzero().flatten()
     out = idx.clone(memory_format=torch.contiguous_format)
     if rows.numel():
