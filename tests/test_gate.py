@@ -36,8 +36,12 @@ SHAPES = [
     (5, 256, 2),
     (301, 256, 8),
     (300, 7, 2),
+    (1031, 64, 8),  # more than 4096 slots: multi-program plan paths
 ]
-SHAPES_INTERP = [(0, 7, 2), (1, 1, 1), (7, 7, 7), (13, 64, 1), (37, 64, 2), (5, 256, 2), (300, 7, 2)]
+SHAPES_INTERP = [
+    (0, 7, 2), (1, 1, 1), (7, 7, 7), (13, 64, 1), (37, 64, 2), (5, 256, 2), (300, 7, 2),
+    (1031, 64, 8),
+]
 
 MODES = [
     (sf, norm, scale)
@@ -105,8 +109,9 @@ def test_gate_parity_modes(device, backend, mode):
 @pytest.mark.parametrize(
     "device,backend,case",
     case_params(
-        [(a, s) for a in ALIGNS for s in [(0, 7, 2), (1, 7, 2), (29, 7, 2), (45, 64, 3)]],
-        [(a, s) for a in ALIGNS for s in [(0, 7, 2), (29, 7, 2)]],
+        [(a, s) for a in ALIGNS for s in [(0, 7, 2), (1, 7, 2), (29, 7, 2), (45, 64, 3)]]
+        + [(16, (700, 64, 7)), (128, (700, 7, 7))],
+        [(a, s) for a in ALIGNS for s in [(0, 7, 2), (29, 7, 2)]] + [(16, (700, 64, 7))],
         ids=lambda c: f"align{c[0]}-" + _shape_id(c[1]),
     ),
 )
