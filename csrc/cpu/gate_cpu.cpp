@@ -1,0 +1,294 @@
+// CPU kernels of replay::native_gate_fwd and replay::native_gate_bwd.
+//
+// Forward, in two parallel passes over fixed token chunks:
+//   1. per chunk: copy the indices to int32, compute the gate weights, count the chunk's
+//      slots per expert (a private histogram row);
+//   2. a serial scan over (chunk, expert) gives each chunk its first row per expert, then
+//      per chunk: scatter the slots in ascending flat-slot order.
+// The result (expert-major, ascending flat slot t*K+k within an expert, padding rows at the
+// end of each expert segment, -1 in padding and tail) never depends on thread timing: the
+// chunks are fixed by the sizes, every write has exactly one owner, and there are no atomics.
+#include <vector>
+
+#include "cpu_common.h"
+#include "ops_cpu.h"
+
+namespace replay_cpu {
+namespace rm = replay_math;
+
+namespace {
+
+// Slots per chunk. NOTE: 2048 slots keep a chunk's histogram and rows in L1/L2 and give
+// 64 chunks at T=16384, K=8, enough to balance two to a few dozen threads.
+constexpr int64_t kSlotsPerChunk = 2048;
+
+template <typename scalar_t, typename index_t>
+void gate_fwd_impl(const at::Tensor& logits, const at::Tensor& idx, int sf, bool normalize,
+                   double scaling, int64_t align, at::Tensor& weights, at::Tensor& idx32,
+                   at::Tensor& counts, at::Tensor& offsets, at::Tensor& row_id_map,
+                   at::Tensor& sorted_slots) {
+  using acc_t = acc_type_t<scalar_t>;
+  const int64_t T = logits.size(0), E = logits.size(1), K = idx.size(1);
+  const int64_t st = idx.stride(0), sk = idx.stride(1);
+  const scalar_t* X = logits.data_ptr<scalar_t>();
+  const index_t* I = idx.data_ptr<index_t>();
+  scalar_t* W = weights.data_ptr<scalar_t>();
+  int32_t* I32 = idx32.data_ptr<int32_t>();
+  int32_t* CNT = counts.data_ptr<int32_t>();
+  int32_t* OFF = offsets.data_ptr<int32_t>();
+  int32_t* RID = row_id_map.data_ptr<int32_t>();
+  int32_t* SS = sorted_slots.data_ptr<int32_t>();
+  const int64_t n_sorted = sorted_slots.numel();
+  const acc_t scale = static_cast<acc_t>(scaling);
+
+  const int64_t tok_per_chunk = std::max<int64_t>(1, kSlotsPerChunk / K);
+  const int64_t nch = num_chunks(T, tok_per_chunk);
+  std::vector<int32_t> hist(static_cast<size_t>(nch * E), 0);
+  std::vector<int64_t> first_bad(static_cast<size_t>(nch), -1);
+
+  // Pass 1: indices, weights, per-chunk histograms.
+  at::parallel_for(0, nch, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<acc_t> z(static_cast<size_t>(K));
+    std::vector<char> valid(static_cast<size_t>(K));
+    for (int64_t c = c0; c < c1; ++c) {
+      int32_t* h = hist.data() + c * E;
+      const int64_t t_end = std::min(T, (c + 1) * tok_per_chunk);
+      for (int64_t t = c * tok_per_chunk; t < t_end; ++t) {
+        const scalar_t* x = X + t * E;
+        int nvalid = 0;
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t e = static_cast<int64_t>(I[t * st + k * sk]);
+          if (e < -1 || e >= E) {
+            if (first_bad[c] < 0) first_bad[c] = t * K + k;
+            I32[t * K + k] = static_cast<int32_t>(e);
+            valid[k] = 0;
+            z[k] = acc_t(0);
+            continue;
+          }
+          I32[t * K + k] = static_cast<int32_t>(e);
+          valid[k] = e >= 0;
+          z[k] = e >= 0 ? static_cast<acc_t>(x[e]) : acc_t(0);
+          if (e >= 0) {
+            ++nvalid;
+            ++h[e];
+          }
+        }
+        acc_t m = acc_t(0), s = acc_t(0);
+        if (sf == rm::kSoftmax && !normalize) {
+          m = static_cast<acc_t>(x[0]);
+          for (int64_t j = 1; j < E; ++j) m = rm::ro_max(m, static_cast<acc_t>(x[j]));
+          for (int64_t j = 0; j < E; ++j) s += rm::ro_exp(static_cast<acc_t>(x[j]) - m);
+        } else if (sf == rm::kSoftmax) {
+          bool any = false;
+          for (int64_t k = 0; k < K; ++k) {
+            if (!valid[k]) continue;
+            m = any ? rm::ro_max(m, z[k]) : z[k];
+            any = true;
+          }
+          m = rm::finite_or_zero(m, any);
+          for (int64_t k = 0; k < K; ++k)
+            if (valid[k]) s += rm::ro_exp(z[k] - m);
+        } else if (rm::divides_by_sum(normalize, nvalid)) {
+          for (int64_t k = 0; k < K; ++k)
+            if (valid[k]) s += rm::score(sf, z[k]);
+        }
+        for (int64_t k = 0; k < K; ++k) {
+          acc_t w = valid[k] ? rm::gate_weight(sf, normalize, z[k], m, s, nvalid, scale)
+                             : acc_t(0);
+          W[t * K + k] = static_cast<scalar_t>(w);
+        }
+      }
+    }
+  });
+  for (int64_t c = 0; c < nch; ++c) {
+    if (first_bad[c] >= 0) {
+      const int64_t t = first_bad[c] / K, k = first_bad[c] % K;
+      TORCH_CHECK_VALUE(false, "replay_ops.gate: expert_indices[", t, ", ", k, "] = ",
+                        static_cast<int64_t>(I[t * st + k * sk]),
+                        " is out of range for num_experts E=", E, " (row ", t,
+                        "); valid values are 0..", E - 1, ", or -1 for an empty slot");
+    }
+  }
+
+  // Scan: hist[c][e] becomes the first row of chunk c in expert e's segment.
+  std::vector<int64_t> running(static_cast<size_t>(E), 0);
+  for (int64_t c = 0; c < nch; ++c) {
+    int32_t* h = hist.data() + c * E;
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t v = h[e];
+      h[e] = static_cast<int32_t>(running[e]);
+      running[e] += v;
+    }
+  }
+  int64_t off = 0;
+  OFF[0] = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    CNT[e] = static_cast<int32_t>(running[e]);
+    const int64_t seg_end = off + rm::padded_count(running[e], align);
+    for (int64_t r = off + running[e]; r < seg_end; ++r) SS[r] = -1;  // padding rows
+    off = seg_end;
+    OFF[e + 1] = static_cast<int32_t>(off);
+  }
+  for (int64_t r = off; r < n_sorted; ++r) SS[r] = -1;  // tail past the used rows
+
+  // Pass 2: scatter, ascending flat slot within each chunk, chunks in order.
+  at::parallel_for(0, nch, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<int32_t> cursor(static_cast<size_t>(E));
+    for (int64_t c = c0; c < c1; ++c) {
+      const int32_t* h = hist.data() + c * E;
+      for (int64_t e = 0; e < E; ++e) cursor[e] = OFF[e] + h[e];
+      const int64_t s_end = std::min(T, (c + 1) * tok_per_chunk) * K;
+      for (int64_t s = c * tok_per_chunk * K; s < s_end; ++s) {
+        const int32_t e = I32[s];
+        if (e >= 0) {
+          const int32_t r = cursor[e]++;
+          RID[s] = r;
+          SS[r] = static_cast<int32_t>(s);
+        } else {
+          RID[s] = -1;
+        }
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+void gate_bwd_impl(const at::Tensor& g_acc, const at::Tensor& logits, const at::Tensor& idx32,
+                   int sf, bool normalize, double scaling, at::Tensor& grad) {
+  using acc_t = acc_type_t<scalar_t>;
+  const int64_t T = logits.size(0), E = logits.size(1), K = idx32.size(1);
+  const acc_t* G = g_acc.data_ptr<acc_t>();
+  const scalar_t* X = logits.data_ptr<scalar_t>();
+  const int32_t* I = idx32.data_ptr<int32_t>();
+  scalar_t* GR = grad.data_ptr<scalar_t>();
+  const acc_t scale = static_cast<acc_t>(scaling);
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(E, 1));
+
+  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
+    std::vector<acc_t> row(static_cast<size_t>(E));
+    std::vector<acc_t> z(static_cast<size_t>(K)), g(static_cast<size_t>(K));
+    std::vector<char> valid(static_cast<size_t>(K));
+    for (int64_t t = t0; t < t1; ++t) {
+      const scalar_t* x = X + t * E;
+      int nvalid = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const int32_t e = I[t * K + k];
+        valid[k] = rm::takes_row(e, E);
+        z[k] = valid[k] ? static_cast<acc_t>(x[e]) : acc_t(0);
+        g[k] = valid[k] ? G[t * K + k] * scale : acc_t(0);
+        nvalid += valid[k] ? 1 : 0;
+      }
+      if (sf == rm::kSoftmax && !normalize) {
+        acc_t m = static_cast<acc_t>(x[0]), s = acc_t(0);
+        for (int64_t j = 1; j < E; ++j) m = rm::ro_max(m, static_cast<acc_t>(x[j]));
+        for (int64_t j = 0; j < E; ++j) s += rm::ro_exp(static_cast<acc_t>(x[j]) - m);
+        acc_t A = acc_t(0);
+        for (int64_t k = 0; k < K; ++k) {
+          const acc_t a = valid[k] ? g[k] * (rm::ro_exp(z[k] - m) / s) : acc_t(0);
+          z[k] = a;  // reuse: a_k
+          A += a;
+        }
+        for (int64_t j = 0; j < E; ++j)
+          row[j] = rm::softmax_full_base(static_cast<acc_t>(x[j]), m, s, A);
+        for (int64_t k = 0; k < K; ++k)
+          if (valid[k]) row[I[t * K + k]] += z[k];
+      } else {
+        std::fill(row.begin(), row.end(), acc_t(0));
+        if (sf == rm::kSoftmax) {
+          acc_t m = acc_t(0), s = acc_t(0);
+          bool any = false;
+          for (int64_t k = 0; k < K; ++k) {
+            if (!valid[k]) continue;
+            m = any ? rm::ro_max(m, z[k]) : z[k];
+            any = true;
+          }
+          m = rm::finite_or_zero(m, any);
+          for (int64_t k = 0; k < K; ++k)
+            if (valid[k]) s += rm::ro_exp(z[k] - m);
+          const acc_t sd = s > acc_t(0) ? s : acc_t(1);
+          acc_t Gs = acc_t(0);
+          for (int64_t k = 0; k < K; ++k)
+            if (valid[k]) Gs += g[k] * (rm::ro_exp(z[k] - m) / sd);
+          for (int64_t k = 0; k < K; ++k)
+            if (valid[k])
+              row[I[t * K + k]] += rm::softmax_sel_dz(rm::ro_exp(z[k] - m) / sd, g[k], Gs);
+        } else {
+          acc_t S = acc_t(0), D = acc_t(0);
+          for (int64_t k = 0; k < K; ++k) {
+            if (!valid[k]) continue;
+            const acc_t sc = rm::score(sf, z[k]);
+            S += sc;
+            D += g[k] * sc;
+          }
+          S += acc_t(rm::kNormEps);
+          for (int64_t k = 0; k < K; ++k)
+            if (valid[k])
+              row[I[t * K + k]] += rm::elementwise_dz(sf, normalize, nvalid, z[k], g[k], S, D);
+        }
+      }
+      scalar_t* out = GR + t * E;
+      for (int64_t j = 0; j < E; ++j) out[j] = static_cast<scalar_t>(row[j]);
+    }
+  });
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gate_fwd(
+    const at::Tensor& logits_in, const at::Tensor& expert_indices,
+    c10::string_view score_func, bool normalize, double scaling_factor, int64_t align) {
+  TORCH_CHECK(logits_in.dim() == 2, "replay_ops native gate: logits must be 2-D [T, E], got ",
+              logits_in.sizes());
+  TORCH_CHECK(expert_indices.dim() == 2 && expert_indices.size(0) == logits_in.size(0),
+              "replay_ops native gate: expert_indices must be [T, K] with T=", logits_in.size(0),
+              ", got ", expert_indices.sizes());
+  TORCH_CHECK(align >= 1, "replay_ops native gate: align must be >= 1, got ", align);
+  const int sf = score_func_code(std::string(score_func));
+  const at::Tensor logits = logits_in.contiguous();
+  const int64_t T = logits.size(0), E = logits.size(1), K = expert_indices.size(1);
+  const int64_t n_sorted = T * K + E * (align - 1);
+  TORCH_CHECK(n_sorted < (int64_t(1) << 31),
+              "replay_ops native gate: T*K + E*(align-1) = ", n_sorted,
+              " does not fit the int32 plan tensors");
+  auto i32 = logits.options().dtype(at::kInt);
+  at::Tensor weights = at::empty({T, K}, logits.options());
+  at::Tensor idx32 = at::empty({T, K}, i32);
+  at::Tensor counts = at::empty({E}, i32);
+  at::Tensor offsets = at::empty({E + 1}, i32);
+  at::Tensor row_id_map = at::empty({T, K}, i32);
+  at::Tensor sorted_slots = at::empty({n_sorted}, i32);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(),
+                                  "replay_native_gate_fwd", [&] {
+    dispatch_index(expert_indices, "expert_indices", [&](auto index_tag) {
+      using index_t = decltype(index_tag);
+      gate_fwd_impl<scalar_t, index_t>(logits, expert_indices, sf, normalize, scaling_factor,
+                                       align, weights, idx32, counts, offsets, row_id_map,
+                                       sorted_slots);
+    });
+  });
+  return {weights, idx32, counts, offsets, row_id_map, sorted_slots};
+}
+
+at::Tensor gate_bwd(const at::Tensor& grad_weights, const at::Tensor& logits_in,
+                    const at::Tensor& expert_indices, c10::string_view score_func,
+                    bool normalize, double scaling_factor) {
+  TORCH_CHECK(logits_in.dim() == 2 && expert_indices.dim() == 2 &&
+                  expert_indices.size(0) == logits_in.size(0) &&
+                  grad_weights.sizes() == expert_indices.sizes(),
+              "replay_ops native gate_backward: expected logits [T, E] and grad_weights, "
+              "expert_indices [T, K]; got ",
+              logits_in.sizes(), ", ", grad_weights.sizes(), ", ", expert_indices.sizes());
+  const int sf = score_func_code(std::string(score_func));
+  const at::Tensor logits = logits_in.contiguous();
+  const at::Tensor idx32 = expert_indices.to(at::kInt).contiguous();
+  const auto acc_dtype = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor g_acc = grad_weights.to(acc_dtype).contiguous();
+  at::Tensor grad = at::empty_like(logits);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(),
+                                  "replay_native_gate_bwd", [&] {
+    gate_bwd_impl<scalar_t>(g_acc, logits, idx32, sf, normalize, scaling_factor, grad);
+  });
+  return grad;
+}
+
+}  // namespace replay_cpu

@@ -1,0 +1,33 @@
+// Declarations of the CPU implementations of the internal replay::native_* ops.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/string_view.h>
+
+#include <tuple>
+
+namespace replay_cpu {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gate_fwd(
+    const at::Tensor& logits, const at::Tensor& expert_indices, c10::string_view score_func,
+    bool normalize, double scaling_factor, int64_t align);
+
+at::Tensor gate_bwd(const at::Tensor& grad_weights, const at::Tensor& logits,
+                    const at::Tensor& expert_indices, c10::string_view score_func,
+                    bool normalize, double scaling_factor);
+
+at::Tensor permute_fwd(const at::Tensor& hidden, const at::Tensor& sorted_slots,
+                       const at::Tensor& row_id_map, int64_t num_rows);
+
+at::Tensor permute_bwd(const at::Tensor& grad_out, const at::Tensor& row_id_map);
+
+at::Tensor unpermute_fwd(const at::Tensor& expert_out, const at::Tensor& row_id_map,
+                         const at::Tensor& weights);
+
+std::tuple<at::Tensor, at::Tensor> unpermute_bwd(const at::Tensor& grad_out,
+                                                 const at::Tensor& expert_out,
+                                                 const at::Tensor& row_id_map,
+                                                 const at::Tensor& sorted_slots,
+                                                 const at::Tensor& weights);
+
+}  // namespace replay_cpu

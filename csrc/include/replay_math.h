@@ -1,0 +1,143 @@
+// Math shared by the C++ CPU kernels and the CUDA kernels of replay_ops.
+//
+// Every function here is `RO_HD inline`: `__host__ __device__` under nvcc, plain inline for
+// the host compiler. The CPU extension includes this header, so the CPU build and its test
+// suite exercise exactly the arithmetic the CUDA kernels run.
+//
+// Compute type `acc_t` is float for fp16/bf16/fp32 inputs and double for fp64 inputs.
+//
+// Gate weights for one token row with K slots, z_k = logits[t, idx_k], valid_k = idx_k >= 0:
+//   softmax, normalize=False : w_k = exp(z_k - m) / s,  m = max_j x_j, s = sum_j exp(x_j - m)
+//                              over all E experts (pre-softmax, then gather)
+//   softmax, normalize=True  : same with m and s taken over the valid selected logits only
+//   sigmoid / sqrtsoftplus   : w_k = f(z_k), divided by (sum_valid f + 1e-20) when
+//                              normalize and more than one slot is valid
+//   then w_k *= scaling_factor, and w_k = 0 for empty slots.
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+#define RO_HD __host__ __device__
+#else
+#define RO_HD
+#endif
+
+namespace replay_math {
+
+enum ScoreFunc : int { kSoftmax = 0, kSigmoid = 1, kSqrtSoftplus = 2 };
+
+// Threshold above which softplus(x) is x, as in torch.nn.functional.softplus.
+constexpr double kSoftplusThreshold = 20.0;
+constexpr double kNormEps = 1e-20;
+
+RO_HD inline float ro_exp(float x) { return expf(x); }
+RO_HD inline double ro_exp(double x) { return exp(x); }
+RO_HD inline float ro_log1p(float x) { return log1pf(x); }
+RO_HD inline double ro_log1p(double x) { return log1p(x); }
+RO_HD inline float ro_sqrt(float x) { return sqrtf(x); }
+RO_HD inline double ro_sqrt(double x) { return sqrt(x); }
+
+template <typename acc_t>
+RO_HD inline acc_t ro_max(acc_t a, acc_t b) {
+  return a > b ? a : b;
+}
+
+template <typename acc_t>
+RO_HD inline acc_t sigmoid(acc_t x) {
+  return acc_t(1) / (acc_t(1) + ro_exp(-x));
+}
+
+template <typename acc_t>
+RO_HD inline acc_t sqrt_softplus(acc_t x) {
+  acc_t sp = x > acc_t(kSoftplusThreshold) ? x : ro_log1p(ro_exp(x));
+  return ro_sqrt(sp);
+}
+
+// Score of one gathered logit for the element-wise score functions.
+template <typename acc_t>
+RO_HD inline acc_t score(int score_func, acc_t x) {
+  return score_func == kSigmoid ? sigmoid(x) : sqrt_softplus(x);
+}
+
+// d score / dx, given the score value sc = score(x).
+template <typename acc_t>
+RO_HD inline acc_t score_grad(int score_func, acc_t x, acc_t sc) {
+  if (score_func == kSigmoid) return sc * (acc_t(1) - sc);
+  // d sqrt(softplus(x)) / dx = sigmoid(x) / (2 sqrt(softplus(x))); softplus is linear
+  // above its threshold, so its slope is 1 there.
+  acc_t slope = x > acc_t(kSoftplusThreshold) ? acc_t(1) : sigmoid(x);
+  return sc > acc_t(0) ? slope / (acc_t(2) * sc) : acc_t(0);
+}
+
+// True when the weights of a row are normalised by their sum (element-wise score funcs).
+RO_HD inline bool divides_by_sum(bool normalize, int nvalid) { return normalize && nvalid > 1; }
+
+// Gate weight of one slot, given the row statistics.
+//   softmax:      stat_m = max, stat_s = sum of exp(. - max) (over E or over the selection)
+//   element-wise: stat_s = sum of scores over valid slots, stat_m unused
+template <typename acc_t>
+RO_HD inline acc_t gate_weight(int score_func, bool normalize, acc_t z, acc_t stat_m,
+                               acc_t stat_s, int nvalid, acc_t scale) {
+  acc_t w;
+  if (score_func == kSoftmax) {
+    w = ro_exp(z - stat_m) / (stat_s > acc_t(0) ? stat_s : acc_t(1));
+  } else {
+    w = score(score_func, z);
+    if (divides_by_sum(normalize, nvalid)) w = w / (stat_s + acc_t(kNormEps));
+  }
+  return w * scale;
+}
+
+// Row statistics for `gate_weight` are accumulated with these two steps:
+//   softmax: m = max over the range (finite; 0 when the range is empty), then
+//            s = sum exp(x - m)
+//   element-wise: s = sum score(z) over valid slots
+template <typename acc_t>
+RO_HD inline acc_t finite_or_zero(acc_t m, bool any) {
+  return any ? m : acc_t(0);
+}
+
+// ---------------------------------------------------------------------------- backward
+// Per-slot gradient dz_k of the loss with respect to the gathered logit z_k, for the
+// selected-range formulations (everything except softmax with normalize=False):
+//   softmax, normalize=True: q_k = exp(z_k - m)/s, dz_k = q_k (g_k - G), G = sum_k g_k q_k
+//   element-wise:            dz_k = dsc_k * (normalize && nvalid>1 ? g_k/S - D/S^2 : g_k),
+//                            S = sum sc + 1e-20, D = sum g_k sc_k
+// g_k = grad_weights[t, k] * scaling_factor for valid slots and 0 for empty ones.
+template <typename acc_t>
+RO_HD inline acc_t softmax_sel_dz(acc_t q, acc_t g, acc_t G) {
+  return q * (g - G);
+}
+
+template <typename acc_t>
+RO_HD inline acc_t elementwise_dz(int score_func, bool normalize, int nvalid, acc_t z, acc_t g,
+                                  acc_t S_plus_eps, acc_t D) {
+  acc_t sc = score(score_func, z);
+  acc_t gn = divides_by_sum(normalize, nvalid) ? g / S_plus_eps - D / (S_plus_eps * S_plus_eps)
+                                               : g;
+  return gn * score_grad(score_func, z, sc);
+}
+
+// softmax with normalize=False: p_j = exp(x_j - m)/s over all E. With a_k = g_k p_{idx_k}
+// and A = sum_k a_k, grad_j = -p_j A + sum_{k: idx_k = j} a_k.
+template <typename acc_t>
+RO_HD inline acc_t softmax_full_base(acc_t x, acc_t m, acc_t s, acc_t A) {
+  return -(ro_exp(x - m) / s) * A;
+}
+
+// ---------------------------------------------------------------------------- plan
+// Rows used by an expert with `count` valid slots, padded to a multiple of `align`.
+RO_HD inline int64_t padded_count(int64_t count, int64_t align) {
+  return (count + align - 1) / align * align;
+}
+
+// Token of a flat slot s = t*K + k.
+RO_HD inline int64_t slot_token(int64_t slot, int64_t K) { return slot / K; }
+
+// An index value takes a row only if it names an expert; -1 (and, with validate=False,
+// any out-of-range value) is an empty slot.
+RO_HD inline bool takes_row(int64_t e, int64_t E) { return e >= 0 && e < E; }
+
+}  // namespace replay_math
