@@ -1,0 +1,208 @@
+"""The torch.library registration: opcheck on all six ops, fake kernels against the real
+outputs, and torch.compile(fullgraph=True) of gate -> permute -> expert -> unpermute,
+forward and backward, against eager."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import replay_ops
+
+from _helpers import (
+    PLAN_INT_FIELDS,
+    backend_params,
+    is_interpreted,
+    make_indices,
+    make_logits,
+    strided_indices,
+)
+
+BACKENDS = backend_params()
+OPS = ("gate", "permute", "unpermute", "gate_backward", "permute_backward", "unpermute_backward")
+
+
+def test_all_ops_registered():
+    for name in OPS:
+        op = getattr(torch.ops.replay, name)
+        assert op.default._schema.name == f"replay::{name}"
+
+
+def _gate_args(device, backend, *, T=6, E=5, K=2, align=4, dtype=torch.float32, mask=False,
+               score_func="softmax", normalize=True, idx=None, grad=True):
+    logits = make_logits(T, E, dtype=dtype, device=device).requires_grad_(grad)
+    if idx is None:
+        idx = make_indices(T, E, K, device=device, empty=0.2)
+    m = None
+    if mask:
+        m = torch.ones(T, dtype=torch.bool, device=device)
+        m[1] = False
+    return (logits, idx, m, score_func, normalize, 1.5, align, True, backend)
+
+
+def _gate_variants(device, backend):
+    _, view = strided_indices(7, 6, 3, dtype=torch.int16, device=device, empty=0.2)
+    return [
+        _gate_args(device, backend),
+        _gate_args(device, backend, mask=True, score_func="sigmoid", normalize=False),
+        _gate_args(device, backend, T=7, E=6, K=3, idx=view, score_func="sqrtsoftplus", align=1),
+        _gate_args(device, backend, dtype=torch.bfloat16),
+        _gate_args(device, backend, T=0, grad=False),
+    ]
+
+
+@pytest.mark.parametrize("dev_backend", BACKENDS)
+def test_opcheck_gate(dev_backend):
+    device, backend = dev_backend
+    variants = _gate_variants(device, backend)
+    if is_interpreted(device, backend):
+        variants = variants[:2]
+    for args in variants:
+        torch.library.opcheck(torch.ops.replay.gate.default, args)
+
+
+@pytest.mark.parametrize("dev_backend", BACKENDS)
+def test_opcheck_gate_backward(dev_backend):
+    device, backend = dev_backend
+    T, E, K = 6, 5, 2
+    logits = make_logits(T, E, device=device)
+    idx = make_indices(T, E, K, device=device, empty=0.2)
+    for sf, norm in (("softmax", False), ("softmax", True), ("sigmoid", True), ("sqrtsoftplus", False)):
+        gw = torch.randn(T, K, device=device)
+        torch.library.opcheck(
+            torch.ops.replay.gate_backward.default, (gw, logits, idx, sf, norm, 2.0, backend)
+        )
+
+
+def _plan(device, backend, T=6, E=5, K=2, align=4, dtype=torch.float32):
+    logits = make_logits(T, E, dtype=dtype, device=device)
+    return replay_ops.gate(logits, make_indices(T, E, K, device=device, empty=0.2), align=align,
+                           backend=backend)
+
+
+@pytest.mark.parametrize("dev_backend", BACKENDS)
+def test_opcheck_permute(dev_backend):
+    device, backend = dev_backend
+    plan = _plan(device, backend)
+    for n in (plan.num_rows(), plan.max_rows + 3):
+        h = torch.randn(6, 7, device=device, requires_grad=True)
+        torch.library.opcheck(torch.ops.replay.permute.default,
+                              (h, plan.sorted_slots, plan.row_id_map, n, backend))
+    g = torch.randn(plan.max_rows, 7, device=device)
+    torch.library.opcheck(torch.ops.replay.permute_backward.default, (g, plan.row_id_map, backend))
+
+
+@pytest.mark.parametrize("dev_backend", BACKENDS)
+def test_opcheck_unpermute(dev_backend):
+    device, backend = dev_backend
+    plan = _plan(device, backend)
+    n = plan.max_rows
+    x = torch.randn(n, 7, device=device, requires_grad=True)
+    w = plan.weights.detach().clone().requires_grad_(True)
+    torch.library.opcheck(torch.ops.replay.unpermute.default,
+                          (x, plan.row_id_map, plan.sorted_slots, w, backend))
+    g = torch.randn(6, 7, device=device)
+    torch.library.opcheck(torch.ops.replay.unpermute_backward.default,
+                          (g, x.detach(), plan.row_id_map, plan.sorted_slots, w.detach(), backend))
+
+
+# ------------------------------------------------------------------- fake kernels
+@pytest.mark.parametrize("dev_backend", BACKENDS)
+@pytest.mark.parametrize("shape", [(0, 5, 2, 1), (1, 1, 1, 16), (9, 7, 3, 4), (13, 64, 2, 128)])
+def test_fake_kernels_match_real_outputs(dev_backend, shape):
+    """Shapes, dtypes and devices of every op under FakeTensorMode equal the real ones."""
+    device, backend = dev_backend
+    T, E, K, align = shape
+    logits = make_logits(T, E, device=device)
+    idx = make_indices(T, E, K, dtype=torch.int16, device=device)
+    H = 5
+    hidden = torch.randn(T, H, device=device)
+
+    def run(logits, idx, hidden):
+        plan = replay_ops.gate(logits, idx, align=align, backend=backend)
+        x = replay_ops.permute(hidden, plan, plan.max_rows, backend=backend)
+        y = replay_ops.unpermute(x, plan, backend=backend)
+        gl = torch.ops.replay.gate_backward(plan.weights, logits, plan.expert_indices, "softmax",
+                                            True, 1.0, backend)
+        gp = torch.ops.replay.permute_backward(x, plan.row_id_map, backend)
+        gx, gw = torch.ops.replay.unpermute_backward(y, x, plan.row_id_map, plan.sorted_slots,
+                                                     plan.weights, backend)
+        return (*plan, x, y, gl, gp, gx, gw)
+
+    real = run(logits, idx, hidden)
+    with FakeTensorMode() as mode:
+        fake = run(mode.from_tensor(logits), mode.from_tensor(idx), mode.from_tensor(hidden))
+    assert len(real) == len(fake)
+    for i, (r, f) in enumerate(zip(real, fake)):
+        assert tuple(r.shape) == tuple(f.shape), (i, r.shape, f.shape)
+        assert r.dtype == f.dtype, (i, r.dtype, f.dtype)
+        assert r.device == f.device, (i, r.device, f.device)
+    plan = replay_ops.RoutingPlan(*real[:6])
+    assert plan.max_rows == T * K + E * (align - 1)
+    for name in PLAN_INT_FIELDS:
+        assert getattr(plan, name).dtype == torch.int32
+
+
+def test_meta_tensors_give_plan_shapes():
+    plan = replay_ops.gate(torch.empty(10, 8, device="meta", dtype=torch.bfloat16),
+                           torch.empty(10, 3, device="meta", dtype=torch.int16), align=16)
+    assert plan.weights.shape == (10, 3) and plan.weights.dtype == torch.bfloat16
+    assert plan.tokens_per_expert.shape == (8,) and plan.expert_offsets.shape == (9,)
+    assert plan.sorted_slots.shape == (10 * 3 + 8 * 15,)
+    assert plan.max_rows == 150 and plan.align == 16
+
+
+# ------------------------------------------------------------------ torch.compile
+def _moe_step(backend, align, score_func):
+    def step(logits, idx, hidden, w):
+        plan = replay_ops.gate(logits, idx, score_func=score_func, align=align, backend=backend)
+        x = replay_ops.permute(hidden, plan, plan.max_rows, backend=backend)
+        y = torch.tanh(x @ w)
+        return replay_ops.unpermute(y, plan, backend=backend), plan.tokens_per_expert
+
+    return step
+
+
+@pytest.mark.parametrize("dev_backend", BACKENDS)
+def test_compile_fullgraph_matches_eager(dev_backend):
+    device, backend = dev_backend
+    torch._dynamo.reset()
+    T, E, K, H = 11, 7, 2, 8
+    g = torch.Generator().manual_seed(5)
+    logits0 = make_logits(T, E, device=device)
+    idx = make_indices(T, E, K, dtype=torch.int16, device=device, empty=0.2)
+    hidden0 = torch.randn(T, H, generator=g).to(device)
+    w0 = (torch.randn(H, H, generator=g) / H**0.5).to(device)
+    grad_out = torch.randn(T, H, generator=g).to(device)
+    step = _moe_step(backend, 4, "sigmoid")
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="inductor")
+
+    results = []
+    for fn in (step, compiled):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (logits0, hidden0, w0)]
+        logits, hidden, w = leaves
+        out, counts = fn(logits, idx, hidden, w)
+        out.backward(grad_out)
+        results.append((out.detach(), counts, *[t.grad for t in leaves]))
+    eager, comp = results
+    names = ("out", "tokens_per_expert", "grad logits", "grad hidden", "grad w")
+    for name, a, b in zip(names, eager, comp):
+        assert a.dtype == b.dtype, name
+        if a.dtype == torch.int32:
+            assert torch.equal(a, b), name
+        else:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("dev_backend", BACKENDS)
+def test_compile_no_graph_break_with_static_rows(dev_backend):
+    """gate -> permute(num_rows=plan.max_rows) -> unpermute traces as one graph."""
+    device, backend = dev_backend
+    torch._dynamo.reset()
+    step = _moe_step(backend, 16, "softmax")
+    explain = torch._dynamo.explain(step)(
+        make_logits(5, 4, device=device), make_indices(5, 4, 2, device=device),
+        torch.randn(5, 3, device=device), torch.randn(3, 3, device=device),
+    )
+    assert explain.graph_break_count == 0, explain.break_reasons
+    assert explain.graph_count == 1
