@@ -9,8 +9,13 @@ def cast_rne(x, DT: tl.constexpr):
     on the fp32 bits, so compiled kernels and the Triton CPU interpreter (whose own
     fp32 -> bf16 cast truncates) produce the same bits as torch's `.to(torch.bfloat16)`."""
     if DT == tl.bfloat16:
-        b = x.to(tl.float32).to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-        return b.to(tl.float32, bitcast=True).to(tl.bfloat16)
+        xf = x.to(tl.float32)
+        b = xf.to(tl.uint32, bitcast=True)
+        b = b + 0x7FFF + ((b >> 16) & 1)
+        # NaN becomes the quiet NaN 0x7FC0 (the rounding carry could otherwise spill a NaN
+        # payload into the sign bit). The high half is bitcast, never converted, so
+        # subnormals keep their exact bits too.
+        b = tl.where(xf != xf, 0x7FC00000, b)
+        return (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(DT)

@@ -1,0 +1,208 @@
+"""Triton-specific checks: launch counts, the block-size heuristics, both gate paths
+(single program and chunked), the bf16 rounding helper, and GPU-only properties
+(no host sync, CUDA-graph capture). Value parity across all backends lives in
+test_gate.py / test_permute.py / test_unpermute.py."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import replay_ops
+from replay_ops import reference as ref
+
+triton = pytest.importorskip("triton")
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+from replay_ops import _triton_backend as TB  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from replay_ops.triton_kernels import gate as G  # noqa: E402
+from replay_ops.triton_kernels._common import cast_rne  # noqa: E402
+
+
+class _CountingKernel:
+    """Wraps a JITFunction and counts `kernel[grid](...)` launches."""
+
+    def __init__(self, fn, log, name):
+        self.fn, self.log, self.name = fn, log, name
+
+    def __getitem__(self, grid):
+        launch = self.fn[grid]
+
+        def run(*args, **kwargs):
+            self.log.append((self.name, tuple(grid)))
+            return launch(*args, **kwargs)
+
+        return run
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    log = []
+    for name in ("_gate_fwd_kernel", "_plan_scan_kernel", "_plan_scatter_kernel"):
+        monkeypatch.setattr(G, name, _CountingKernel(getattr(G, name), log, name))
+    return log
+
+
+def _indices(T, E, K, seed, empty=0.15):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    if T:
+        idx[torch.rand(T, K, generator=g) < empty] = -1
+    return idx.to(DEVICE)
+
+
+def _assert_plan_equal(out, exp):
+    for name, a, b in zip(out._fields, out, exp):
+        if a.is_floating_point():
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-7, msg=name)
+        else:
+            assert torch.equal(a, b), f"{name} differs:\n{a}\n{b}"
+
+
+def test_gate_config_pins():
+    small = G.gate_config(T=512, K=8, E=64, align=1)
+    assert small["single"] and small["num_chunks"] == 1
+    big = G.gate_config(T=16384, K=8, E=128, align=16)
+    assert not big["single"]
+    assert big["BLOCK_T"] == 128 and big["num_chunks"] == 128
+    assert big["E_HIST"] == 128 and big["K_PAD"] == 8
+    assert big["SLOT_BLOCK"] * big["E_HIST"] <= G.ONE_HOT_ELEMS
+    assert big["PAD_J"] == 16  # next_pow2(align - 1)
+    odd = G.gate_config(T=5000, K=3, E=7, align=1)
+    assert odd["K_PAD"] == 4 and odd["E_HIST"] == 8
+    assert odd["num_chunks"] == triton.cdiv(5000, odd["BLOCK_T"])
+    bwd = G.gate_bwd_config(T=4096, K=8, E=256)
+    assert bwd["BLOCK_T"] * bwd["K_PAD"] * bwd["E_BLOCK"] <= G.GRAD_TILE_ELEMS
+
+
+def test_one_launch_when_slots_fit_one_program(launches):
+    T, E, K = 64, 16, 4
+    assert T * K <= G.SINGLE_PROGRAM_MAX_SLOTS
+    replay_ops.gate(torch.randn(T, E, device=DEVICE), _indices(T, E, K, 0), align=16,
+                    backend="triton")
+    assert [name for name, _ in launches] == ["_gate_fwd_kernel"]
+    assert launches[0][1] == (1,)
+
+
+def test_three_launches_in_general(launches, monkeypatch):
+    monkeypatch.setattr(G, "SINGLE_PROGRAM_MAX_SLOTS", 0)
+    T, E, K = 70, 16, 4
+    replay_ops.gate(torch.randn(T, E, device=DEVICE), _indices(T, E, K, 1), backend="triton")
+    names = [name for name, _ in launches]
+    assert names == ["_gate_fwd_kernel", "_plan_scan_kernel", "_plan_scatter_kernel"]
+    cfg = G.gate_config(T, K, E, 1)
+    assert launches[0][1] == (cfg["num_chunks"],) and launches[1][1] == (1,)
+
+
+# chunked path: several chunks, a partial last chunk, padding, empty slots, strided int16
+CHUNKED = [  # T, E, K, align, BLOCK_T override through CHUNK_SLOTS
+    (37, 7, 3, 1, 8),
+    (100, 64, 8, 16, 32),
+    (33, 256, 2, 128, 16),
+    (9, 5, 5, 3, 4),
+]
+
+
+@pytest.mark.parametrize("T,E,K,align,chunk_slots", CHUNKED)
+@pytest.mark.parametrize("score_func,normalize", [("softmax", False), ("sigmoid", True)])
+def test_chunked_path_matches_reference(monkeypatch, T, E, K, align, chunk_slots,
+                                        score_func, normalize):
+    monkeypatch.setattr(G, "SINGLE_PROGRAM_MAX_SLOTS", 0)
+    monkeypatch.setattr(G, "CHUNK_SLOTS", chunk_slots)
+    assert G.gate_config(T, K, E, align)["num_chunks"] > 1
+    rec = torch.full((T, 3, K), 99, dtype=torch.int16, device=DEVICE)
+    rec[:, 1] = _indices(T, E, K, T).to(torch.int16)
+    logits = torch.randn(T, E, device=DEVICE)
+    kw = dict(score_func=score_func, normalize=normalize, align=align, scaling_factor=2.5)
+    out = replay_ops.gate(logits, rec[:, 1, :], backend="triton", **kw)
+    _assert_plan_equal(out, ref.gate(logits, rec[:, 1, :], **kw))
+
+
+def test_single_and_chunked_paths_agree_bitwise(monkeypatch):
+    T, E, K = 300, 32, 6
+    logits = torch.randn(T, E, device=DEVICE, dtype=torch.bfloat16)
+    idx = _indices(T, E, K, 7)
+    single = replay_ops.gate(logits, idx, align=8, backend="triton")
+    monkeypatch.setattr(G, "SINGLE_PROGRAM_MAX_SLOTS", 0)
+    chunked = replay_ops.gate(logits, idx, align=8, backend="triton")
+    for name, a, b in zip(single._fields, single, chunked):
+        assert torch.equal(a, b), name
+
+
+@triton.jit
+def _cast_kernel(X_ptr, Y_ptr, N, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < N
+    tl.store(Y_ptr + o, cast_rne(tl.load(X_ptr + o, mask=m), Y_ptr.dtype.element_ty), mask=m)
+
+
+def test_cast_rne_matches_torch_bf16():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, generator=g) * 3
+    # exact ties (the low 16 bits are 0x8000), both parities, and specials
+    ties = (torch.randint(0, 2**15, (256,), generator=g, dtype=torch.int32) << 16) | 0x8000
+    ties = ties[(ties & 0x7F800000) != 0x7F800000]  # finite ones; NaN is checked below
+    nan_bits = torch.tensor([0x7FC00000, 0x7FFF8000, 0x7F800001, -1], dtype=torch.int32)
+    x = torch.cat([x, ties.view(torch.float32),
+                   torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 3.3895e38]),
+                   nan_bits.view(torch.float32)])
+    x = x.to(DEVICE)
+    y = torch.empty_like(x, dtype=torch.bfloat16)
+    _cast_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    finite = ~torch.isnan(x)
+    assert torch.equal(y[finite].view(torch.int16), x[finite].to(torch.bfloat16).view(torch.int16))
+    assert torch.isnan(y[~finite]).all()
+
+
+@pytest.mark.gpu
+def test_validate_false_gate_does_not_sync():
+    T, E, K = 4096, 64, 4
+    logits = torch.randn(T, E, device="cuda")
+    idx = _indices(T, E, K, 3)
+    mask = torch.rand(T, device="cuda") > 0.1
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        plan = replay_ops.gate(logits, idx, replay_mask=mask, validate=False, backend="triton")
+        h = torch.randn(T, 128, device="cuda")
+        x = replay_ops.permute(h, plan, num_rows=plan.max_rows, validate=False, backend="triton")
+        replay_ops.unpermute(x, plan, backend="triton")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay():
+    T, E, K, H = 512, 32, 4, 256
+    logits = torch.randn(T, E, device="cuda")
+    idx = _indices(T, E, K, 4).to(torch.int32)
+    h = torch.randn(T, H, device="cuda")
+
+    def step():
+        plan = replay_ops.gate(logits, idx, validate=False, align=16, backend="triton")
+        x = replay_ops.permute(h, plan, num_rows=plan.max_rows, validate=False,
+                               backend="triton")
+        return replay_ops.unpermute(x * 2, plan, backend="triton")
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm up (compiles the kernels)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    logits.copy_(torch.randn(T, E, device="cuda"))
+    idx.copy_(_indices(T, E, K, 5))
+    graph.replay()
+    torch.cuda.synchronize()
+    plan = ref.gate(logits, idx, align=16)
+    expected = ref.unpermute(ref.permute(h, plan, num_rows=plan.max_rows) * 2, plan)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
