@@ -508,8 +508,11 @@ def open_routing(path, *, verify: bool = True) -> RoutingFile:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RoutingFileError(path, f"corrupt header (not valid JSON): {e}") from None
-    if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
-        raise RoutingFileError(path, "corrupt header: no __metadata__ mapping")
+    if not isinstance(header, dict):
+        raise RoutingFileError(path, "corrupt header: not a JSON object")
+    if not isinstance(header.get("__metadata__"), dict):
+        raise RoutingFileError(path, "not a router replay record file (a safetensors header "
+                                     "with no __metadata__)")
     md = header["__metadata__"]
     if md.get("format") != FORMAT:
         raise RoutingFileError(path, f"not a router replay record file (format="

@@ -1,0 +1,308 @@
+"""Record files: format, round trip, append, atomicity under a killed writer, bad files."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from replay_ops.router_replay import RouterReplay, RouterReplayConfig
+from replay_ops.router_replay import files
+from replay_ops.router_replay.files import (
+    RecordMeta,
+    RoutingFileError,
+    RoutingShapeError,
+    append_routing,
+    open_routing,
+    write_routing,
+)
+
+MOE_IDS = [1, 2, 4]
+
+
+def meta(E=8, K=2, layer_index="moe", name="tiny") -> RecordMeta:
+    return RecordMeta(num_experts=E, top_k=K, moe_layer_ids=list(MOE_IDS), num_hidden_layers=5,
+                      layer_index=layer_index, model_name=name)
+
+
+def routing(N, L=3, K=2, E=8, seed=0) -> torch.Tensor:
+    """[N, L, K] int32 with K distinct experts per (token, layer), in 0..E-1."""
+    g = torch.Generator().manual_seed(seed)
+    first = torch.randint(0, E, (N, L, 1), generator=g)
+    step = torch.randint(1, E // K + 1, (N, L, 1), generator=g) if E > K else torch.ones(N, L, 1,
+                                                                                        dtype=torch.int64)
+    return ((first + step * torch.arange(K)) % E).to(torch.int32)
+
+
+# ------------------------------------------------------------------ format and round trip
+@pytest.mark.parametrize("E, dtype", [(8, np.uint8), (255, np.uint8), (256, np.int16),
+                                      (32767, np.int16)])
+def test_smallest_dtype_and_round_trip(tmp_path, E, dtype):
+    p = tmp_path / "r.safetensors"
+    idx = routing(7, E=E, seed=E)
+    idx[3] = -1  # a token with no route
+    idx[5, 1, 1] = -1  # one empty slot
+    write_routing(p, idx, meta(E=E), cu_seqlens=[0, 3, 3, 7])
+    rf = open_routing(p)
+    assert rf.dtype == np.dtype(dtype)
+    out = rf.indices()
+    assert out.dtype == torch.int16 and torch.equal(out.to(torch.int32), idx)
+    assert rf.cu_seqlens.tolist() == [0, 3, 3, 7] and rf.num_sequences == 3
+    assert torch.equal(rf.sequence(2).to(torch.int32), idx[3:7])
+    assert rf.sequence(1).shape == (0, 3, 2)
+    assert rf.replay_mask().tolist() == [True, True, True, False, True, True, True]
+    if dtype == np.uint8:  # the stored sentinel for an empty slot is 255
+        assert int(rf.raw()[5, 1, 1]) == 255
+    m = rf.meta
+    assert (m.num_experts, m.top_k, m.moe_layer_ids, m.num_hidden_layers, m.layer_index,
+            m.model_name) == (E, 2, MOE_IDS, 5, "moe", "tiny")
+
+
+def test_too_many_experts():
+    with pytest.raises(ValueError, match="at most 32767 experts, got num_experts=32768"):
+        files.index_dtype(32768)
+
+
+def test_readable_by_safetensors_and_documented_layout(tmp_path):
+    p = tmp_path / "r.safetensors"
+    idx = routing(5, seed=1)
+    write_routing(p, idx, meta(), cu_seqlens=[0, 2, 5])
+    with safe_open(str(p), framework="pt") as f:
+        md = f.metadata()
+        assert sorted(f.keys()) == ["cu_seqlens", "indices"]
+        assert f.get_tensor("indices").dtype == torch.uint8
+        assert torch.equal(f.get_tensor("indices").to(torch.int32), idx)
+        assert f.get_tensor("cu_seqlens").tolist() == [0, 2, 5]
+    assert md["format"] == "replay_ops.router_replay" and md["format_version"] == "1"
+    assert json.loads(md["moe_layer_ids"]) == MOE_IDS
+    assert (md["num_experts"], md["top_k"], md["layer_index"], md["empty_value"]) == (
+        "8", "2", "moe", "255")
+    # the checksum is the sha256 of every byte after the header
+    raw = p.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    import hashlib
+
+    assert md["checksum"] == "sha256:" + hashlib.sha256(raw[8 + n:]).hexdigest()
+
+
+def test_int16_read_is_a_view_of_the_memory_map(tmp_path):
+    p = tmp_path / "r.safetensors"
+    write_routing(p, routing(64, E=300, seed=2), meta(E=300))
+    rf = open_routing(p)
+    assert isinstance(rf.raw_np, np.memmap)
+    t = rf.indices(10, 20)
+    base_ptr = rf.raw_np.ctypes.data
+    assert t.data_ptr() == base_ptr + 10 * 3 * 2 * 2  # no copy: it points into the map
+
+
+def test_absolute_layer_index_and_replay_load(tmp_path):
+    p = tmp_path / "abs.safetensors"
+    idx = torch.full((4, 5, 2), -1, dtype=torch.int32)
+    moe = routing(4, seed=3)
+    idx[:, MOE_IDS] = moe
+    write_routing(p, idx, meta(layer_index="absolute"))
+    rr = RouterReplay(RouterReplayConfig(mode="R2"), num_experts=8, top_k=2,
+                      moe_layer_ids=MOE_IDS, num_hidden_layers=5)
+    rr.load(p)
+    assert rr.layer_mapping == "absolute"
+    for n, lid in enumerate(MOE_IDS):
+        assert torch.equal(rr.routing_for(lid).to(torch.int32), moe[:, n])
+
+
+def test_write_rejects_bad_routing(tmp_path):
+    p = tmp_path / "r.safetensors"
+    bad = routing(4, seed=4)
+    bad[2, 1, 0] = 8
+    with pytest.raises(ValueError, match=r"indices\[2, 1, 0\] \(token 2\) = 8 is out of range"):
+        write_routing(p, bad, meta())
+    dup = routing(4, seed=4)
+    dup[3, 0] = torch.tensor([0, 0])  # a zero-filled row is not a route
+    with pytest.raises(ValueError, match=r"token 3, layer 0 repeats an expert: \[0, 0\]"):
+        write_routing(p, dup, meta())
+    with pytest.raises(ValueError, match="L=3"):
+        write_routing(p, routing(4, L=5), meta())
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0, end at the token count N=4"):
+        write_routing(p, routing(4), meta(), cu_seqlens=[0, 5])
+    assert not p.exists()
+
+
+# ------------------------------------------------------------------ append
+def test_append_concatenates_batches(tmp_path):
+    p = tmp_path / "r.safetensors"
+    a, b, c = routing(5, seed=5), routing(3, seed=6), routing(4, seed=7)
+    append_routing(p, a, meta(), cu_seqlens=[0, 2, 5])
+    append_routing(p, b, meta())
+    append_routing(p, c, meta(), cu_seqlens=[0, 1, 4])
+    rf = open_routing(p)
+    assert torch.equal(rf.indices().to(torch.int32), torch.cat([a, b, c]))
+    assert rf.cu_seqlens.tolist() == [0, 2, 5, 8, 9, 12]
+    assert sorted(os.listdir(tmp_path)) == [".r.safetensors.lock", "r.safetensors"]
+
+
+def test_append_refuses_other_model_and_corrupt_file_without_touching_it(tmp_path):
+    p = tmp_path / "r.safetensors"
+    write_routing(p, routing(5, seed=8), meta())
+    before = p.read_bytes()
+    with pytest.raises(RoutingShapeError, match=r"num_experts: file 8, model 16"):
+        append_routing(p, routing(2, E=16), meta(E=16))
+    assert p.read_bytes() == before
+    corrupt = bytearray(before)
+    corrupt[-1] ^= 0xFF
+    p.write_bytes(bytes(corrupt))
+    with pytest.raises(RoutingFileError, match="checksum mismatch"):
+        append_routing(p, routing(2), meta())
+    assert p.read_bytes() == bytes(corrupt)
+
+
+KILLED_WRITER = textwrap.dedent(
+    """
+    import sys, time, torch
+    from replay_ops.router_replay import files
+    path, n = sys.argv[1], int(sys.argv[2])
+    files._CHUNK_BYTES = 1 << 16
+    state = {"chunks": 0}
+    def hook():
+        state["chunks"] += 1
+        if state["chunks"] == 4:
+            print("MIDWRITE", flush=True)
+            time.sleep(120)  # the parent kills us here, mid-write
+    files._chunk_hook = hook
+    t = torch.arange(n)
+    idx = torch.stack([t % 8, (t + 1) % 8], -1)[:, None, :].expand(n, 3, 2).to(torch.int32)
+    meta = files.RecordMeta(num_experts=8, top_k=2, moe_layer_ids=[1, 2, 4],
+                            num_hidden_layers=5, model_name="tiny")
+    files.append_routing(path, idx, meta)
+    print("DONE", flush=True)
+    """
+)
+
+
+def test_killed_writer_leaves_previous_file_intact(tmp_path):
+    p = tmp_path / "r.safetensors"
+    old = routing(50, seed=9)
+    write_routing(p, old, meta(), cu_seqlens=[0, 20, 50])
+    before = p.read_bytes()
+    script = tmp_path / "writer.py"
+    script.write_text(KILLED_WRITER)
+    proc = subprocess.Popen([sys.executable, str(script), str(p), "200000"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "MIDWRITE", line
+        temps = [f for f in os.listdir(tmp_path) if f.startswith(".r.safetensors.tmp-")]
+        full_size = 8 + 1000 + (200000 + 50) * 3 * 2  # more than the header + data of the new file
+        assert len(temps) == 1 and 0 < os.path.getsize(tmp_path / temps[0]) < full_size - 10**5
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=60)
+        proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL
+    # the previous file is untouched and loads; the partial temporary is not the file
+    assert p.read_bytes() == before
+    rf = open_routing(p)
+    assert torch.equal(rf.indices().to(torch.int32), old)
+    assert rf.cu_seqlens.tolist() == [0, 20, 50]
+    with pytest.raises(RoutingFileError):  # the partial temporary is recognisably broken
+        open_routing(tmp_path / temps[0])
+    # the next append works and removes the dead writer's temporary
+    new = routing(3, seed=10)
+    append_routing(p, new, meta())
+    assert torch.equal(open_routing(p).indices().to(torch.int32), torch.cat([old, new]))
+    assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]
+
+
+# ------------------------------------------------------------------ bad files
+@pytest.fixture
+def good(tmp_path):
+    p = tmp_path / "good.safetensors"
+    write_routing(p, routing(40, seed=11), meta(), cu_seqlens=[0, 15, 40])
+    return p
+
+
+def _header_len(data: bytes) -> int:
+    return struct.unpack("<Q", data[:8])[0]
+
+
+def test_truncated_files(good, tmp_path):
+    data = good.read_bytes()
+    for cut, what in ((4, "shorter than the 8-byte header length field"),
+                      (8 + _header_len(data) // 2, "the header needs"),
+                      (len(data) - 7, "the header describes 264 data bytes but only 257")):
+        p = tmp_path / f"cut{cut}.safetensors"
+        p.write_bytes(data[:cut])
+        with pytest.raises(RoutingFileError, match=what) as ei:
+            open_routing(p)
+        assert str(p) in str(ei.value) and "truncated" in str(ei.value)
+
+
+def test_corrupt_header(good, tmp_path):
+    data = bytearray(good.read_bytes())
+    p = tmp_path / "badjson.safetensors"
+    data[10:20] = b"\x00" * 10
+    p.write_bytes(bytes(data))
+    with pytest.raises(RoutingFileError, match=r"badjson.safetensors.*corrupt header") as ei:
+        open_routing(p)
+    assert "not valid JSON" in str(ei.value)
+    huge = tmp_path / "huge.safetensors"
+    huge.write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+    with pytest.raises(RoutingFileError, match="corrupt: header length field says"):
+        open_routing(huge)
+    trailing = tmp_path / "trailing.safetensors"
+    trailing.write_bytes(good.read_bytes() + b"xx")
+    with pytest.raises(RoutingFileError, match="2 unexpected bytes after the data"):
+        open_routing(trailing)
+
+
+def test_wrong_checksum(good, tmp_path):
+    data = bytearray(good.read_bytes())
+    data[-3] ^= 0x01  # one bit of one expert id
+    p = tmp_path / "flipped.safetensors"
+    p.write_bytes(bytes(data))
+    with pytest.raises(RoutingFileError, match=r"flipped.safetensors.*checksum mismatch"):
+        open_routing(p)
+    rf = open_routing(p, verify=False)  # explicitly unverified: opens, and verify() still fails
+    with pytest.raises(RoutingFileError, match="checksum mismatch"):
+        rf.verify()
+
+
+def test_version_mismatch(good, tmp_path):
+    data = good.read_bytes()
+    assert data.count(b'"format_version":"1"') == 1
+    p = tmp_path / "v2.safetensors"
+    p.write_bytes(data.replace(b'"format_version":"1"', b'"format_version":"2"'))
+    with pytest.raises(RoutingFileError, match=r"v2.safetensors.*format_version '2' is not "
+                                               r"supported; this reader reads version 1"):
+        open_routing(p)
+
+
+def test_not_a_record_file(tmp_path):
+    p = tmp_path / "weights.safetensors"
+    save_file({"w": torch.zeros(3)}, str(p))
+    with pytest.raises(RoutingFileError, match="not a router replay record file"):
+        open_routing(p)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        open_routing(tmp_path / "missing.safetensors")
+
+
+def test_shape_mismatch_names_file_and_both_values(good):
+    rf = open_routing(good)
+    with pytest.raises(RoutingShapeError, match=r"good.safetensors.*num_experts: file 8, model "
+                                                r"16.*top_k: file 2, model 4"):
+        rf.check_model(num_experts=16, top_k=4, moe_layer_ids=MOE_IDS)
+    with pytest.raises(RoutingShapeError, match=r"moe_layer_ids: file \[1, 2, 4\], model \[0, 1, 2\]"):
+        rf.check_model(num_experts=8, top_k=2, moe_layer_ids=[0, 1, 2])
+    rr = RouterReplay(RouterReplayConfig(mode="R2", model_name="other"), num_experts=8, top_k=2,
+                      moe_layer_ids=MOE_IDS, num_hidden_layers=5)
+    with pytest.raises(RoutingShapeError, match="model_name: file 'tiny', model 'other'"):
+        rr.load(good)
