@@ -1,0 +1,287 @@
+"""Rollout adapters: vLLM and SGLang routing into verl's padded layout and packed THD.
+
+Synthetic requests mirror the real shapes: prompts of different lengths, int16 and int32
+payloads, L = all hidden layers (dense included) or MoE layers only, multi-turn, and a
+request without routing. Expected layouts are built token by token in the tests.
+"""
+from __future__ import annotations
+
+import base64
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from replay_ops.router_replay import ReplayAction, RouterReplay, RouterReplayConfig
+from replay_ops.router_replay.adapters import (
+    ModelLayout,
+    MultiTurnRouting,
+    RoutingMismatchError,
+    decode_sglang,
+    encode_sglang,
+    from_verl_padded,
+    routing_from_batch,
+    sglang_batch,
+    sglang_sequences,
+    vllm_batch,
+    vllm_sequences,
+)
+
+E, K = 8, 2
+KINDS = ("dense", "moe", "moe", "dense", "moe")  # dense first layer, as in DeepSeek-V3
+MOE_IDS = (1, 2, 4)
+LAYOUT = ModelLayout(num_experts=E, top_k=K, moe_layer_ids=MOE_IDS, num_hidden_layers=5)
+PROMPTS = [3, 1, 4]
+RESPONSES = [2, 4, 1]
+
+
+def rows(n: int, L: int, seed: int, dtype=np.int32) -> np.ndarray:
+    """[n, L, K] with K distinct experts per (token, layer); dense-layer columns of an
+    absolute layout are zeros, as an engine might leave them."""
+    rng = np.random.default_rng(seed)
+    out = np.stack([rng.permutation(E)[:K] for _ in range(n * L)]).reshape(n, L, K)
+    if L == len(KINDS):
+        for i, kind in enumerate(KINDS):
+            if kind == "dense":
+                out[:, i] = 0
+    return out.astype(dtype)
+
+
+def moe_cols(a: np.ndarray) -> np.ndarray:
+    return a[:, list(MOE_IDS)] if a.shape[1] == len(KINDS) else a
+
+
+def requests(L=5, dtype=np.int32):
+    return [rows(p + g - 1, L, seed=i, dtype=dtype) for i, (p, g) in
+            enumerate(zip(PROMPTS, RESPONSES))]
+
+
+# ------------------------------------------------------------------ vLLM
+@pytest.mark.parametrize("L, dtype", [(5, np.int16), (3, np.int32), (5, np.int32)])
+def test_vllm_padded_layout_token_by_token(L, dtype):
+    reqs = requests(L, dtype)
+    b = vllm_batch(reqs, PROMPTS, RESPONSES, LAYOUT, max_prompt_len=5, max_response_len=5)
+    assert b.indices.shape == (3, 10, 3, K) and b.indices.dtype == torch.int16
+    assert b.mappings == ["absolute" if L == 5 else "moe"] * 3
+    ref_idx = np.full((3, 10, 3, K), -1)
+    ref_mask = np.zeros((3, 10), dtype=bool)
+    for i, (p, g) in enumerate(zip(PROMPTS, RESPONSES)):
+        for j in range(p + g):  # token j of request i
+            pos = 5 - p + j  # prompt left-padded to 5, response starts at column 5
+            if j < p + g - 1:  # the final token has no route
+                ref_idx[i, pos] = moe_cols(reqs[i])[j]
+                ref_mask[i, pos] = True
+    assert np.array_equal(b.indices.numpy(), ref_idx)
+    assert np.array_equal(b.replay_mask.numpy(), ref_mask)
+
+
+def test_vllm_thd_layout_and_boundaries():
+    reqs = requests(5)
+    b = vllm_batch(reqs, PROMPTS, RESPONSES, LAYOUT, layout_kind="thd")
+    lens = [p + g for p, g in zip(PROMPTS, RESPONSES)]
+    assert b.cu_seqlens.tolist() == [0, 5, 10, 15]
+    ref = []
+    ref_mask = []
+    for i, n in enumerate(lens):
+        ref.append(moe_cols(reqs[i]))
+        ref.append(np.full((1, 3, K), -1))
+        ref_mask += [True] * (n - 1) + [False]
+    assert np.array_equal(b.indices.numpy(), np.concatenate(ref))
+    assert b.replay_mask.tolist() == ref_mask
+
+
+def test_vllm_missing_routing_is_an_error_unless_allowed():
+    reqs = requests(5)
+    reqs[1] = None
+    with pytest.raises(RoutingMismatchError, match=r"requests \[1\] have no routing \(2 of 3"):
+        vllm_batch(reqs, PROMPTS, RESPONSES, LAYOUT)
+    b = vllm_batch(reqs, PROMPTS, RESPONSES, LAYOUT, layout_kind="thd", allow_missing=True)
+    s1 = slice(5, 10)
+    assert not b.replay_mask[s1].any() and (b.indices[s1] == -1).all()  # never expert 0
+    assert b.replay_mask[:5].sum() == 4 and b.replay_mask[10:].sum() == 4
+    assert b.mappings == ["absolute", None, "absolute"]
+
+
+def test_vllm_routing_list_shorter_than_batch():
+    """The shipped bug: one rollout without routes shortens the list and every later
+    sample takes its neighbour's routing. Here it is an error."""
+    reqs = requests(5)
+    with pytest.raises(RoutingMismatchError, match="routing for 2 requests but the batch has 3"):
+        vllm_batch(reqs[:1] + reqs[2:], PROMPTS, RESPONSES, LAYOUT)
+
+
+def test_vllm_length_mismatch_names_request_and_lengths():
+    reqs = requests(5)
+    reqs[2] = rows(PROMPTS[2] + RESPONSES[2], 5, seed=9)  # one row too many
+    with pytest.raises(RoutingMismatchError,
+                       match=r"request 2: vLLM routed_experts has 5 token rows but prompt_len \+ "
+                             r"response_len - 1 = 4 \(prompt_len=4, response_len=1\)"):
+        vllm_sequences(reqs, PROMPTS, RESPONSES, LAYOUT)
+
+
+def test_wrong_layer_count():
+    reqs = requests(5)
+    reqs[0] = rows(PROMPTS[0] + RESPONSES[0] - 1, 4, seed=3)
+    with pytest.raises(RoutingMismatchError, match=r"request 0 turn 0: routing has L=4 layers, "
+                                                   r"but the model has 3 MoE layers"):
+        vllm_sequences(reqs, PROMPTS, RESPONSES, LAYOUT)
+
+
+@pytest.mark.parametrize("value", [8, 300, -2])
+def test_out_of_range_expert(value):
+    reqs = requests(3)
+    reqs[1] = reqs[1].copy()
+    reqs[1][2, 1, 0] = value
+    with pytest.raises(RoutingMismatchError,
+                       match=rf"request 1 turn 0: token 2, MoE layer 2 \(slot 0\) routes to "
+                             rf"expert {value}, out of range for num_experts=8"):
+        vllm_sequences(reqs, PROMPTS, RESPONSES, LAYOUT)
+
+
+def test_zero_filled_row_is_not_read_as_expert_zero():
+    reqs = requests(3)
+    reqs[0] = reqs[0].copy()
+    reqs[0][1, 2] = 0  # an all-zero row (verl's "no data") inside a real token
+    with pytest.raises(RoutingMismatchError, match=r"token 1, MoE layer 4 repeats an expert "
+                                                   r"\[0, 0\]"):
+        vllm_sequences(reqs, PROMPTS, RESPONSES, LAYOUT)
+
+
+def test_dense_layers_do_not_shift_the_layer_mapping():
+    """Absolute layout: MoE layer 1 is column 1 (not column 0, a dense layer)."""
+    a = rows(4, 5, seed=4)
+    a[:, 0] = [5, 6]  # junk in the dense layer's column must not be used
+    seq = vllm_sequences([a], [2], [3], LAYOUT)[0]
+    assert seq.mapping == "absolute"
+    for n, lid in enumerate(MOE_IDS):
+        assert np.array_equal(seq.indices[:4, n].numpy(), a[:, lid])
+
+
+def test_vllm_multi_turn_appends_without_overwriting():
+    t1 = rows(5, 3, seed=5)  # turn 1: 6 tokens
+    t2 = rows(9, 3, seed=6)  # turn 2 re-routes the prefix (6 tokens) and adds 4
+    seq = vllm_sequences([[(t1, 6), (t2, 10)]], [3], [7], LAYOUT)[0]
+    assert seq.num_tokens == 10
+    assert np.array_equal(seq.indices[:5].numpy(), t1)  # earlier turn kept
+    assert np.array_equal(seq.indices[5:9].numpy(), t2[5:9])  # later turn appended
+    assert seq.mask.tolist() == [True] * 9 + [False]
+
+
+# ------------------------------------------------------------------ SGLang
+def b64_int32(a: np.ndarray) -> str:
+    """Independent encoder: struct-packed little-endian int32, base64."""
+    flat = [int(v) for v in a.reshape(-1)]
+    return base64.b64encode(struct.pack(f"<{len(flat)}i", *flat)).decode()
+
+
+def test_sglang_decode_matches_wire_format():
+    a = rows(4, 5, seed=7)
+    assert b64_int32(a) == encode_sglang(a)
+    assert np.array_equal(decode_sglang(b64_int32(a), num_layers=5, top_k=K).numpy(), a)
+    with pytest.raises(RoutingMismatchError, match="not a whole number of"):
+        decode_sglang(base64.b64encode(b"\x00" * 12).decode(), num_layers=5, top_k=K)
+    with pytest.raises(RoutingMismatchError, match="not valid base64"):
+        decode_sglang("!!!", num_layers=5, top_k=K)
+
+
+@pytest.mark.parametrize("L", [5, 3])
+def test_sglang_single_turn_padded(L):
+    seq_lens = [p + g for p, g in zip(PROMPTS, RESPONSES)]
+    reqs = [rows(n - 1, L, seed=10 + i) for i, n in enumerate(seq_lens)]
+    metas = [{"routed_experts": b64_int32(r), "prompt_tokens": p} for r, p in zip(reqs, PROMPTS)]
+    b = sglang_batch(metas, seq_lens, PROMPTS, LAYOUT)
+    Pm, Rm = max(PROMPTS), max(RESPONSES)
+    assert b.indices.shape == (3, Pm + Rm, 3, K)
+    for i, (p, g) in enumerate(zip(PROMPTS, RESPONSES)):
+        for j in range(p + g - 1):
+            assert np.array_equal(b.indices[i, Pm - p + j].numpy(), moe_cols(reqs[i])[j])
+        assert b.replay_mask[i].sum() == p + g - 1
+        assert not b.replay_mask[i, Pm + g - 1]  # the final token
+
+
+def test_sglang_multi_turn_with_start_offset_concatenates_in_order():
+    t0 = rows(4, 3, seed=20)  # turn 0: seq_len 5, tokens 0..3 routed
+    t1 = rows(4, 3, seed=21)  # turn 1: seq_len 9, start 4, tokens 4..7
+    t2 = rows(2, 3, seed=22)  # turn 2: seq_len 11, start 8 (from meta_info)
+    metas = [[{"routed_experts": b64_int32(t0)},
+              {"routed_experts": b64_int32(t1)},
+              {"routed_experts": b64_int32(t2), "routed_experts_start_len": 8}]]
+    seq = sglang_sequences(metas, [[5, 9, 11]], LAYOUT, starts=[[0, 4, None]])[0]
+    assert seq.num_tokens == 11
+    assert np.array_equal(seq.indices[:10].numpy(), np.concatenate([t0, t1, t2]))
+    assert seq.mask.tolist() == [True] * 10 + [False]
+
+
+def test_sglang_multi_turn_gap_and_missing_key_are_errors():
+    t0 = rows(4, 3, seed=20)
+    t1 = rows(2, 3, seed=21)
+    metas = [[{"routed_experts": b64_int32(t0)}, {"routed_experts": b64_int32(t1)}]]
+    with pytest.raises(RoutingMismatchError, match=r"request 0 turn 1: routing starts at token 6 "
+                                                   r"but the earlier turns cover only 4 tokens"):
+        sglang_sequences(metas, [[5, 9]], LAYOUT, starts=[[0, 6]])
+    metas = [{"routed_experts": b64_int32(t0)}, {"text": "hi", "prompt_tokens": 3}]
+    with pytest.raises(RoutingMismatchError, match=r"request 1 turn 0: meta_info has no "
+                                                   r"'routed_experts'"):
+        sglang_sequences(metas, [5, 4], LAYOUT)
+
+
+def test_sglang_length_mismatch_names_request_and_lengths():
+    metas = [{"routed_experts": b64_int32(rows(4, 3, seed=1))},
+             {"routed_experts": b64_int32(rows(6, 3, seed=2))}]
+    with pytest.raises(RoutingMismatchError, match=r"request 1 turn 0: 36 int32 values do not "
+                                                   r"fit the expected 5 token rows"):
+        sglang_sequences(metas, [5, 6], LAYOUT)
+
+
+def test_multi_turn_out_of_order_turn():
+    acc = MultiTurnRouting(LAYOUT, request=7)
+    acc.add_turn(rows(6, 3, seed=1), 7)
+    with pytest.raises(RoutingMismatchError, match=r"request 7 turn 1: seq_len=4 is shorter than "
+                                                   r"the 7 tokens of the earlier turns"):
+        acc.add_turn(rows(3, 3, seed=2), 4)
+    with pytest.raises(RoutingMismatchError, match="the sequence has 9 tokens but its routing "
+                                                   "covers 6 tokens"):
+        acc.sequence(9)
+
+
+# ------------------------------------------------------------------ verl, batch, replay
+def test_from_verl_padded_masks_zero_rows_and_final_token():
+    B, S = 2, 6
+    routed = torch.zeros(B, S, 5, K, dtype=torch.int16)
+    att = torch.tensor([[0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])
+    real = torch.from_numpy(rows(B * S, 5, seed=30)).view(B, S, 5, K).to(torch.int16)
+    routed[att.bool()] = real[att.bool()]
+    routed[0, 4] = 0  # verl leaves the last real token's row zero
+    routed[1, 5] = 0
+    b = from_verl_padded(routed, att, LAYOUT)
+    assert b.replay_mask.tolist() == [[False, False, True, True, False, False],
+                                      [True, True, True, True, True, False]]
+    assert (b.indices[~b.replay_mask] == -1).all()
+    assert torch.equal(b.indices[0, 2], real[0, 2][list(MOE_IDS)])
+
+
+def test_routing_dropped_between_generator_and_trainer():
+    with pytest.raises(RoutingMismatchError, match=r"no 'routed_experts' \(keys: \['attention_mask', 'input_ids'\]"):
+        routing_from_batch({"input_ids": 1, "attention_mask": 2})
+
+
+def test_adapter_batch_replays_in_the_model_layout():
+    reqs = requests(5)
+    b = vllm_batch(reqs, PROMPTS, RESPONSES, LAYOUT)
+    rr = RouterReplay(RouterReplayConfig(mode="R3"), num_experts=E, top_k=K,
+                      moe_layer_ids=list(MOE_IDS), num_hidden_layers=5)
+    b.apply(rr)
+    assert rr.layer_mapping == "moe"
+    B, S = b.replay_mask.shape
+    rr.set_action(ReplayAction.REPLAY_FORWARD)
+    logits = torch.randn(B * S, E)
+    plan = rr.route(4, logits, topk_fn=lambda x: torch.topk(x, K).indices)
+    got = plan.expert_indices.view(B, S, K)
+    Pm = max(PROMPTS)
+    for i, (p, g) in enumerate(zip(PROMPTS, RESPONSES)):
+        for j in range(p + g - 1):
+            assert np.array_equal(got[i, Pm - p + j].numpy(), reqs[i][j, 4])
+    # padding rows fell back to native top-k, not expert 0
+    native = torch.topk(logits, K).indices.to(torch.int32).view(B, S, K)
+    assert torch.equal(got[~b.replay_mask], native[~b.replay_mask])
