@@ -306,3 +306,17 @@ def test_shape_mismatch_names_file_and_both_values(good):
                       moe_layer_ids=MOE_IDS, num_hidden_layers=5)
     with pytest.raises(RoutingShapeError, match="model_name: file 'tiny', model 'other'"):
         rr.load(good)
+
+
+def test_router_replay_load_selects_sequences_and_views_the_map(tmp_path):
+    p = tmp_path / "r.safetensors"
+    idx = routing(9, E=300, seed=12)
+    write_routing(p, idx, meta(E=300), cu_seqlens=[0, 4, 6, 9])
+    rr = RouterReplay(RouterReplayConfig(mode="R2"), num_experts=300, top_k=2,
+                      moe_layer_ids=MOE_IDS, num_hidden_layers=5)
+    rf = rr.load(p, sequences=(1, 3))
+    view = rr.routing_for(4)
+    assert torch.equal(view.to(torch.int32), idx[4:9, 2])
+    assert view.data_ptr() == rf.raw_np.ctypes.data + (4 * 3 + 2) * 2 * 2  # into the map
+    with pytest.raises(IndexError, match=r"sequences=\(2, 4\) is outside the file's 3 sequences"):
+        rr.load(p, sequences=(2, 4))

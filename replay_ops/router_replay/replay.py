@@ -473,10 +473,18 @@ class RouterReplay:
         writer(path, rec, meta, cu_seqlens=cu_seqlens)
         return os.fspath(path)
 
-    def load(self, path: str | os.PathLike | None = None, *, verify: bool = True):
-        """Load a record file and set it as the routing to replay (memory-mapped; int16
-        files are replayed with no copy). Checks the file's model shape against this
-        model. Returns the opened `RoutingFile`."""
+    def load(
+        self,
+        path: str | os.PathLike | None = None,
+        *,
+        sequences: tuple[int, int] | None = None,
+        verify: bool = True,
+    ):
+        """Load a record file and set it as the routing to replay. The file is
+        memory-mapped: int16 files are replayed with no copy, uint8 files are decoded
+        (to int16) for the tokens loaded. `sequences=(b0, b1)` loads only sequences
+        b0..b1-1 (tokens cu_seqlens[b0]:cu_seqlens[b1]). The file's model shape is
+        checked against this model. Returns the opened `RoutingFile`."""
         from . import files
 
         path = path if path is not None else self.config.replay_file
@@ -490,9 +498,16 @@ class RouterReplay:
             num_hidden_layers=self.num_hidden_layers,
             model_name=self.config.model_name,
         )
-        idx = rf.indices()
-        layer_index = rf.meta.layer_index
-        self.set_routing(idx, None, layer_index=layer_index)
+        start, stop = 0, rf.num_tokens
+        if sequences is not None:
+            b0, b1 = (int(v) for v in sequences)
+            if not 0 <= b0 <= b1 <= rf.num_sequences:
+                raise IndexError(
+                    f"RouterReplay.load: sequences=({b0}, {b1}) is outside the file's "
+                    f"{rf.num_sequences} sequences ({os.fspath(path)!r})"
+                )
+            start, stop = int(rf.cu_seqlens_np[b0]), int(rf.cu_seqlens_np[b1])
+        self.set_routing(rf.indices(start, stop), None, layer_index=rf.meta.layer_index)
         self.routing_source = f"file:{os.fspath(path)}"
         self.routing_file = rf
         return rf
