@@ -69,6 +69,7 @@ def tiny_config(
         if num_experts % 4:
             raise ValueError(f"tiny_config: deepseek_v3 needs num_experts % 4 == 0 (4 groups), "
                              f"got num_experts={num_experts}")
+        common["num_key_value_heads"] = num_heads  # MLA: one latent KV per head
         return tf.DeepseekV3Config(
             **common, n_routed_experts=num_experts, num_experts_per_tok=top_k,
             moe_intermediate_size=expert_size, intermediate_size=2 * expert_size,
