@@ -16,7 +16,7 @@ install-torch:
 		|| $(PIP) "$(TORCH_SPEC)"
 
 install: install-torch
-	$(PIP) triton numpy pyyaml omegaconf safetensors tqdm matplotlib
+	$(PIP) triton numpy pyyaml omegaconf safetensors tqdm matplotlib "transformers>=5.0"
 	$(PIP) --no-build-isolation -e .
 
 install-test: install
