@@ -262,7 +262,8 @@ def test_from_verl_padded_masks_zero_rows_and_final_token():
 
 
 def test_routing_dropped_between_generator_and_trainer():
-    with pytest.raises(RoutingMismatchError, match=r"no 'routed_experts' \(keys: \['attention_mask', 'input_ids'\]"):
+    with pytest.raises(RoutingMismatchError,
+                       match=r"no 'routed_experts' \(keys: \['attention_mask', 'input_ids'\]"):
         routing_from_batch({"input_ids": 1, "attention_mask": 2})
 
 

@@ -38,8 +38,10 @@ def routing(N, L=3, K=2, E=8, seed=0) -> torch.Tensor:
     """[N, L, K] int32 with K distinct experts per (token, layer), in 0..E-1."""
     g = torch.Generator().manual_seed(seed)
     first = torch.randint(0, E, (N, L, 1), generator=g)
-    step = torch.randint(1, E // K + 1, (N, L, 1), generator=g) if E > K else torch.ones(N, L, 1,
-                                                                                        dtype=torch.int64)
+    if E > K:
+        step = torch.randint(1, E // K + 1, (N, L, 1), generator=g)
+    else:
+        step = torch.ones(N, L, 1, dtype=torch.int64)
     return ((first + step * torch.arange(K)) % E).to(torch.int32)
 
 
@@ -300,7 +302,8 @@ def test_shape_mismatch_names_file_and_both_values(good):
     with pytest.raises(RoutingShapeError, match=r"good.safetensors.*num_experts: file 8, model "
                                                 r"16.*top_k: file 2, model 4"):
         rf.check_model(num_experts=16, top_k=4, moe_layer_ids=MOE_IDS)
-    with pytest.raises(RoutingShapeError, match=r"moe_layer_ids: file \[1, 2, 4\], model \[0, 1, 2\]"):
+    with pytest.raises(RoutingShapeError,
+                       match=r"moe_layer_ids: file \[1, 2, 4\], model \[0, 1, 2\]"):
         rf.check_model(num_experts=8, top_k=2, moe_layer_ids=[0, 1, 2])
     rr = RouterReplay(RouterReplayConfig(mode="R2", model_name="other"), num_experts=8, top_k=2,
                       moe_layer_ids=MOE_IDS, num_hidden_layers=5)

@@ -57,7 +57,8 @@ class ModelLayout:
         ids = tuple(int(i) for i in self.moe_layer_ids)
         object.__setattr__(self, "moe_layer_ids", ids)
         if not ids or list(ids) != sorted(set(ids)) or ids[0] < 0:
-            raise ValueError(f"ModelLayout: moe_layer_ids must be ascending distinct ids, got {ids}")
+            raise ValueError(
+                f"ModelLayout: moe_layer_ids must be ascending distinct ids, got {ids}")
         if self.num_hidden_layers <= ids[-1]:
             raise ValueError(f"ModelLayout: num_hidden_layers={self.num_hidden_layers} but "
                              f"moe_layer_ids contains {ids[-1]}")

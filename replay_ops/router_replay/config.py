@@ -166,7 +166,8 @@ def check_combination(cfg: RouterReplayConfig) -> None:
             f"router_replay: unknown fallback={cfg.fallback!r}; expected one of {FALLBACKS}"
         )
     if not isinstance(cfg.max_queue, int) or cfg.max_queue < 1:
-        raise ConfigError(f"router_replay: max_queue must be an integer >= 1, got {cfg.max_queue!r}")
+        raise ConfigError(
+            f"router_replay: max_queue must be an integer >= 1, got {cfg.max_queue!r}")
     if cfg.replay_file is not None and not os.path.exists(cfg.replay_file):
         raise ConfigError(f"router_replay: replay_file={cfg.replay_file!r} does not exist")
 

@@ -50,7 +50,8 @@ class RouterReplay:
         self.config = config
         self.mode = config.replay_mode
         if not isinstance(num_experts, int) or num_experts < 1:
-            raise ValueError(f"RouterReplay: num_experts must be an integer >= 1, got {num_experts!r}")
+            raise ValueError(
+                f"RouterReplay: num_experts must be an integer >= 1, got {num_experts!r}")
         if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
             raise ValueError(
                 f"RouterReplay: top_k must be an integer in 1..num_experts={num_experts}, "
@@ -417,7 +418,8 @@ class RouterReplay:
         several RECORD forwards are concatenated along T in call order."""
         counts = {lid: len(self._records[lid]) for lid in self.moe_layer_ids}
         if not any(counts.values()):
-            raise RouterReplayError("RouterReplay.recorded: nothing was recorded (no RECORD forward)")
+            raise RouterReplayError(
+                "RouterReplay.recorded: nothing was recorded (no RECORD forward)")
         if len(set(counts.values())) != 1:
             raise RouterReplayError(
                 f"RouterReplay.recorded: MoE layers were recorded a different number of times "
