@@ -284,7 +284,7 @@ def _write(path, meta: RecordMeta, cu: np.ndarray, parts: Sequence[np.ndarray], 
             f.write(cu_b)
             for p in parts:
                 if p.dtype != dt:
-                    raise AssertionError(f"internal: part dtype {p.dtype} != {dt}")
+                    raise RuntimeError(f"record file part has dtype {p.dtype}, expected {dt}")
                 buf = memoryview(np.ascontiguousarray(p)).cast("B")
                 for c in _chunks(buf):
                     h.update(c)
@@ -294,7 +294,8 @@ def _write(path, meta: RecordMeta, cu: np.ndarray, parts: Sequence[np.ndarray], 
             final = "sha256:" + h.hexdigest()
             md["checksum"] = final
             header2 = _header_bytes(md, dt, n_tokens, L, meta.top_k, cu.size)
-            assert len(header2) == len(header)
+            if len(header2) != len(header):  # the checksum has a fixed width
+                raise RuntimeError("record file header changed size while writing")
             f.seek(0)
             f.write(header2)
             f.flush()

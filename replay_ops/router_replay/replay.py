@@ -280,6 +280,14 @@ class RouterReplay:
             raise RouterReplayError(self._no_routing_message(layer_id))
         return self._routing[:, self._routing_cols[layer_id], :]
 
+    def _move_routing(self, device: torch.device) -> None:
+        """Move the routing buffer (and mask) to the model's device, keeping its layout,
+        so that each layer's slice stays a view. Set the routing on the model's device
+        to avoid this copy."""
+        self._routing = self._routing.to(device)
+        if self._replay_mask is not None:
+            self._replay_mask = self._replay_mask.to(device)
+
     @property
     def replay_mask(self) -> torch.Tensor | None:
         return self._replay_mask
@@ -338,6 +346,8 @@ class RouterReplay:
         elif action is ReplayAction.REPLAY_FORWARD:
             if self._routing is None and self.mode is ReplayMode.R2 and self._has_records():
                 self._use_recorded()
+            if self._routing is not None and self._routing.device != logits.device:
+                self._move_routing(logits.device)  # once per routing, not once per layer
             idx = self.routing_for(layer_id)
             if idx.shape[0] != T:
                 raise RouterReplayError(
@@ -346,11 +356,7 @@ class RouterReplay:
                     f"{self.routing_source}, mapping: {self.layer_mapping}); the batch and its "
                     f"routing do not line up"
                 )
-            if idx.device != logits.device:
-                idx = idx.to(logits.device)
             mask = self._replay_mask
-            if mask is not None and mask.device != logits.device:
-                mask = mask.to(logits.device)
             if mask is not None and self.config.fallback == "topk_fn":
                 if topk_fn is None:
                     raise ValueError(
