@@ -65,24 +65,41 @@ def permute(
     static `num_rows` (for CUDA graphs and torch.compile; `plan.max_rows` always fits)."""
     if num_rows is None:
         num_rows = plan.num_rows()
-    elif validate and num_rows < plan.max_rows:
-        used = plan.num_rows()
-        if num_rows < used:
-            raise ValueError(
-                f"replay_ops.permute: num_rows={num_rows} is too small: the plan needs {used} "
-                f"rows (expert_offsets[E]); plan.max_rows={plan.max_rows} always fits"
-            )
+    elif validate:
+        _check_rows("permute", f"num_rows={num_rows}", num_rows, plan)
     return torch.ops.replay.permute(
         hidden, plan.sorted_slots, plan.row_id_map, num_rows, backend or "auto"
     )
 
 
 def unpermute(
-    expert_out: torch.Tensor, plan: RoutingPlan, *, backend: str | None = None
+    expert_out: torch.Tensor,
+    plan: RoutingPlan,
+    *,
+    validate: bool = True,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """[T, H]: out[t] = sum_k plan.weights[t, k] * expert_out[plan.row_id_map[t, k]],
     accumulated in fp32 in the recorded column order. Differentiable with respect to
-    `expert_out` and, through `plan.weights`, the logits."""
+    `expert_out` and, through `plan.weights`, the logits. With `validate`, an `expert_out`
+    with fewer rows than the plan uses is an error (a host read, only when it has fewer
+    than `plan.max_rows` rows)."""
+    if validate and expert_out.dim() == 2:
+        _check_rows("unpermute", f"expert_out with {expert_out.shape[0]} rows", expert_out.shape[0], plan)
     return torch.ops.replay.unpermute(
         expert_out, plan.row_id_map, plan.sorted_slots, plan.weights, backend or "auto"
     )
+
+
+def _check_rows(op: str, what: str, rows: int, plan: RoutingPlan) -> None:
+    """`rows` must hold every row the plan uses (expert_offsets[E]); plan.max_rows always
+    does, so the host read happens only below it."""
+    if rows >= plan.max_rows:
+        return
+    used = plan.num_rows()
+    if rows < used:
+        raise ValueError(
+            f"replay_ops.{op}: {what} is too small: the plan uses {used} rows "
+            f"(expert_offsets[E]); rows past {rows} would be dropped. plan.max_rows = "
+            f"{plan.max_rows} always fits"
+        )

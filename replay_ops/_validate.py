@@ -153,12 +153,15 @@ def check_plan_tensors(name: str, row_id_map: torch.Tensor, sorted_slots: torch.
         )
 
 
-def check_hidden(name: str, arg: str, x: torch.Tensor, rows: int, rows_what: str, device) -> None:
+def check_hidden(
+    name: str, arg: str, x: torch.Tensor, rows: int | None, rows_what: str, device
+) -> None:
+    """2-D float tensor on `device`; with `rows`, exactly that many rows."""
     if x.dim() != 2:
         raise ValueError(f"replay_ops.{name}: {arg} must be 2-D [rows, H], got {tuple(x.shape)}")
     if not x.is_floating_point():
         raise TypeError(f"replay_ops.{name}: {arg} must be floating point, got {x.dtype}")
-    if x.shape[0] != rows:
+    if rows is not None and x.shape[0] != rows:
         raise ValueError(
             f"replay_ops.{name}: {arg} has {x.shape[0]} rows but the plan has {rows} "
             f"({rows_what}); shape {tuple(x.shape)}"

@@ -177,8 +177,7 @@ def unpermute(
 
 def _check_unpermute(expert_out, row_id_map, sorted_slots, weights):
     check_plan_tensors("unpermute", row_id_map, sorted_slots)
-    check_hidden("unpermute", "expert_out", expert_out, expert_out.shape[0] if expert_out.dim()
-                 else -1, "rows", row_id_map.device)
+    check_hidden("unpermute", "expert_out", expert_out, None, "rows", row_id_map.device)
     if weights.shape != row_id_map.shape or not weights.is_floating_point():
         raise ValueError(
             f"replay_ops.unpermute: weights must be a float [T, K] tensor like row_id_map "
