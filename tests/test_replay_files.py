@@ -323,3 +323,20 @@ def test_router_replay_load_selects_sequences_and_views_the_map(tmp_path):
     assert view.data_ptr() == rf.raw_np.ctypes.data + (4 * 3 + 2) * 2 * 2  # into the map
     with pytest.raises(IndexError, match=r"sequences=\(2, 4\) is outside the file's 3 sequences"):
         rr.load(p, sequences=(2, 4))
+
+
+def test_command_line_info_and_verify(tmp_path, good):
+    bad = tmp_path / "bad.safetensors"
+    data = bytearray(good.read_bytes())
+    data[-1] ^= 0x10
+    bad.write_bytes(bytes(data))
+    cmd = [sys.executable, "-m", "replay_ops.router_replay"]
+    out = subprocess.run(cmd + ["info", str(good)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert (info["num_tokens"], info["num_sequences"], info["moe_layer_ids"], info["dtype"]) == (
+        40, 2, MOE_IDS, "uint8")
+    out = subprocess.run(cmd + ["verify", str(good), str(bad)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 1 and f"OK   {good}" in out.stdout
+    assert "bad.safetensors" in out.stderr and "checksum mismatch" in out.stderr
