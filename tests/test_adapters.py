@@ -226,6 +226,15 @@ def test_sglang_multi_turn_gap_and_missing_key_are_errors():
         sglang_sequences(metas, [5, 4], LAYOUT)
 
 
+def test_sglang_missing_routing_is_an_error_unless_allowed():
+    metas = [{"routed_experts": b64_int32(rows(4, 3, seed=1))}, None]
+    with pytest.raises(RoutingMismatchError, match=r"requests \[1\] have no routing \(1 of 2"):
+        sglang_sequences(metas, [5, 3], LAYOUT)
+    seqs = sglang_sequences(metas, [5, 3], LAYOUT, allow_missing=True)
+    assert seqs[1].mask.tolist() == [False] * 3 and (seqs[1].indices == -1).all()
+    assert seqs[0].mask.tolist() == [True] * 4 + [False]
+
+
 def test_sglang_length_mismatch_names_request_and_lengths():
     metas = [{"routed_experts": b64_int32(rows(4, 3, seed=1))},
              {"routed_experts": b64_int32(rows(6, 3, seed=2))}]

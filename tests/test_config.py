@@ -46,6 +46,7 @@ def write(tmp_path, text, name="cfg.yaml"):
 def test_defaults_are_disabled():
     cfg = load_config()
     assert cfg.replay_mode is ReplayMode.DISABLED and not cfg.enabled
+    assert cfg.enable_rollout_routing_replay is False
     assert cfg.record_file is None and cfg.replay_file is None
 
 
@@ -84,6 +85,9 @@ def test_r3_with_rollout_flag_off_is_rejected():
     with pytest.raises(ConfigError, match=r"mode=R3 needs the rollout .*"
                                           r"enable_rollout_routing_replay=False"):
         load_config(overrides=[f"{RR}.mode=R3", f"{FLAG}=False"])
+    # absent means verl's default, False
+    with pytest.raises(ConfigError, match=r"mode=R3 needs the rollout"):
+        load_config(overrides=[f"{RR}.mode=R3"])
 
 
 def test_unknown_mode_and_misspelt_key():
@@ -121,6 +125,7 @@ def test_replay_file_whose_model_shape_does_not_match(tmp_path):
     write_routing(p, idx, RecordMeta(num_experts=8, top_k=2, moe_layer_ids=[0, 1],
                                      num_hidden_layers=2, model_name="m"))
     cfg = load_config(overrides=[f"{RR}.mode=R2", f"{RR}.replay_file={p}"])
+    assert cfg.enable_rollout_routing_replay is False
     rr = RouterReplay(cfg, num_experts=8, top_k=2, moe_layer_ids=[0, 1], num_hidden_layers=2)
     assert rr.routing_source == f"file:{p}" and rr.layer_mapping == "moe"
     with pytest.raises(RoutingShapeError, match=r"rec.safetensors.*moe_layer_ids: file \[0, 1\], "

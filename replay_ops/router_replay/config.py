@@ -238,9 +238,10 @@ def config_from_omegaconf(cfg) -> RouterReplayConfig:
     except OmegaConfBaseException as e:
         raise ConfigError(f"router_replay: invalid {ROUTER_REPLAY_KEY}: {e}") from e
     values = OmegaConf.to_container(merged, resolve=True)
-    if flag is not None:
-        flag = _as_bool(flag, ROLLOUT_FLAG_KEY)
-        values["enable_rollout_routing_replay"] = flag
+    # verl's default for the rollout flag is False: a verl-shaped config without it
+    # does not return rollout routing, so R3 without it is rejected.
+    values["enable_rollout_routing_replay"] = (
+        False if flag is None else _as_bool(flag, ROLLOUT_FLAG_KEY))
     out = RouterReplayConfig(**values)
     check_combination(out)
     return out
