@@ -432,3 +432,92 @@ def test_backends_cover_the_registry():
         pytest.skip("no replay_ops._triton_backend in this checkout")
     if os.environ.get("TRITON_INTERPRET") == "1":
         assert "triton" in usable_backends("cpu"), rb.backends()["backends"]["triton"]
+
+
+# ------------------------------------------------------ unusual layouts and extremes
+@pytest.mark.parametrize("dev_backend", backend_params())
+def test_gate_unusual_layouts_and_sizes(dev_backend):
+    """Broadcast (stride-0) recordings and logits, a large top-k, a non-power-of-two E
+    above 256, and an align larger than any expert's count."""
+    device, backend = dev_backend
+    T = 9
+    cases = [
+        ("stride-0 indices", make_logits(T, 7, device=device),
+         torch.tensor([[3, 1]], device=device).expand(T, 2), {}),
+        ("stride-0 logits", make_logits(1, 7, device=device).expand(T, 7),
+         make_indices(T, 7, 2, device=device), {"score_func": "sigmoid"}),
+        ("K=64 of E=256", make_logits(33, 256, device=device),
+         make_indices(33, 256, 64, device=device, empty=0.1), {"align": 16}),
+        ("E=1000", make_logits(21, 1000, device=device),
+         make_indices(21, 1000, 8, device=device, empty=0.1),
+         {"align": 128, "score_func": "sqrtsoftplus"}),
+        ("align=1000", make_logits(17, 7, device=device), make_indices(17, 7, 3, device=device),
+         {"align": 1000, "normalize": False}),
+    ]
+    for name, logits, idx, kw in cases:
+        plan = check_gate(logits, idx, backend, **kw)
+        check_plan_structure(plan, idx, logits.shape[1], kw.get("align", 1))
+
+
+@pytest.mark.parametrize("dev_backend", backend_params())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gate_extreme_logits(dev_backend, dtype):
+    """Logits far in the tails (softplus underflows, exp overflows without a max shift):
+    weights and gradients stay finite and close to the fp64 values."""
+    device, backend = dev_backend
+    big = 1e4 if dtype != torch.float16 else 6e4
+    logits = torch.tensor([[100.0, -200.0, 30.0, 5.0, -30.0], [big, -big, 0.0, 88.0, 89.0]],
+                          device=device).to(dtype)
+    idx = torch.tensor([[0, 1, 2], [0, 3, 4]], device=device)
+    gw = torch.tensor([[1.0, -2.0, 0.5], [0.25, 1.0, -1.0]], device=device)
+    for sf in SCORE_FUNCS:
+        for norm in (False, True):
+            kw = dict(score_func=sf, normalize=norm)
+            out_plan = check_gate(logits, idx, backend, **kw)
+            assert torch.isfinite(out_plan.weights).all(), (sf, norm)
+            out_g = _grad(lambda x: replay_ops.gate(x, idx, backend=backend, **kw).weights, logits, gw)
+            ref64 = _grad(lambda x: ref.gate(x, idx, **kw).weights, logits.double(), gw)
+            assert torch.isfinite(out_g).all(), (sf, norm, out_g)
+            tol = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}[dtype]
+            err = (out_g.double() - ref64).abs().max().item()
+            assert err <= tol, (sf, norm, err)
+
+
+@pytest.mark.parametrize("dev_backend", backend_params())
+def test_gate_replay_mask_sync_free_path(dev_backend):
+    """validate=False takes the sync-free fallback path; it must give the same plan."""
+    device, backend = dev_backend
+    T, E, K = (15, 9, 3)
+    logits = make_logits(T, E, device=device, seed=15)
+    idx = make_indices(T, E, K, device=device, empty=0.2)
+    mask = torch.rand(T, generator=torch.Generator().manual_seed(16)) > 0.4
+    mask = mask.to(device)
+    for sf in SCORE_FUNCS:
+        a = replay_ops.gate(logits, idx, replay_mask=mask, score_func=sf, backend=backend)
+        b = replay_ops.gate(logits, idx, replay_mask=mask, score_func=sf, validate=False,
+                            backend=backend)
+        assert_plan_ints_equal(a, b)
+        assert torch.equal(a.weights, b.weights)
+        none = torch.zeros(T, dtype=torch.bool, device=device)
+        c = check_gate(logits, idx, backend, replay_mask=none, score_func=sf, validate=False)
+        assert_int_equal(c.expert_indices, ref.fallback_topk(logits, K, sf), "all-fallback")
+
+
+@pytest.mark.parametrize(
+    "device,backend,dtype",
+    case_params([torch.float32, torch.bfloat16], [torch.float32], ids=lambda d: str(d)[6:]),
+)
+def test_gate_wide_expert_dim(device, backend, dtype):
+    """E = 1000 (several E blocks): the softmax denominator and its gradient are reductions
+    over E; forward and backward held to the flash-attention rule."""
+    T, E, K = (16, 1000, 8)
+    logits = make_logits(T, E, dtype=dtype, device=device, seed=17, scale=0.5)
+    idx = make_indices(T, E, K, device=device, empty=0.1)
+    gw = torch.randn(T, K, generator=torch.Generator().manual_seed(18)).to(device)
+    for sf, norm in (("softmax", False), ("softmax", True), ("sigmoid", True)):
+        kw = dict(score_func=sf, normalize=norm)
+        check_gate(logits, idx, backend, **kw)
+        out_g = _grad(lambda x: replay_ops.gate(x, idx, backend=backend, **kw).weights, logits, gw)
+        ref_g = _grad(lambda x: ref.gate(x, idx, **kw).weights, logits, gw)
+        ref64 = _grad(lambda x: ref.gate(x, idx, **kw).weights, logits.double(), gw)
+        assert_fa_close(out_g, ref_g, ref64, f"grad logits ({sf}, normalize={norm})")

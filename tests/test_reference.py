@@ -278,3 +278,21 @@ def test_reference_gate_validates():
     with pytest.raises(ValueError, match="num_rows=1"):
         plan = ref.gate(make_logits(2, 4), torch.tensor([[0, 1], [1, 2]]))
         ref.permute(torch.randn(2, 3), plan, 1)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_reference_sqrtsoftplus_gradient_finite_in_the_far_tail(normalize):
+    """d sqrt(softplus(x))/dx = sigmoid(x) / (2 sqrt(softplus(x))) ~ exp(x/2)/2 -> 0 as x -> -inf.
+    In fp32, softplus(x) underflows to 0 below about x = -103.3, and autograd through
+    sqrt(0) gives inf * 0 = NaN. The oracle must give the (tiny, finite) true gradient,
+    like the fp64 computation and like the kernels' closed-form backward."""
+    logits = torch.tensor([[-200.0, 1.0, -120.0, 0.5]], requires_grad=True)
+    idx = torch.tensor([[0, 1, 2]])
+    gw = torch.tensor([[1.0, 2.0, 3.0]])
+    w = ref.gate(logits, idx, score_func="sqrtsoftplus", normalize=normalize).weights
+    (w * gw).sum().backward()
+    x64 = logits.detach().double().requires_grad_(True)
+    w64 = ref.gate(x64, idx, score_func="sqrtsoftplus", normalize=normalize).weights
+    (w64 * gw.double()).sum().backward()
+    assert torch.isfinite(logits.grad).all(), logits.grad
+    torch.testing.assert_close(logits.grad.double(), x64.grad, rtol=1e-5, atol=1e-12)

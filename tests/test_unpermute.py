@@ -263,3 +263,54 @@ def test_permute_unpermute_chain_gradcheck(dev_backend):
         fn, (h.requires_grad_(True), logits.requires_grad_(True)),
         fast_mode=is_interpreted(device, backend),
     )
+
+
+@pytest.mark.parametrize("dev_backend", backend_params())
+def test_unpermute_backward_rows_past_the_plan(dev_backend):
+    """expert_out with more rows than sorted_slots (a static size above max_rows) and H wider
+    than one block: the extra rows get exactly zero gradient; the rest match the reference."""
+    device, backend = dev_backend
+    T, E, K, H = (9, 5, 2, 300)
+    plan = make_plan(T, E, K, 4, device, backend, empty=0.2)
+    n = plan.max_rows + 3
+    g = torch.Generator().manual_seed(24)
+    expert_out = torch.randn(n, H, generator=g).to(device)
+    grad_out = torch.randn(T, H, generator=g).to(device)
+    logits = make_logits(T, E, device=device)
+
+    def op(x, lg):
+        return replay_ops.unpermute(x, plan._replace(weights=lg[:, :K] * 1.0), backend=backend)
+
+    def reference(x, lg):
+        return ref.unpermute(x, plan._replace(weights=lg[:, :K] * 1.0))
+
+    out_gx, _ = _grads(op, expert_out, logits, grad_out)
+    ref_gx, _ = _grads(reference, expert_out, logits, grad_out)
+    r64_gx, _ = _grads(reference, expert_out.double(), logits.double(), grad_out.double())
+    assert_fa_close(out_gx, ref_gx, r64_gx, "grad expert_out")
+    assert (out_gx[plan.max_rows:] == 0).all()
+    assert (out_gx[:plan.max_rows][plan.sorted_slots < 0] == 0).all()
+
+
+@pytest.mark.parametrize("device,backend,H", case_params([300, 4096], [300], ids=lambda h: f"H{h}"))
+def test_unpermute_grad_weights_accuracy_wide_hidden(device, backend, H):
+    """grad_weights[t, k] = <grad_out[t], expert_out[row]> is a reduction over H (hidden sizes
+    are thousands wide). Held to the flash-attention rule against PyTorch's fp32 reduction:
+    a plain left-to-right fp32 sum over H loses about sqrt(H) more bits than that."""
+    T, E, K = (24, 8, 2)
+    logits = make_logits(T, E, device=device, seed=25)
+    plan = replay_ops.gate(logits, make_indices(T, E, K, device=device), backend=backend)
+    g = torch.Generator().manual_seed(26)
+    x = torch.randn(plan.num_rows(), H, generator=g).to(device)
+    gy = torch.randn(T, H, generator=g).to(device)
+    w = plan.weights.detach()
+
+    def grad_w(fn, x, w, gy):
+        w = w.clone().requires_grad_(True)
+        fn(x, plan._replace(weights=w)).backward(gy)
+        return w.grad
+
+    out_gw = grad_w(lambda x, p: replay_ops.unpermute(x, p, backend=backend), x, w, gy)
+    ref_gw = grad_w(ref.unpermute, x, w, gy)
+    r64_gw = grad_w(ref.unpermute, x.double(), w.double(), gy.double())
+    assert_fa_close(out_gw, ref_gw, r64_gw, "grad weights")
