@@ -123,40 +123,30 @@ def permute_fwd(hidden, sorted_slots, row_id_map, num_rows):
     return out
 
 
-def _token_grid(T, H):
+def _gather_sum(src, row_id_map, weights):
+    """[T, H] = sum_k [weights[t,k] *] src[row_id_map[t,k]] (see _gather_sum_kernel)."""
+    R, H = src.shape
+    T, K = row_id_map.shape
+    out = torch.empty(T, H, dtype=src.dtype, device=src.device)
+    if T == 0 or H == 0:
+        return out
     cfg = _permute.permute_config(H)
-    BLOCK_T = cfg["BLOCK_R"]
-    return (triton.cdiv(T, BLOCK_T),), dict(BLOCK_T=BLOCK_T, BLOCK_H=cfg["BLOCK_H"])
+    with _device_ctx(src):
+        _permute._gather_sum_kernel[(triton.cdiv(T, cfg["BLOCK_R"]),)](
+            src, row_id_map, src if weights is None else weights.contiguous(), out,
+            T, H, K, R, src.stride(0), src.stride(1),
+            WEIGHTED=weights is not None, CDT=_cdt(src.dtype),
+            BLOCK_T=cfg["BLOCK_R"], BLOCK_H=cfg["BLOCK_H"],
+        )
+    return out
 
 
 def permute_bwd(grad_out, row_id_map):
-    R, H = grad_out.shape
-    T, K = row_id_map.shape
-    grad = torch.empty(T, H, dtype=grad_out.dtype, device=grad_out.device)
-    if T == 0 or H == 0:
-        return grad
-    grid, blocks = _token_grid(T, H)
-    with _device_ctx(grad_out):
-        _permute._permute_bwd_kernel[grid](
-            grad_out, row_id_map, grad, T, H, K, R, grad_out.stride(0), grad_out.stride(1),
-            CDT=_cdt(grad_out.dtype), **blocks,
-        )
-    return grad
+    return _gather_sum(grad_out, row_id_map, None)
 
 
 def unpermute_fwd(expert_out, row_id_map, weights):
-    R, H = expert_out.shape
-    T, K = row_id_map.shape
-    out = torch.empty(T, H, dtype=expert_out.dtype, device=expert_out.device)
-    if T == 0 or H == 0:
-        return out
-    grid, blocks = _token_grid(T, H)
-    with _device_ctx(expert_out):
-        _unpermute._unpermute_fwd_kernel[grid](
-            expert_out, row_id_map, weights.contiguous(), out, T, H, K, R,
-            expert_out.stride(0), expert_out.stride(1), CDT=_cdt(expert_out.dtype), **blocks,
-        )
-    return out
+    return _gather_sum(expert_out, row_id_map, weights)
 
 
 def unpermute_bwd(grad_out, expert_out, row_id_map, sorted_slots, weights):
@@ -177,9 +167,10 @@ def unpermute_bwd(grad_out, expert_out, row_id_map, sorted_slots, weights):
         if T > 0:
             if H == 0:
                 return grad_x, grad_w.zero_()
-            grid, blocks = _token_grid(T, H)
-            _unpermute._unpermute_bwd_dw_kernel[grid](
+            cfg = _permute.permute_config(H)
+            _unpermute._unpermute_bwd_dw_kernel[(triton.cdiv(T, cfg["BLOCK_R"]),)](
                 grad_out, expert_out, row_id_map, grad_w, T, H, K, R,
-                expert_out.stride(0), expert_out.stride(1), CDT=cdt, **blocks,
+                expert_out.stride(0), expert_out.stride(1), CDT=cdt,
+                BLOCK_T=cfg["BLOCK_R"], BLOCK_H=cfg["BLOCK_H"],
             )
     return grad_x, grad_w

@@ -107,6 +107,17 @@ def _row_softmax_stats(Logits_ptr, rows, rmask, stride_lt, stride_le, E,
 
 
 @triton.jit
+def _masked_softmax(x, valid):
+    """Softmax of each row over its valid entries (0 elsewhere; an all-empty row is 0)."""
+    z = tl.where(valid, x, float("-inf"))
+    m = tl.max(z, axis=1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    e = tl.where(valid, tl.exp(z - m[:, None]), 0.0)
+    s = tl.sum(e, axis=1)
+    return e / tl.where(s > 0.0, s, 1.0)[:, None]
+
+
+@triton.jit
 def _gate_weights_block(
     Logits_ptr, Idx_ptr, W_ptr, IdxOut_ptr,
     r0, T, E, K, stride_lt, stride_le, stride_it, stride_ik, scaling_factor,
@@ -124,12 +135,7 @@ def _gate_weights_block(
                 mask=valid, other=0.0).to(CDT)
     if SCORE == 0:
         if NORMALIZE:
-            z = tl.where(valid, x, float("-inf"))
-            m = tl.max(z, axis=1)
-            m = tl.where(m == float("-inf"), 0.0, m)
-            e = tl.where(valid, tl.exp(z - m[:, None]), 0.0)
-            s = tl.sum(e, axis=1)
-            w = e / tl.where(s > 0.0, s, 1.0)[:, None]
+            w = _masked_softmax(x, valid)
         else:
             m, s = _row_softmax_stats(Logits_ptr, rows, rmask, stride_lt, stride_le, E,
                                       CDT, BLOCK_T, E_BLOCK)
@@ -345,12 +351,7 @@ def _gate_bwd_kernel(
         c = tl.sum(dz, axis=1)
     else:
         if SCORE == 0:
-            z = tl.where(valid, x, float("-inf"))
-            mq = tl.max(z, axis=1)
-            mq = tl.where(mq == float("-inf"), 0.0, mq)
-            e = tl.where(valid, tl.exp(z - mq[:, None]), 0.0)
-            se = tl.sum(e, axis=1)
-            q = e / tl.where(se > 0.0, se, 1.0)[:, None]
+            q = _masked_softmax(x, valid)
             dz = q * (g - tl.sum(g * q, axis=1)[:, None])
         else:
             c = tl.where(valid, _score(x, SCORE), 0.0)

@@ -3,7 +3,7 @@
     forward:   out[r] = hidden[sorted_slots[r] // K]       (0 where sorted_slots[r] == -1,
                                                             or r >= len(sorted_slots))
     backward:  dh[t]  = sum_{k valid} dout[row_id_map[t, k]]  in column order, fp32
-               (a gather-sum per token: no atomics, so it is deterministic)
+               (`_gather_sum_kernel`, unweighted: a gather-sum per token, no atomics)
 """
 from __future__ import annotations
 
@@ -46,42 +46,34 @@ def _permute_fwd_kernel(
 
 
 @triton.jit
-def _gather_sum_rows(
-    Src_ptr, RowMap_ptr, W_ptr, t, tmask, h, hm, K, R, stride_sr, stride_sh,
+def _gather_sum_kernel(
+    # inputs
+    Src_ptr, RowMap_ptr, W_ptr,
+    # outputs
+    Out_ptr,
+    # sizes and strides
+    T, H, K, R, stride_sr, stride_sh,
+    # constexprs
     WEIGHTED: tl.constexpr, CDT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """sum_k [w[t,k] *] src[row_id_map[t,k]] over valid k, in column order (fp32/fp64)."""
-    acc = tl.zeros([BLOCK_T, BLOCK_H], CDT)
-    for k in range(0, K):
-        row = tl.load(RowMap_ptr + t * K + k, mask=tmask, other=-1).to(tl.int64)
-        ok = (row >= 0) & (row < R)
-        v = tl.load(Src_ptr + row[:, None] * stride_sr + h[None, :] * stride_sh,
-                    mask=ok[:, None] & hm, other=0.0).to(CDT)
-        if WEIGHTED:
-            w = tl.load(W_ptr + t * K + k, mask=ok, other=0.0).to(CDT)
-            v = v * w[:, None]
-        acc += v
-    return acc
-
-
-@triton.jit
-def _permute_bwd_kernel(
-    # inputs
-    G_ptr, RowMap_ptr,
-    # outputs
-    DX_ptr,
-    # sizes and strides
-    T, H, K, R, stride_gr, stride_gh,
-    # constexprs
-    CDT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-):
+    """out[t] = sum_{k valid} [w[t,k] *] src[row_id_map[t,k]], in column order k = 0..K-1,
+    accumulated in fp32 (fp64 for fp64). Unweighted it is the permute backward; weighted it
+    is the unpermute forward. One program owns each output row: no atomics."""
     pid = tl.program_id(0).to(tl.int64)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < T
     for h0 in range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         hm = (h < H)[None, :]
-        acc = _gather_sum_rows(G_ptr, RowMap_ptr, G_ptr, t, tmask, h, hm, K, R,
-                               stride_gr, stride_gh, False, CDT, BLOCK_T, BLOCK_H)
-        tl.store(DX_ptr + t[:, None] * H + h[None, :], cast_rne(acc, DX_ptr.dtype.element_ty),
+        acc = tl.zeros([BLOCK_T, BLOCK_H], CDT)
+        for k in range(0, K):
+            row = tl.load(RowMap_ptr + t * K + k, mask=tmask, other=-1).to(tl.int64)
+            ok = (row >= 0) & (row < R)
+            v = tl.load(Src_ptr + row[:, None] * stride_sr + h[None, :] * stride_sh,
+                        mask=ok[:, None] & hm, other=0.0).to(CDT)
+            if WEIGHTED:
+                w = tl.load(W_ptr + t * K + k, mask=ok, other=0.0).to(CDT)
+                v = v * w[:, None]
+            acc += v
+        tl.store(Out_ptr + t[:, None] * H + h[None, :], cast_rne(acc, Out_ptr.dtype.element_ty),
                  mask=tmask[:, None] & hm)

@@ -1,6 +1,7 @@
 """Unpermute (weighted combine back to tokens) and its backward, in Triton.
 
     forward:   out[t] = sum_{k valid} w[t,k] * x[row_id_map[t,k]]   column order, fp32
+               (`permute._gather_sum_kernel`, weighted)
     backward:  dx[r]  = w[s] * dout[s // K]  for s = sorted_slots[r]  (0 for padding)
                dw[t,k] = <dout[t], x[row_id_map[t,k]]>                fp32, 0 for empty
 Every output element is produced by exactly one program: no atomics.
@@ -12,30 +13,6 @@ import triton.language as tl
 
 from ._common import cast_rne
 
-from .permute import _gather_sum_rows
-
-
-@triton.jit
-def _unpermute_fwd_kernel(
-    # inputs
-    X_ptr, RowMap_ptr, W_ptr,
-    # outputs
-    Out_ptr,
-    # sizes and strides
-    T, H, K, R, stride_xr, stride_xh,
-    # constexprs
-    CDT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    pid = tl.program_id(0).to(tl.int64)
-    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    tmask = t < T
-    for h0 in range(0, H, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        hm = (h < H)[None, :]
-        acc = _gather_sum_rows(X_ptr, RowMap_ptr, W_ptr, t, tmask, h, hm, K, R,
-                               stride_xr, stride_xh, True, CDT, BLOCK_T, BLOCK_H)
-        tl.store(Out_ptr + t[:, None] * H + h[None, :], cast_rne(acc, Out_ptr.dtype.element_ty),
-                 mask=tmask[:, None] & hm)
 
 
 @triton.jit
