@@ -206,3 +206,67 @@ def test_compile_no_graph_break_with_static_rows(dev_backend):
     )
     assert explain.graph_break_count == 0, explain.break_reasons
     assert explain.graph_count == 1
+
+
+# ----------------------------------------------------------------- backend routing
+KERNELS = ("gate_fwd", "gate_bwd", "permute_fwd", "permute_bwd", "unpermute_fwd", "unpermute_bwd")
+
+
+def _count_calls(monkeypatch, names):
+    """Wrap every kernel of every listed backend module with a call counter."""
+    from replay_ops import backend as rb
+
+    calls = {}
+    for name in names:
+        mod = rb.select("cpu", name)
+        for k in KERNELS:
+            fn = getattr(mod, k)
+
+            def wrapper(*a, _fn=fn, _key=(name, k), **kw):
+                calls[_key] = calls.get(_key, 0) + 1
+                return _fn(*a, **kw)
+
+            monkeypatch.setattr(mod, k, wrapper)
+    return calls
+
+
+def _forward_backward(backend):
+    logits = make_logits(6, 5).requires_grad_(True)
+    hidden = torch.randn(6, 3, requires_grad=True)
+    plan = replay_ops.gate(logits, make_indices(6, 5, 2), align=2, backend=backend)
+    x = replay_ops.permute(hidden, plan, plan.max_rows, backend=backend)
+    replay_ops.unpermute(x * 2, plan, backend=backend).sum().backward()
+
+
+def test_backend_argument_runs_that_backend(monkeypatch):
+    """Every parity test forces a backend with backend=...; make sure the request reaches
+    that backend's six kernels and no other (or the parity tests would test nothing)."""
+    from _helpers import usable_backends
+
+    names = usable_backends("cpu")
+    calls = _count_calls(monkeypatch, names)
+    for name in names:
+        calls.clear()
+        _forward_backward(name)
+        assert set(calls) == {(name, k) for k in KERNELS}, (name, calls)
+        assert all(v == 1 for v in calls.values()), calls
+
+
+def test_backend_environment_variable_and_auto_order(monkeypatch):
+    from _helpers import usable_backends
+    from replay_ops import backend as rb
+
+    names = usable_backends("cpu")
+    calls = _count_calls(monkeypatch, names)
+    for name in names:
+        calls.clear()
+        monkeypatch.setenv(rb.ENV_VAR, name)
+        _forward_backward(None)
+        assert {b for b, _ in calls} == {name}, (name, calls)
+    monkeypatch.delenv(rb.ENV_VAR)
+    calls.clear()
+    _forward_backward(None)
+    # CPU auto order: native, then torch; Triton only when asked for
+    want = "native" if "native" in names else "torch"
+    assert {b for b, _ in calls} == {want}, calls
+    assert replay_ops.backends()["active"]["cpu"] == want
