@@ -3,10 +3,11 @@
 A small Qwen3-MoE-style model (random weights, fixed seed, built locally) plays both sides
 of an RL step:
 
-* inference engine: the model in bf16. It samples a response for every prompt
-  (`generate`, batches of `infer_batch`, left padding), then scores prompt + response in one
-  prefill pass per batch, recording the experts every MoE layer picked for every token
-  (what vLLM/SGLang return as `routed_experts`).
+* inference engine: the model in bf16. It samples a response for every prompt (a sampling
+  loop with a KV cache over left-padded batches of `sample_batch`), then scores prompt +
+  response in prefill passes over batches of `infer_batch` (left padding), recording the
+  experts every MoE layer picked for every token (what vLLM/SGLang return as
+  `routed_experts`).
 * training engine: the same weights in fp32, with another batch layout (sequences sorted by
   length, batches of `train_batch`, right padding). It computes the log-probabilities of the
   sampled response tokens twice: with native routing, and with R3 (the inference routing
@@ -37,13 +38,13 @@ SIZES = {
     # name: model and workload (see DemoConfig fields)
     "tiny": dict(vocab_size=128, hidden_size=32, num_layers=2, num_experts=8, top_k=2,
                  expert_size=16, num_seqs=6, prompt_len=(4, 8), response_len=(4, 8),
-                 infer_batch=4, train_batch=3),
-    "small": dict(vocab_size=512, hidden_size=128, num_layers=6, num_experts=32, top_k=4,
-                  expert_size=64, num_seqs=32, prompt_len=(16, 48), response_len=(32, 64),
-                  infer_batch=8, train_batch=6),
+                 infer_batch=4, train_batch=3, sample_batch=6),
+    "small": dict(vocab_size=1024, hidden_size=128, num_layers=8, num_experts=64, top_k=8,
+                  expert_size=64, num_seqs=48, prompt_len=(24, 64), response_len=(24, 56),
+                  infer_batch=8, train_batch=6, sample_batch=48),
     "medium": dict(vocab_size=2048, hidden_size=256, num_layers=8, num_experts=64, top_k=8,
                    expert_size=128, num_seqs=64, prompt_len=(32, 96), response_len=(64, 128),
-                   infer_batch=16, train_batch=12),
+                   infer_batch=16, train_batch=12, sample_batch=64),
 }
 
 
@@ -54,17 +55,19 @@ class DemoConfig:
     device: str = "cpu"
     seed: int = 0
     out: str = "demo_out"
-    vocab_size: int = 512
+    vocab_size: int = 1024
     hidden_size: int = 128
-    num_layers: int = 6
-    num_experts: int = 32
-    top_k: int = 4
+    num_layers: int = 8
+    num_experts: int = 64
+    top_k: int = 8
     expert_size: int = 64
-    num_seqs: int = 32
-    prompt_len: tuple = (16, 48)
-    response_len: tuple = (32, 64)
+    num_seqs: int = 48
+    prompt_len: tuple = (24, 64)
+    response_len: tuple = (24, 56)
     infer_batch: int = 8
     train_batch: int = 6
+    sample_batch: int = 48
+    threads: int = 1  # intra-op threads on CPU (the matrices are small: one is fastest)
     initializer_range: float = 0.06
     temperature: float = 1.0
     learning_rate: float = 3e-3
@@ -158,6 +161,16 @@ def _mismatch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def run(cfg: DemoConfig) -> dict:
     """Run the demo; returns the summary dict (also written to `cfg.out`/summary.json)."""
+    threads = torch.get_num_threads()
+    if cfg.threads and cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _run(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(cfg: DemoConfig) -> dict:
     from .integrations import hf, tiny
     from .router_replay import ReplayAction, RouterReplayConfig
 
@@ -196,14 +209,16 @@ def run(cfg: DemoConfig) -> dict:
     t0 = time.perf_counter()
     seqs = {}
     infer_batches = _batches(list(range(cfg.num_seqs)), cfg.infer_batch)
+    sample_batches = _batches(list(range(cfg.num_seqs)), cfg.sample_batch)
     with torch.no_grad():
-        for bi, batch in enumerate(_progress(infer_batches, cfg, "inference: sampling")):
+        for bi, batch in enumerate(sample_batches):
             ids, mask, _ = _pad([prompts[i] for i in batch], "left", pad_id, device)
             new = max(resp_lens[i] for i in batch)
             gen = torch.Generator(device=device).manual_seed(cfg.seed * 1000 + bi)
             cur_ids, cur_mask, outs = ids, mask, []
             past = None
-            for step in range(new):  # a plain sampling loop with a KV cache, bf16
+            for step in _progress(range(new), cfg, f"inference: sampling {len(batch)} responses"):
+                # a plain sampling loop with a KV cache, bf16
                 pos = (cur_mask.cumsum(-1) - 1).clamp_min(0)
                 step_in = cur_ids if past is None else cur_ids[:, -1:]
                 step_pos = pos if past is None else pos[:, -1:]
@@ -268,6 +283,7 @@ def run(cfg: DemoConfig) -> dict:
             rr.set_routing(routing.to(device), replay_mask.to(device))
             rr.set_action(ReplayAction.REPLAY_FORWARD)
             logits = train_model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+            rr.check_all_layers_routed(expected=1)  # no MoE layer bypassed the replay
             used = train_patch.last_routing()
             for b, i in enumerate(batch):
                 train_routing["R3"][i] = used[slots[b].to(used.device)].cpu()
@@ -313,7 +329,8 @@ def run(cfg: DemoConfig) -> dict:
         "workload": {
             "sequences": cfg.num_seqs, "tokens": n_tokens,
             "response_tokens": int(ref_lp.numel()),
-            "inference": f"bf16, batches of {cfg.infer_batch} in prompt order, left padding",
+            "inference": f"bf16, sampled in batches of {cfg.sample_batch}, scored in batches "
+                         f"of {cfg.infer_batch} in prompt order, left padding",
             "training": f"fp32, batches of {cfg.train_batch} sorted by length, right padding",
         },
         "no_replay": {k: v for k, v in results["native"].items() if not k.startswith("_")},
@@ -355,7 +372,7 @@ def _r2_round_trip(cfg, model, patch, seqs, prompt_lens, batch, pad_id, device) 
     path = os.path.join(cfg.out, "r2_routing.safetensors")
     ids, mask, pos = _pad([seqs[i] for i in batch], "right", pad_id, device)
     slots = _token_slots(mask)
-    sel = torch.cat(slots)
+    sel = torch.cat(slots).to(device)
     patch.remove()
     record_cfg = RouterReplayConfig(mode="R2", record_file=path, recompute=False)
     with hf.patch_model(model, record_cfg) as p:
@@ -556,12 +573,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=None, help="number of hidden layers")
     p.add_argument("--experts", type=int, default=None, help="experts per MoE layer")
     p.add_argument("--top-k", type=int, default=None, help="experts per token")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU intra-op threads (default: 1; the matrices are small, and one "
+                        "thread is also the least disturbed by other processes)")
     p.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     a = p.parse_args(argv)
     cfg = DemoConfig.from_size(
         a.size, arch=a.arch, device=a.device, seed=a.seed, out=a.out, num_seqs=a.num_seqs,
-        num_layers=a.layers, num_experts=a.experts, top_k=a.top_k,
+        num_layers=a.layers, num_experts=a.experts, top_k=a.top_k, threads=a.threads,
     )
     cfg.chart = not a.no_chart
     cfg.progress = not a.no_progress
