@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_MIN ?= 2.6
 PIP = $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install-torch install install-test test test-gpu demo bench clean
+.PHONY: install-torch install install-test test test-gpu demo bench clean check-cuda
 
 install-torch:
 	@$(PY) -c "import sys, torch; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(0 if v >= tuple(int(x) for x in '$(TORCH_MIN)'.split('.')) else 1)" 2>/dev/null \
@@ -22,7 +22,12 @@ install: install-torch
 install-test: install
 	$(PIP) pytest
 
-test: install-test
+# Compile every csrc/cuda/*.cu with nvcc for sm_80 and sm_90a, warnings as errors, 0 spill
+# stores (no GPU needed; prints SKIP when nvcc is missing). Cached in build/cuda_check/.
+check-cuda:
+	PY=$(PY) .ci/check_cuda.sh
+
+test: install-test check-cuda
 	$(PY) -m pytest -q tests
 
 # On a GPU machine: the CUDA-only tests, and the rest of the suite on CUDA tensors.

@@ -34,10 +34,76 @@ constexpr double kNormEps = 1e-20;
 
 RO_HD inline float ro_exp(float x) { return expf(x); }
 RO_HD inline double ro_exp(double x) { return exp(x); }
-RO_HD inline float ro_log1p(float x) { return log1pf(x); }
-RO_HD inline double ro_log1p(double x) { return log1p(x); }
-RO_HD inline float ro_sqrt(float x) { return sqrtf(x); }
-RO_HD inline double ro_sqrt(double x) { return sqrt(x); }
+// sqrt(x) for x >= 0. NOTE: like the division (see ro_div), the GPU's IEEE square root has
+// a slow-path call that spills registers; device code refines the hardware reciprocal
+// square-root estimate with FMA steps instead (within one ulp of sqrt). The host is exact.
+RO_HD inline float ro_sqrt(float x) {
+#if defined(__CUDA_ARCH__)
+  const float r = rsqrtf(x);
+  const float s = x * r;
+  const float v = __fmaf_rn(0.5f * r, __fmaf_rn(-s, s, x), s);
+  return x > 0.0f && x < INFINITY ? v : (x > 0.0f ? x : 0.0f);
+#else
+  return sqrtf(x);
+#endif
+}
+RO_HD inline double ro_sqrt(double x) {
+#if defined(__CUDA_ARCH__)
+  double r = rsqrt(x);
+  r = r * __fma_rn(-0.5 * x * r, r, 1.5);
+  const double s = x * r;
+  const double v = __fma_rn(0.5 * r, __fma_rn(-s, s, x), s);
+  return x > 0.0 && x < INFINITY ? v : (x > 0.0 ? x : 0.0);
+#else
+  return sqrt(x);
+#endif
+}
+
+// a / b. NOTE: on the GPU an IEEE division carries a slow-path subroutine call, and the
+// registers live across that call are spilled to local memory (ptxas reports spill stores
+// in every kernel that divides). Device code therefore divides with a reciprocal estimate
+// and Newton/FMA refinement, which is call-free and differs from a / b by at most one ulp
+// (denominators here lie between 1e-30 and 1e30). The host divides exactly.
+RO_HD inline float ro_div(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  const float r = __fdividef(1.0f, b);
+  const float q = a * r;
+  return __fmaf_rn(r, __fmaf_rn(-b, q, a), q);
+#else
+  return a / b;
+#endif
+}
+RO_HD inline double ro_div(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  double r = static_cast<double>(__fdividef(1.0f, static_cast<float>(b)));
+  r = __fma_rn(r, __fma_rn(-b, r, 1.0), r);
+  r = __fma_rn(r, __fma_rn(-b, r, 1.0), r);
+  const double q = a * r;
+  return __fma_rn(r, __fma_rn(-b, q, a), q);
+#else
+  return a / b;
+#endif
+}
+
+// log1p(x) for x >= 0. NOTE: the device log1p spills registers in the gate kernels (the
+// ptxas spill check caught it); device code uses Kahan's form log(u) * x / (u - 1) with
+// u = 1 + x, accurate to a few ulp and call-free. The host uses log1p.
+RO_HD inline float ro_log1p(float x) {
+#if defined(__CUDA_ARCH__)
+  const float u = 1.0f + x;
+  return u == 1.0f ? x : logf(u) * ro_div(x, u - 1.0f);
+#else
+  return log1pf(x);
+#endif
+}
+RO_HD inline double ro_log1p(double x) {
+#if defined(__CUDA_ARCH__)
+  const double u = 1.0 + x;
+  return u == 1.0 ? x : log(u) * ro_div(x, u - 1.0);
+#else
+  return log1p(x);
+#endif
+}
 
 template <typename acc_t>
 RO_HD inline acc_t ro_max(acc_t a, acc_t b) {
@@ -46,7 +112,7 @@ RO_HD inline acc_t ro_max(acc_t a, acc_t b) {
 
 template <typename acc_t>
 RO_HD inline acc_t sigmoid(acc_t x) {
-  return acc_t(1) / (acc_t(1) + ro_exp(-x));
+  return ro_div(acc_t(1), acc_t(1) + ro_exp(-x));
 }
 
 template <typename acc_t>
@@ -68,7 +134,7 @@ RO_HD inline acc_t score_grad(int score_func, acc_t x, acc_t sc) {
   // d sqrt(softplus(x)) / dx = sigmoid(x) / (2 sqrt(softplus(x))); softplus is linear
   // above its threshold, so its slope is 1 there.
   acc_t slope = x > acc_t(kSoftplusThreshold) ? acc_t(1) : sigmoid(x);
-  return sc > acc_t(0) ? slope / (acc_t(2) * sc) : acc_t(0);
+  return sc > acc_t(0) ? ro_div(slope, acc_t(2) * sc) : acc_t(0);
 }
 
 // True when the weights of a row are normalised by their sum (element-wise score funcs).
@@ -82,10 +148,10 @@ RO_HD inline acc_t gate_weight(int score_func, bool normalize, acc_t z, acc_t st
                                acc_t stat_s, int nvalid, acc_t scale) {
   acc_t w;
   if (score_func == kSoftmax) {
-    w = ro_exp(z - stat_m) / (stat_s > acc_t(0) ? stat_s : acc_t(1));
+    w = ro_div(ro_exp(z - stat_m), stat_s > acc_t(0) ? stat_s : acc_t(1));
   } else {
     w = score(score_func, z);
-    if (divides_by_sum(normalize, nvalid)) w = w / (stat_s + acc_t(kNormEps));
+    if (divides_by_sum(normalize, nvalid)) w = ro_div(w, stat_s + acc_t(kNormEps));
   }
   return w * scale;
 }
@@ -115,8 +181,9 @@ template <typename acc_t>
 RO_HD inline acc_t elementwise_dz(int score_func, bool normalize, int nvalid, acc_t z, acc_t g,
                                   acc_t S_plus_eps, acc_t D) {
   acc_t sc = score(score_func, z);
-  acc_t gn = divides_by_sum(normalize, nvalid) ? g / S_plus_eps - D / (S_plus_eps * S_plus_eps)
-                                               : g;
+  acc_t gn = divides_by_sum(normalize, nvalid)
+                 ? ro_div(g, S_plus_eps) - ro_div(D, S_plus_eps * S_plus_eps)
+                 : g;
   return gn * score_grad(score_func, z, sc);
 }
 
@@ -124,7 +191,7 @@ RO_HD inline acc_t elementwise_dz(int score_func, bool normalize, int nvalid, ac
 // and A = sum_k a_k, grad_j = -p_j A + sum_{k: idx_k = j} a_k.
 template <typename acc_t>
 RO_HD inline acc_t softmax_full_base(acc_t x, acc_t m, acc_t s, acc_t A) {
-  return -(ro_exp(x - m) / s) * A;
+  return -ro_div(ro_exp(x - m), s) * A;
 }
 
 // ---------------------------------------------------------------------------- plan
@@ -133,8 +200,15 @@ RO_HD inline int64_t padded_count(int64_t count, int64_t align) {
   return (count + align - 1) / align * align;
 }
 
+// 32-bit form for device code: plan sizes are below 2^31 (the bindings check), and a 64-bit
+// division is a subroutine call on the GPU.
+RO_HD inline int32_t padded_count32(int32_t count, int32_t align) {
+  return (count + align - 1) / align * align;
+}
+
 // Token of a flat slot s = t*K + k.
 RO_HD inline int64_t slot_token(int64_t slot, int64_t K) { return slot / K; }
+RO_HD inline int32_t slot_token32(int32_t slot, int32_t K) { return slot / K; }
 
 // An index value takes a row only if it names an expert; -1 (and, with validate=False,
 // any out-of-range value) is an empty slot.

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Compile-check every CUDA kernel file without a GPU.
+#
+#   * each csrc/cuda/*.cu is compiled standalone (no PyTorch headers) for every arch in
+#     $CUDA_CHECK_ARCHS (default: sm_80 sm_90a), with warnings as errors on the device and
+#     host side;
+#   * ptxas runs with -v, and any kernel with a non-zero "bytes spill stores" fails the check;
+#   * csrc/bindings/register_cuda.cpp is syntax-checked against the installed torch headers
+#     when they include c10/cuda (a CPU torch wheel may lack the CMake-generated
+#     c10/cuda/impl/cuda_cmake_macros.h; a one-line stand-in is used then).
+# Results are cached in build/cuda_check/ by a hash of the sources, the flags and the nvcc
+# version, so a second run in the same tree costs nothing.
+# Without nvcc the check prints SKIP and exits 0.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+NVCC="${NVCC:-$(command -v nvcc || true)}"
+if [[ -z "$NVCC" && -x /usr/local/cuda/bin/nvcc ]]; then NVCC=/usr/local/cuda/bin/nvcc; fi
+if [[ -z "$NVCC" ]]; then
+  echo "check_cuda: SKIP: nvcc not found (set NVCC or put it on PATH); the CUDA kernels were NOT compile-checked"
+  exit 0
+fi
+
+ARCHS="${CUDA_CHECK_ARCHS:-sm_80 sm_90a}"
+FLAGS=(-std=c++17 -O3 -Icsrc/include -Icsrc/cuda -Werror all-warnings
+       -Xcompiler -Wall,-Wextra,-Werror -Xptxas -v,-warn-spills)
+SOURCES=(csrc/cuda/*.cu)
+PY="${PY:-python3}"
+
+key=$( { "$NVCC" --version; echo "$ARCHS ${FLAGS[*]}"; cat csrc/cuda/* csrc/include/* csrc/bindings/register_cuda.cpp "$0"; } | sha256sum | cut -c1-16)
+cache=build/cuda_check
+if [[ -f "$cache/$key.ok" ]]; then
+  echo "check_cuda: OK (cached $key): ${#SOURCES[@]} files x [$ARCHS], 0 spill stores"
+  exit 0
+fi
+mkdir -p "$cache/logs"
+
+fail=0
+pids=()
+logs=()
+for src in "${SOURCES[@]}"; do
+  for arch in $ARCHS; do
+    log="$cache/logs/$(basename "$src" .cu).$arch.log"
+    ( "$NVCC" "${FLAGS[@]}" -arch="$arch" -c "$src" -o "$cache/$(basename "$src" .cu).$arch.o" ) >"$log" 2>&1 &
+    pids+=($!)
+    logs+=("$log")
+  done
+done
+for i in "${!pids[@]}"; do
+  log="${logs[$i]}"
+  if ! wait "${pids[$i]}"; then
+    echo "check_cuda: FAIL: $(basename "$log" .log) did not compile:"
+    grep -v "^ptxas info" "$log" | head -40
+    fail=1
+    continue
+  fi
+  kernels=$(grep -c "bytes spill stores" "$log" || true)
+  spills=$(grep -E "[1-9][0-9]* bytes spill stores" "$log" || true)
+  if [[ -n "$spills" ]]; then
+    echo "check_cuda: FAIL: spill stores in $(basename "$log" .log):"
+    grep -B2 -E "[1-9][0-9]* bytes spill stores" "$log" | grep -E "Compiling|spill" | head -20
+    fail=1
+  else
+    echo "check_cuda: ok   $(basename "$log" .log): $kernels kernels, 0 spill stores"
+  fi
+done
+
+# Bindings: syntax check against the torch headers, when they carry c10/cuda.
+TORCH_INC=$("$PY" -c "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'include'))" 2>/dev/null || true)
+CUDA_INC="$(dirname "$(dirname "$(readlink -f "$NVCC")")")/include"
+[[ -f "$CUDA_INC/cuda_runtime.h" ]] || CUDA_INC="${CUDA_HOME:-/usr/local/cuda}/include"
+if [[ -n "$TORCH_INC" && -f "$TORCH_INC/c10/cuda/CUDAStream.h" && -f "$CUDA_INC/cuda_runtime.h" ]]; then
+  stub="$cache/stub"
+  if [[ ! -f "$TORCH_INC/c10/cuda/impl/cuda_cmake_macros.h" ]]; then
+    mkdir -p "$stub/c10/cuda/impl"
+    printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' >"$stub/c10/cuda/impl/cuda_cmake_macros.h"
+  fi
+  if "${CXX:-g++}" -std=c++17 -fsyntax-only -Wall -Wextra -Werror -Wno-unused-parameter \
+      -isystem "$stub" -isystem "$TORCH_INC" -isystem "$TORCH_INC/torch/csrc/api/include" \
+      -isystem "$CUDA_INC" -Icsrc/include csrc/bindings/register_cuda.cpp >"$cache/logs/bindings.log" 2>&1; then
+    echo "check_cuda: ok   register_cuda.cpp (syntax check against torch headers)"
+  else
+    echo "check_cuda: FAIL: csrc/bindings/register_cuda.cpp:"
+    grep -E "error" "$cache/logs/bindings.log" | head -20
+    fail=1
+  fi
+else
+  echo "check_cuda: note: torch headers without c10/cuda; the CUDA bindings were not syntax-checked"
+fi
+
+if [[ $fail -ne 0 ]]; then
+  echo "check_cuda: FAILED (logs in $cache/logs)"
+  exit 1
+fi
+touch "$cache/$key.ok"
+echo "check_cuda: OK: ${#SOURCES[@]} files x [$ARCHS], warnings as errors, 0 spill stores"

@@ -1,0 +1,221 @@
+// CUDA implementations of the internal replay::native_* ops: thin wrappers that check
+// shapes, allocate outputs with the caching allocator, and call the framework-free launchers
+// of csrc/cuda/ on the current stream under a device guard. Nothing here synchronises with
+// the host, so the ops are CUDA-graph capturable (validation happens earlier, in Python,
+// and only when validate=True).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <string>
+
+#include "../cuda/replay_cuda.h"
+#include "replay_math.h"
+
+namespace {
+
+using replay_cuda::DType;
+using replay_cuda::IType;
+
+int score_func_code(c10::string_view name) {
+  if (name == "softmax") return replay_math::kSoftmax;
+  if (name == "sigmoid") return replay_math::kSigmoid;
+  if (name == "sqrtsoftplus") return replay_math::kSqrtSoftplus;
+  TORCH_CHECK(false, "replay_ops native: unknown score_func='", std::string(name),
+              "'; expected softmax, sigmoid or sqrtsoftplus");
+  return -1;
+}
+
+DType dtype_of(const at::Tensor& t, const char* arg) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kDouble: return DType::kFloat64;
+    default:
+      TORCH_CHECK(false, "replay_ops native CUDA: ", arg,
+                  " must be float32, float16, bfloat16 or float64, got ", t.scalar_type());
+  }
+  return DType::kFloat32;
+}
+
+IType itype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kShort: return IType::kInt16;
+    case at::kInt: return IType::kInt32;
+    case at::kLong: return IType::kInt64;
+    default:
+      TORCH_CHECK(false, "replay_ops native CUDA: expert_indices must be int16, int32 or int64, "
+                  "got ", t.scalar_type());
+  }
+  return IType::kInt32;
+}
+
+at::ScalarType acc_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+void check_launch(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, "replay_ops native CUDA ", op, " failed: ",
+              cudaGetErrorString(err));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gate_fwd(
+    const at::Tensor& logits_in, const at::Tensor& idx, c10::string_view score_func,
+    bool normalize, double scaling_factor, int64_t align) {
+  TORCH_CHECK(logits_in.dim() == 2 && idx.dim() == 2 && idx.size(0) == logits_in.size(0),
+              "replay_ops native gate: expected logits [T, E] and expert_indices [T, K], got ",
+              logits_in.sizes(), " and ", idx.sizes());
+  const c10::cuda::CUDAGuard guard(logits_in.device());
+  const int sf = score_func_code(score_func);
+  const at::Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
+  const int64_t T = logits.size(0), E = logits.size(1), K = idx.size(1);
+  TORCH_CHECK(E <= replay_cuda::kMaxExperts, "replay_ops native CUDA gate supports E <= ",
+              replay_cuda::kMaxExperts, " experts, got E=", E);
+  const int64_t n_sorted = T * K + E * (align - 1);
+  TORCH_CHECK(n_sorted < (int64_t(1) << 31), "replay_ops native gate: T*K + E*(align-1) = ",
+              n_sorted, " does not fit the int32 plan tensors");
+  auto i32 = logits.options().dtype(at::kInt);
+  at::Tensor weights = at::empty({T, K}, logits.options());
+  at::Tensor idx32 = at::empty({T, K}, i32);
+  at::Tensor counts = at::empty({E}, i32);
+  at::Tensor offsets = at::empty({E + 1}, i32);
+  at::Tensor row_id_map = at::empty({T, K}, i32);
+  at::Tensor sorted_slots = at::empty({n_sorted}, i32);
+  const size_t ws_bytes = replay_cuda::gate_fwd_workspace_bytes(T, E, K);
+  at::Tensor ws = at::empty({static_cast<int64_t>(ws_bytes)}, logits.options().dtype(at::kByte));
+  replay_cuda::GateFwdArgs a{};
+  a.logits = logits.data_ptr();
+  a.logits_dtype = dtype_of(logits, "logits");
+  a.stride_lt = logits.stride(0);
+  a.indices = idx.data_ptr();
+  a.index_dtype = itype_of(idx);
+  a.stride_it = idx.stride(0);
+  a.stride_ik = idx.stride(1);
+  a.T = T;
+  a.E = E;
+  a.K = K;
+  a.align = align;
+  a.score_func = sf;
+  a.normalize = normalize;
+  a.scaling_factor = scaling_factor;
+  a.weights = weights.data_ptr();
+  a.indices32 = idx32.data_ptr<int32_t>();
+  a.tokens_per_expert = counts.data_ptr<int32_t>();
+  a.expert_offsets = offsets.data_ptr<int32_t>();
+  a.row_id_map = row_id_map.data_ptr<int32_t>();
+  a.sorted_slots = sorted_slots.data_ptr<int32_t>();
+  check_launch(replay_cuda::gate_fwd(a, ws_bytes ? ws.data_ptr() : nullptr,
+                                     c10::cuda::getCurrentCUDAStream()),
+               "gate");
+  return {weights, idx32, counts, offsets, row_id_map, sorted_slots};
+}
+
+at::Tensor gate_bwd(const at::Tensor& grad_weights, const at::Tensor& logits_in,
+                    const at::Tensor& idx, c10::string_view score_func, bool normalize,
+                    double scaling_factor) {
+  TORCH_CHECK(logits_in.dim() == 2 && idx.dim() == 2 && grad_weights.sizes() == idx.sizes(),
+              "replay_ops native gate_backward: bad shapes ", logits_in.sizes(), ", ",
+              grad_weights.sizes(), ", ", idx.sizes());
+  const c10::cuda::CUDAGuard guard(logits_in.device());
+  const int sf = score_func_code(score_func);
+  TORCH_CHECK(idx.size(1) <= replay_cuda::kMaxTopK, "replay_ops native CUDA gate_backward "
+              "supports K <= ", replay_cuda::kMaxTopK, ", got K=", idx.size(1));
+  const at::Tensor logits = logits_in.contiguous();
+  const at::Tensor i32 = idx.to(at::kInt).contiguous();
+  const at::Tensor g = grad_weights.to(acc_dtype(logits.scalar_type())).contiguous();
+  at::Tensor grad = at::empty_like(logits);
+  check_launch(replay_cuda::gate_bwd(g.data_ptr(), logits.data_ptr(), dtype_of(logits, "logits"),
+                                     i32.data_ptr<int32_t>(), logits.size(0), logits.size(1),
+                                     i32.size(1), sf, normalize, scaling_factor, grad.data_ptr(),
+                                     c10::cuda::getCurrentCUDAStream()),
+               "gate_backward");
+  return grad;
+}
+
+at::Tensor permute_fwd(const at::Tensor& hidden_in, const at::Tensor& sorted_slots,
+                       const at::Tensor& row_id_map, int64_t num_rows) {
+  TORCH_CHECK(hidden_in.dim() == 2 && num_rows >= 0, "replay_ops native permute: hidden must be "
+              "2-D and num_rows >= 0, got ", hidden_in.sizes(), ", num_rows=", num_rows);
+  const c10::cuda::CUDAGuard guard(hidden_in.device());
+  const at::Tensor hidden = hidden_in.contiguous();
+  const at::Tensor ss = sorted_slots.to(at::kInt).contiguous();
+  at::Tensor out = at::empty({num_rows, hidden.size(1)}, hidden.options());
+  check_launch(replay_cuda::permute_fwd(hidden.data_ptr(), hidden.element_size(), hidden.size(0),
+                                        hidden.size(1), ss.data_ptr<int32_t>(), ss.numel(),
+                                        row_id_map.size(1), num_rows, out.data_ptr(),
+                                        c10::cuda::getCurrentCUDAStream()),
+               "permute");
+  return out;
+}
+
+at::Tensor gather(const at::Tensor& x_in, const at::Tensor& row_id_map, const at::Tensor* w,
+                  const char* op) {
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor rid = row_id_map.to(at::kInt).contiguous();
+  at::Tensor wa;
+  if (w) wa = w->to(acc_dtype(x.scalar_type())).contiguous();
+  at::Tensor out = at::empty({rid.size(0), x.size(1)}, x.options());
+  check_launch(replay_cuda::gather_sum(x.data_ptr(), dtype_of(x, "expert_out"), x.size(0),
+                                       x.size(1), rid.data_ptr<int32_t>(), rid.size(0),
+                                       rid.size(1), w ? wa.data_ptr() : nullptr, out.data_ptr(),
+                                       c10::cuda::getCurrentCUDAStream()),
+               op);
+  return out;
+}
+
+at::Tensor permute_bwd(const at::Tensor& grad_out, const at::Tensor& row_id_map) {
+  TORCH_CHECK(grad_out.dim() == 2 && row_id_map.dim() == 2,
+              "replay_ops native permute_backward: bad shapes ", grad_out.sizes(), ", ",
+              row_id_map.sizes());
+  return gather(grad_out, row_id_map, nullptr, "permute_backward");
+}
+
+at::Tensor unpermute_fwd(const at::Tensor& expert_out, const at::Tensor& row_id_map,
+                         const at::Tensor& weights) {
+  TORCH_CHECK(expert_out.dim() == 2 && row_id_map.dim() == 2 &&
+                  weights.sizes() == row_id_map.sizes(),
+              "replay_ops native unpermute: bad shapes ", expert_out.sizes(), ", ",
+              row_id_map.sizes(), ", ", weights.sizes());
+  return gather(expert_out, row_id_map, &weights, "unpermute");
+}
+
+std::tuple<at::Tensor, at::Tensor> unpermute_bwd(const at::Tensor& grad_out_in,
+                                                 const at::Tensor& expert_out_in,
+                                                 const at::Tensor& row_id_map,
+                                                 const at::Tensor& sorted_slots,
+                                                 const at::Tensor& weights) {
+  TORCH_CHECK(grad_out_in.dim() == 2 && expert_out_in.dim() == 2 &&
+                  weights.sizes() == row_id_map.sizes() &&
+                  grad_out_in.size(0) == row_id_map.size(0) &&
+                  grad_out_in.size(1) == expert_out_in.size(1),
+              "replay_ops native unpermute_backward: bad shapes ", grad_out_in.sizes(), ", ",
+              expert_out_in.sizes(), ", ", row_id_map.sizes(), ", ", weights.sizes());
+  const c10::cuda::CUDAGuard guard(expert_out_in.device());
+  const at::Tensor x = expert_out_in.contiguous();
+  const at::Tensor go = grad_out_in.to(x.scalar_type()).contiguous();
+  const at::Tensor rid = row_id_map.to(at::kInt).contiguous();
+  const at::Tensor ss = sorted_slots.to(at::kInt).contiguous();
+  const auto adt = acc_dtype(x.scalar_type());
+  const at::Tensor w = weights.to(adt).contiguous();
+  at::Tensor grad_x = at::empty_like(x);
+  at::Tensor grad_w = at::empty({rid.size(0), rid.size(1)}, x.options().dtype(adt));
+  check_launch(replay_cuda::unpermute_bwd(go.data_ptr(), x.data_ptr(), dtype_of(x, "expert_out"),
+                                          x.size(0), x.size(1), rid.data_ptr<int32_t>(),
+                                          ss.data_ptr<int32_t>(), ss.numel(), rid.size(0),
+                                          rid.size(1), w.data_ptr(), grad_x.data_ptr(),
+                                          grad_w.data_ptr(), c10::cuda::getCurrentCUDAStream()),
+               "unpermute_backward");
+  return {grad_x, grad_w.to(weights.scalar_type())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(replay, CUDA, m) {
+  m.impl("native_gate_fwd", &gate_fwd);
+  m.impl("native_gate_bwd", &gate_bwd);
+  m.impl("native_permute_fwd", &permute_fwd);
+  m.impl("native_permute_bwd", &permute_bwd);
+  m.impl("native_unpermute_fwd", &unpermute_fwd);
+  m.impl("native_unpermute_bwd", &unpermute_bwd);
+}

@@ -1,0 +1,415 @@
+// CUDA kernels of the fused gate plus dispatch plan, and of the gate backward.
+//
+// Plan algorithm (the same as the CPU path in csrc/cpu/gate_cpu.cpp):
+//   1. per chunk of 256 token rows: the gate weights (one thread per row, math from
+//      replay_math.h) and the chunk's slot count per expert;
+//   2. an exclusive scan of those counts over the chunks, per expert;
+//   3. per chunk: each warp counts its 32 rows' slots per expert, a scan over the warps gives
+//      each warp its first row per expert, and the warp scatters its slots 32 at a time,
+//      ranking equal experts with __match_any_sync.
+// Rows of an expert are in ascending flat-slot order (t*K + k), padding rows close each
+// expert segment, and -1 fills padding and tail. Shared-memory integer atomics only build
+// counts (whose values do not depend on the order of the additions); ranks never come from
+// atomics, so the plan is bitwise deterministic. For T*K <= kSmallSlots all three steps run
+// in one CTA, in one launch.
+#include "cuda_common.cuh"
+
+namespace replay_cuda {
+namespace {
+
+using namespace detail;
+namespace rm = replay_math;
+
+constexpr int kRowsPerCta = 256;  // chunk of token rows: one thread per row
+constexpr int kWarps = kRowsPerCta / 32;
+constexpr int kScanThreads = 1024;
+
+// Gate weights and the int32 index copy of one token row (one thread).
+template <typename scalar_t, typename index_t>
+__device__ __forceinline__ void gate_row(const GateFwdArgs& a, int64_t t) {
+  using A = acc_t<scalar_t>;
+  const scalar_t* x = static_cast<const scalar_t*>(a.logits) + t * a.stride_lt;
+  const index_t* ip = static_cast<const index_t*>(a.indices) + t * a.stride_it;
+  scalar_t* w = static_cast<scalar_t*>(a.weights) + t * a.K;
+  int32_t* i32 = a.indices32 + t * a.K;
+  const int64_t E = a.E, K = a.K;
+  const int sf = a.score_func;
+  const bool full = sf == rm::kSoftmax && !a.normalize;
+  int nvalid = 0;
+  bool any = false;
+  A m = A(0), s = A(0);
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t e = static_cast<int64_t>(ip[k * a.stride_ik]);
+    i32[k] = static_cast<int32_t>(e);
+    if (!rm::takes_row(e, E)) continue;
+    ++nvalid;
+    const A z = to_acc(x[e]);
+    if (sf == rm::kSoftmax) {
+      if (!full) {
+        m = any ? rm::ro_max(m, z) : z;
+        any = true;
+      }
+    } else if (rm::divides_by_sum(a.normalize, 2)) {
+      s += rm::score(sf, z);
+    }
+  }
+  if (full) {
+    m = to_acc(x[0]);
+    for (int64_t j = 1; j < E; ++j) m = rm::ro_max(m, to_acc(x[j]));
+    for (int64_t j = 0; j < E; ++j) s += rm::ro_exp(to_acc(x[j]) - m);
+  } else if (sf == rm::kSoftmax) {
+    m = rm::finite_or_zero(m, any);
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t e = static_cast<int64_t>(ip[k * a.stride_ik]);
+      if (rm::takes_row(e, E)) s += rm::ro_exp(to_acc(x[e]) - m);
+    }
+  }
+  const A scale = static_cast<A>(a.scaling_factor);
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t e = static_cast<int64_t>(ip[k * a.stride_ik]);
+    A v = A(0);
+    if (rm::takes_row(e, E)) v = rm::gate_weight(sf, a.normalize, to_acc(x[e]), m, s, nvalid, scale);
+    w[k] = from_acc<scalar_t>(v);
+  }
+}
+
+__device__ __forceinline__ int slot_expert(const int32_t* idx32, int64_t s, int64_t s1, int64_t E) {
+  const int e = s < s1 ? idx32[s] : -1;
+  return rm::takes_row(e, E) ? e : -1;
+}
+
+// Count the slots [s0, s1) per expert into h[E] (this warp's row of shared memory).
+__device__ __forceinline__ void warp_count(const int32_t* idx32, int64_t s0, int64_t s1,
+                                           int64_t E, int32_t* h) {
+  const int lane = threadIdx.x & 31;
+  for (int64_t base = s0; base < s1; base += 32) {
+    const int e = slot_expert(idx32, base + lane, s1, E);
+    const unsigned group = __match_any_sync(kFullMask, e);
+    if (e >= 0 && lane == __ffs(group) - 1) h[e] += __popc(group);
+    __syncwarp();
+  }
+}
+
+// Scatter the slots [s0, s1) in ascending order; cur[e] is this warp's next row of expert e.
+__device__ __forceinline__ void warp_scatter(const int32_t* idx32, int64_t s0, int64_t s1,
+                                             int64_t E, int32_t* cur, int32_t* row_id_map,
+                                             int32_t* sorted_slots) {
+  const int lane = threadIdx.x & 31;
+  for (int64_t base = s0; base < s1; base += 32) {
+    const int64_t s = base + lane;
+    const int e = slot_expert(idx32, s, s1, E);
+    const unsigned group = __match_any_sync(kFullMask, e);
+    if (e >= 0) {
+      const int32_t row = cur[e] + __popc(group & lanemask_lt());
+      row_id_map[s] = row;
+      sorted_slots[row] = static_cast<int32_t>(s);
+    } else if (s < s1) {
+      row_id_map[s] = -1;
+    }
+    __syncwarp();
+    if (e >= 0 && lane == __ffs(group) - 1) cur[e] += __popc(group);
+    __syncwarp();
+  }
+}
+
+// off[0..E] = exclusive prefix sum of the counts rounded up to `align` (block-wide).
+__device__ void block_offsets(const int32_t* counts, int64_t E, int32_t align, int32_t* off) {
+  __shared__ int32_t warp_tot[32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int nwarps = (blockDim.x + 31) >> 5;
+  // E <= kMaxExperts: 32-bit index math (a 64-bit division would be a subroutine call).
+  const int nE = static_cast<int>(E);
+  const int per = (nE + static_cast<int>(blockDim.x) - 1) / static_cast<int>(blockDim.x);
+  const int e0 = tid * per < nE ? tid * per : nE, e1 = e0 + per < nE ? e0 + per : nE;
+  int32_t local = 0;
+  for (int e = e0; e < e1; ++e) local += rm::padded_count32(counts[e], align);
+  int32_t incl = local;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int32_t v = __shfl_up_sync(kFullMask, incl, o);
+    if (lane >= o) incl += v;
+  }
+  if (lane == 31) warp_tot[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    int32_t v = lane < nwarps ? warp_tot[lane] : 0;
+    int32_t wi = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int32_t u = __shfl_up_sync(kFullMask, wi, o);
+      if (lane >= o) wi += u;
+    }
+    if (lane < nwarps) warp_tot[lane] = wi - v;  // exclusive over warps
+    if (lane == nwarps - 1) off[E] = wi;
+  }
+  __syncthreads();
+  int32_t run = warp_tot[warp] + incl - local;
+  for (int e = e0; e < e1; ++e) {
+    off[e] = run;
+    run += rm::padded_count32(counts[e], align);
+  }
+  __syncthreads();
+}
+
+// -1 in the padding rows of every expert and in the tail past the used rows.
+__device__ __forceinline__ void fill_unused(const int32_t* off, const int32_t* counts, int64_t E,
+                                            int64_t n_sorted, int32_t* sorted_slots) {
+  for (int64_t e = blockIdx.x; e < E; e += gridDim.x)
+    for (int64_t r = off[e] + counts[e] + threadIdx.x; r < off[e + 1]; r += blockDim.x)
+      sorted_slots[r] = -1;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t r = off[E] + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       r < n_sorted; r += stride)
+    sorted_slots[r] = -1;
+}
+
+// ---------------------------------------------------------------- single-launch path
+template <typename scalar_t, typename index_t>
+__global__ void __launch_bounds__(kRowsPerCta) _gate_plan_small_kernel(GateFwdArgs a) {
+  extern __shared__ int32_t smem[];
+  const int64_t E = a.E, T = a.T, K = a.K;
+  int32_t* off = smem;          // [E + 1]
+  int32_t* cnt = off + E + 1;   // [E]
+  int32_t* wh = cnt + E;        // [kWarps][E]
+  const int tid = threadIdx.x, warp = tid >> 5;
+  for (int64_t t = tid; t < T; t += blockDim.x) gate_row<scalar_t, index_t>(a, t);
+  for (int64_t i = tid; i < kWarps * E; i += blockDim.x) wh[i] = 0;
+  __syncthreads();  // indices32 and the zeroed counts are visible to the whole block
+  const int64_t TK = T * K, per = (TK + kWarps - 1) / kWarps;
+  const int64_t s0 = warp * per < TK ? warp * per : TK;
+  const int64_t s1 = s0 + per < TK ? s0 + per : TK;
+  warp_count(a.indices32, s0, s1, E, wh + warp * E);
+  __syncthreads();
+  for (int64_t e = tid; e < E; e += blockDim.x) {
+    int32_t run = 0;
+    for (int w = 0; w < kWarps; ++w) {
+      const int32_t v = wh[w * E + e];
+      wh[w * E + e] = run;
+      run += v;
+    }
+    cnt[e] = run;
+    a.tokens_per_expert[e] = run;
+  }
+  __syncthreads();
+  block_offsets(cnt, E, static_cast<int32_t>(a.align), off);
+  for (int64_t e = tid; e <= E; e += blockDim.x) a.expert_offsets[e] = off[e];
+  for (int w = 0; w < kWarps; ++w)
+    for (int64_t e = tid; e < E; e += blockDim.x) wh[w * E + e] += off[e];
+  __syncthreads();
+  warp_scatter(a.indices32, s0, s1, E, wh + warp * E, a.row_id_map, a.sorted_slots);
+  fill_unused(off, cnt, E, T * K + E * (a.align - 1), a.sorted_slots);
+}
+
+// ---------------------------------------------------------------- multi-CTA path
+template <typename scalar_t, typename index_t>
+__global__ void __launch_bounds__(kRowsPerCta) _gate_hist_kernel(GateFwdArgs a, int32_t* hist) {
+  extern __shared__ int32_t smem[];  // [E]
+  const int64_t E = a.E;
+  for (int64_t e = threadIdx.x; e < E; e += blockDim.x) smem[e] = 0;
+  __syncthreads();
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + threadIdx.x;
+  if (t < a.T) {
+    gate_row<scalar_t, index_t>(a, t);
+    for (int64_t k = 0; k < a.K; ++k) {
+      const int e = a.indices32[t * a.K + k];
+      if (rm::takes_row(e, E)) atomicAdd(&smem[e], 1);  // integer count: order-free
+    }
+  }
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < E; e += blockDim.x)
+    hist[static_cast<int64_t>(blockIdx.x) * E + e] = smem[e];
+}
+
+// hist[c][e] -> sum of hist[c'][e] over c' < c; counts[e] = total. One CTA per 32 experts.
+__global__ void __launch_bounds__(kScanThreads) _chunk_scan_kernel(int32_t* hist, int64_t nch,
+                                                                   int64_t E, int32_t* counts) {
+  __shared__ int32_t part[32][33];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * 32 + lane;
+  const int64_t cpw = (nch + 31) / 32;
+  const int64_t c0 = warp * cpw < nch ? warp * cpw : nch;
+  const int64_t c1 = c0 + cpw < nch ? c0 + cpw : nch;
+  int32_t sum = 0;
+  if (e < E)
+    for (int64_t c = c0; c < c1; ++c) sum += hist[c * E + e];
+  part[warp][lane] = sum;
+  __syncthreads();
+  if (warp == 0) {
+    int32_t run = 0;
+    for (int w = 0; w < 32; ++w) {
+      const int32_t v = part[w][lane];
+      part[w][lane] = run;
+      run += v;
+    }
+    if (e < E) counts[e] = run;
+  }
+  __syncthreads();
+  int32_t run = part[warp][lane];
+  if (e < E)
+    for (int64_t c = c0; c < c1; ++c) {
+      const int32_t v = hist[c * E + e];
+      hist[c * E + e] = run;
+      run += v;
+    }
+}
+
+__global__ void __launch_bounds__(kRowsPerCta) _gate_scatter_kernel(GateFwdArgs a,
+                                                                   const int32_t* hist) {
+  extern __shared__ int32_t smem[];
+  const int64_t E = a.E, T = a.T, K = a.K;
+  int32_t* off = smem;         // [E + 1]
+  int32_t* wh = off + E + 1;   // [kWarps][E]
+  const int tid = threadIdx.x, warp = tid >> 5;
+  for (int64_t i = tid; i < kWarps * E; i += blockDim.x) wh[i] = 0;
+  block_offsets(a.tokens_per_expert, E, static_cast<int32_t>(a.align), off);  // ends with __syncthreads
+  if (blockIdx.x == 0)
+    for (int64_t e = tid; e <= E; e += blockDim.x) a.expert_offsets[e] = off[e];
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + warp * 32;
+  const int64_t s0 = (t0 < T ? t0 : T) * K;
+  const int64_t s1 = (t0 + 32 < T ? t0 + 32 : T) * K;  // s1 >= s0: t0 + 32 > t0
+  warp_count(a.indices32, s0, s1, E, wh + warp * E);
+  __syncthreads();
+  for (int64_t e = tid; e < E; e += blockDim.x) {
+    int32_t run = off[e] + hist[static_cast<int64_t>(blockIdx.x) * E + e];
+    for (int w = 0; w < kWarps; ++w) {
+      const int32_t v = wh[w * E + e];
+      wh[w * E + e] = run;
+      run += v;
+    }
+  }
+  __syncthreads();
+  warp_scatter(a.indices32, s0, s1, E, wh + warp * E, a.row_id_map, a.sorted_slots);
+  fill_unused(off, a.tokens_per_expert, E, T * K + E * (a.align - 1), a.sorted_slots);
+}
+
+// ---------------------------------------------------------------- backward
+// One warp per token row, lane k holds slot k (K <= 32); the dense row is written once.
+template <typename scalar_t>
+__global__ void __launch_bounds__(256) _gate_bwd_kernel(const acc_t<scalar_t>* gw,
+                                                        const scalar_t* x, const int32_t* idx,
+                                                        int64_t T, int64_t E, int64_t K, int sf,
+                                                        bool normalize, double scaling,
+                                                        scalar_t* out) {
+  using A = acc_t<scalar_t>;
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
+  const A scale = static_cast<A>(scaling);
+  const A neg_inf = -static_cast<A>(INFINITY);
+  const bool full = sf == rm::kSoftmax && !normalize;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+       t < T; t += warps) {
+    const scalar_t* xr = x + t * E;
+    scalar_t* orow = out + t * E;
+    int e = -1;
+    bool v = false;
+    A z = A(0), g = A(0);
+    if (lane < K) {
+      e = idx[t * K + lane];
+      v = rm::takes_row(e, E);
+      if (v) {
+        z = to_acc(xr[e]);
+        g = gw[t * K + lane] * scale;
+      }
+    }
+    const int nvalid = __popc(__ballot_sync(kFullMask, v));
+    A dz = A(0), m = A(0), s = A(0), Asum = A(0);
+    if (full) {
+      A lm = neg_inf;
+      for (int64_t j = lane; j < E; j += 32) lm = rm::ro_max(lm, to_acc(xr[j]));
+      m = warp_max(lm);
+      A ls = A(0);
+      for (int64_t j = lane; j < E; j += 32) ls += rm::ro_exp(to_acc(xr[j]) - m);
+      s = warp_sum(ls);
+      dz = v ? g * rm::ro_div(rm::ro_exp(z - m), s) : A(0);  // a_k
+      Asum = warp_sum(dz);
+    } else if (sf == rm::kSoftmax) {
+      const A mm = warp_max(v ? z : neg_inf);
+      m = rm::finite_or_zero(mm, nvalid > 0);
+      const A ev = v ? rm::ro_exp(z - m) : A(0);
+      const A ssum = warp_sum(ev);
+      const A q = rm::ro_div(ev, ssum > A(0) ? ssum : A(1));
+      const A Gs = warp_sum(v ? g * q : A(0));
+      dz = v ? rm::softmax_sel_dz(q, g, Gs) : A(0);
+    } else {
+      const A sc = v ? rm::score(sf, z) : A(0);
+      const A S = warp_sum(sc) + static_cast<A>(rm::kNormEps);
+      const A D = warp_sum(v ? g * sc : A(0));
+      dz = v ? rm::elementwise_dz(sf, normalize, nvalid, z, g, S, D) : A(0);
+    }
+    for (int64_t j = lane; j < E; j += 32) {
+      const A base = full ? rm::softmax_full_base(to_acc(xr[j]), m, s, Asum) : A(0);
+      orow[j] = from_acc<scalar_t>(base);
+    }
+    __syncwarp();
+    // Column e of a selected slot: base + the slot gradients of that column in k order,
+    // written by the first lane that holds the column.
+    A tot = (full && v) ? rm::softmax_full_base(z, m, s, Asum) : A(0);
+    bool first = v;
+    for (int kk = 0; kk < K; ++kk) {
+      const int ek = __shfl_sync(kFullMask, e, kk);
+      const A dk = __shfl_sync(kFullMask, dz, kk);
+      if (v && ek == e) {
+        tot += dk;
+        if (kk < lane) first = false;
+      }
+    }
+    if (v && first) orow[e] = from_acc<scalar_t>(tot);
+    __syncwarp();
+  }
+}
+
+template <typename scalar_t, typename index_t>
+cudaError_t launch_gate_fwd(const GateFwdArgs& a, void* workspace, cudaStream_t stream) {
+  const int64_t TK = a.T * a.K;
+  if (TK <= kSmallSlots) {
+    const size_t smem = static_cast<size_t>(10 * a.E + 1) * sizeof(int32_t);
+    _gate_plan_small_kernel<scalar_t, index_t><<<1, kRowsPerCta, smem, stream>>>(a);
+    return cudaGetLastError();
+  }
+  const int64_t nch = ceil_div(a.T, kRowsPerCta);
+  int32_t* hist = static_cast<int32_t*>(workspace);
+  if (hist == nullptr) return cudaErrorInvalidValue;
+  _gate_hist_kernel<scalar_t, index_t>
+      <<<static_cast<unsigned>(nch), kRowsPerCta, a.E * sizeof(int32_t), stream>>>(a, hist);
+  _chunk_scan_kernel<<<static_cast<unsigned>(ceil_div(a.E, 32)), kScanThreads, 0, stream>>>(
+      hist, nch, a.E, a.tokens_per_expert);
+  const size_t smem = static_cast<size_t>((kWarps + 1) * a.E + 1) * sizeof(int32_t);
+  _gate_scatter_kernel<<<static_cast<unsigned>(nch), kRowsPerCta, smem, stream>>>(a, hist);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+size_t gate_fwd_workspace_bytes(int64_t T, int64_t E, int64_t K) {
+  if (T * K <= kSmallSlots) return 0;
+  return static_cast<size_t>(detail::ceil_div(T, kRowsPerCta) * E) * sizeof(int32_t);
+}
+
+cudaError_t gate_fwd(const GateFwdArgs& a, void* workspace, cudaStream_t stream) {
+  if (a.E < 1 || a.E > kMaxExperts || a.K < 1 || a.T < 0 || a.align < 1) {
+    return cudaErrorInvalidValue;
+  }
+  RO_CUDA_DISPATCH_FLOAT(a.logits_dtype, RO_CUDA_DISPATCH_INDEX(a.index_dtype, {
+    return launch_gate_fwd<scalar_t, index_t>(a, workspace, stream);
+  }));
+  return cudaSuccess;
+}
+
+cudaError_t gate_bwd(const void* grad_weights_acc, const void* logits, DType logits_dtype,
+                     const int32_t* indices32, int64_t T, int64_t E, int64_t K, int score_func,
+                     bool normalize, double scaling_factor, void* grad_logits,
+                     cudaStream_t stream) {
+  if (E < 1 || K < 1 || K > kMaxTopK || T < 0) return cudaErrorInvalidValue;
+  if (T == 0) return cudaSuccess;
+  const unsigned grid = detail::grid_1d(detail::ceil_div(T, 8));
+  RO_CUDA_DISPATCH_FLOAT(logits_dtype, {
+    _gate_bwd_kernel<scalar_t><<<grid, 256, 0, stream>>>(
+        static_cast<const detail::acc_t<scalar_t>*>(grad_weights_acc),
+        static_cast<const scalar_t*>(logits), indices32, T, E, K, score_func, normalize,
+        scaling_factor, static_cast<scalar_t*>(grad_logits));
+    return cudaGetLastError();
+  });
+  return cudaSuccess;
+}
+
+}  // namespace replay_cuda

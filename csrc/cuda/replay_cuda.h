@@ -1,0 +1,82 @@
+// Framework-free launchers of the replay_ops CUDA kernels.
+//
+// Raw device pointers, sizes and a cudaStream_t: no PyTorch header is needed, so nvcc can
+// compile these files on their own (.ci/check_cuda.sh) and any framework can call them.
+// The PyTorch bindings live in csrc/bindings/register_cuda.cpp.
+//
+// Every launcher only enqueues work on `stream` (no host synchronisation, no allocation, no
+// device atomics on floats), so all of them can be captured in a CUDA graph. Results are
+// bitwise deterministic: every output element has exactly one writer, and reductions run in
+// a fixed order.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+namespace replay_cuda {
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
+enum class IType : int { kInt16 = 0, kInt32 = 1, kInt64 = 2 };
+
+// Limits of the CUDA gate kernels (shared-memory histograms, one lane per slot in the
+// backward). The PyTorch binding routes larger problems to another backend.
+constexpr int64_t kMaxExperts = 1024;
+constexpr int64_t kMaxTopK = 32;
+// Problems with T*K up to this many slots take the single-launch path.
+constexpr int64_t kSmallSlots = 8192;
+
+struct GateFwdArgs {
+  // inputs
+  const void* logits;      // [T, E], row stride `stride_lt` elements, unit column stride
+  DType logits_dtype;
+  int64_t stride_lt;
+  const void* indices;     // [T, K], strides (stride_it, stride_ik) elements
+  IType index_dtype;
+  int64_t stride_it, stride_ik;
+  int64_t T, E, K, align;
+  int score_func;          // replay_math::ScoreFunc
+  bool normalize;
+  double scaling_factor;
+  // outputs (contiguous)
+  void* weights;           // [T, K], logits dtype
+  int32_t* indices32;      // [T, K]
+  int32_t* tokens_per_expert;  // [E]
+  int32_t* expert_offsets;     // [E + 1]
+  int32_t* row_id_map;         // [T, K]
+  int32_t* sorted_slots;       // [T*K + E*(align-1)]
+};
+
+// Bytes of device workspace gate_fwd needs (0 for the single-launch path).
+size_t gate_fwd_workspace_bytes(int64_t T, int64_t E, int64_t K);
+
+// Gate weights plus dispatch plan. One launch when T*K <= kSmallSlots, else three:
+// weights + per-chunk histograms, a scan over chunks, and the scatter.
+cudaError_t gate_fwd(const GateFwdArgs& args, void* workspace, cudaStream_t stream);
+
+// Dense [T, E] logits gradient (logits dtype) in one launch; grad_weights is [T, K] in the
+// compute type (fp32, or fp64 for fp64 logits), indices32 the int32 indices gate_fwd used.
+cudaError_t gate_bwd(const void* grad_weights_acc, const void* logits, DType logits_dtype,
+                     const int32_t* indices32, int64_t T, int64_t E, int64_t K,
+                     int score_func, bool normalize, double scaling_factor, void* grad_logits,
+                     cudaStream_t stream);
+
+// out[r] = hidden[sorted_slots[r] / K] for r < num_rows, zero rows for padding and tail.
+cudaError_t permute_fwd(const void* hidden, int64_t elem_size, int64_t T, int64_t H,
+                        const int32_t* sorted_slots, int64_t n_slots, int64_t K,
+                        int64_t num_rows, void* out, cudaStream_t stream);
+
+// out[t] = sum_k w[t, k] * x[row_id_map[t, k]] over rows in [0, R), fp32 (fp64) in column
+// order; w == nullptr gives the plain gather-sum (permute backward). w is in the compute type.
+cudaError_t gather_sum(const void* x, DType dtype, int64_t R, int64_t H,
+                       const int32_t* row_id_map, int64_t T, int64_t K, const void* w_acc,
+                       void* out, cudaStream_t stream);
+
+// grad_x[r] = w[s] * grad_out[s / K] for the slot s of row r (zero rows without a slot), and
+// grad_w[t, k] = <grad_out[t], x[row_id_map[t, k]]> (compute type).
+cudaError_t unpermute_bwd(const void* grad_out, const void* x, DType dtype, int64_t R, int64_t H,
+                          const int32_t* row_id_map, const int32_t* sorted_slots,
+                          int64_t n_slots, int64_t T, int64_t K, const void* w_acc,
+                          void* grad_x, void* grad_w_acc, cudaStream_t stream);
+
+}  // namespace replay_cuda
