@@ -36,9 +36,9 @@ import torch
 
 SIZES = {
     # name: model and workload (see DemoConfig fields)
-    "tiny": dict(vocab_size=128, hidden_size=32, num_layers=2, num_experts=8, top_k=2,
-                 expert_size=16, num_seqs=6, prompt_len=(4, 8), response_len=(4, 8),
-                 infer_batch=4, train_batch=3, sample_batch=6),
+    "tiny": dict(vocab_size=128, hidden_size=32, num_layers=3, num_experts=16, top_k=4,
+                 expert_size=16, num_seqs=8, prompt_len=(6, 12), response_len=(6, 12),
+                 infer_batch=4, train_batch=3, sample_batch=8),
     "small": dict(vocab_size=1024, hidden_size=128, num_layers=8, num_experts=64, top_k=8,
                   expert_size=64, num_seqs=48, prompt_len=(24, 64), response_len=(24, 56),
                   infer_batch=8, train_batch=6, sample_batch=48),
