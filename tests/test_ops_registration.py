@@ -270,3 +270,90 @@ def test_backend_environment_variable_and_auto_order(monkeypatch):
     want = "native" if "native" in names else "torch"
     assert {b for b, _ in calls} == {want}, calls
     assert replay_ops.backends()["active"]["cpu"] == want
+
+
+@pytest.mark.parametrize("dev_backend", BACKENDS)
+def test_compile_dynamic_shapes_sync_free(dev_backend):
+    """dynamic=True, replay_mask fallback rows and validate=False (the CUDA-graph path):
+    one graph serves several token counts, forward and backward match eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    device, backend = dev_backend
+    torch._dynamo.reset()
+
+    def step(logits, idx, mask, hidden):
+        plan = replay_ops.gate(logits, idx, replay_mask=mask, score_func="sqrtsoftplus",
+                               align=4, validate=False, backend=backend)
+        x = replay_ops.permute(hidden, plan, plan.max_rows, validate=False, backend=backend)
+        return replay_ops.unpermute(x * 2.0, plan, validate=False, backend=backend)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend=counter)
+    frames = None
+    for T in (7, 11, 13):
+        g = torch.Generator().manual_seed(T)
+        logits0 = make_logits(T, 6, device=device, seed=T)
+        idx = make_indices(T, 6, 2, device=device, seed=T + 1)
+        mask = (torch.rand(T, generator=g) > 0.4).to(device)
+        hidden0 = torch.randn(T, 5, generator=g).to(device)
+        res = []
+        for fn in (step, compiled):
+            lg = logits0.clone().requires_grad_(True)
+            h = hidden0.clone().requires_grad_(True)
+            out = fn(lg, idx, mask, h)
+            out.backward(torch.ones_like(out))
+            res.append((out.detach(), lg.grad, h.grad))
+        for name, a, b in zip(("out", "grad logits", "grad hidden"), *res):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=f"T={T} {name}")
+        if frames is None:
+            frames = counter.frame_count
+        assert counter.frame_count == frames, f"T={T} recompiled ({counter.frame_count} frames)"
+
+
+# ------------------------------------------------------------------- CUDA graphs
+def _cuda_backends():
+    from _helpers import usable_backends
+
+    return usable_backends("cuda") if torch.cuda.is_available() else []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", _cuda_backends())
+def test_cuda_graph_capture_and_replay(backend):
+    """validate=False + a static num_rows: gate -> permute -> unpermute captures in a CUDA
+    graph (no host sync), and replays with new inputs copied into the static buffers."""
+    from replay_ops import reference as ref
+
+    T, E, K, H = 64, 8, 2, 32
+    logits = make_logits(T, E, device="cuda", seed=1)
+    idx = make_indices(T, E, K, dtype=torch.int16, device="cuda", seed=2, empty=0.1)
+    hidden = torch.randn(T, H, device="cuda")
+
+    def step():
+        plan = replay_ops.gate(logits, idx, align=16, validate=False, backend=backend)
+        x = replay_ops.permute(hidden, plan, plan.max_rows, validate=False, backend=backend)
+        return replay_ops.unpermute(torch.tanh(x), plan, validate=False, backend=backend)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+
+    for seed in (3, 4):
+        new_logits = make_logits(T, E, device="cuda", seed=seed)
+        new_idx = make_indices(T, E, K, dtype=torch.int16, device="cuda", seed=seed + 10, empty=0.1)
+        new_hidden = torch.randn(T, H, device="cuda")
+        logits.copy_(new_logits)
+        idx.copy_(new_idx)
+        hidden.copy_(new_hidden)
+        graph.replay()
+        torch.cuda.synchronize()
+        plan = ref.gate(new_logits, new_idx, align=16)
+        want = ref.unpermute(torch.tanh(ref.permute(new_hidden, plan, plan.max_rows)), plan)
+        torch.testing.assert_close(static_out, want, rtol=1e-5, atol=1e-6)

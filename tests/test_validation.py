@@ -304,6 +304,23 @@ def test_unpermute_expert_out_too_short(dev_backend):
     x = torch.randn(used - 5, 2, device=device)
     with raises(ValueError, "replay_ops.unpermute:", "expert_out", f"{used - 5}", f"{used}"):
         replay_ops.unpermute(x, plan, backend=backend)
+    # exactly the used rows, and the static max_rows, are fine
+    replay_ops.unpermute(torch.randn(used, 2, device=device), plan, backend=backend)
+    replay_ops.unpermute(torch.randn(plan.max_rows, 2, device=device), plan, backend=backend)
+
+
+@pytest.mark.parametrize("dev_backend", BACKENDS)
+def test_validate_false_skips_row_count_checks(dev_backend):
+    """validate=False: no host read of expert_offsets[E]; the caller promises the sizes."""
+    device, backend = dev_backend
+    idx = torch.tensor([[0, 1], [2, -1], [1, 2]], device=device)
+    plan = replay_ops.gate(make_logits(3, 4, device=device), idx, backend=backend)
+    assert plan.num_rows() == 5
+    x = torch.randn(5, 2, device=device)
+    out = replay_ops.unpermute(x[:3], plan, validate=False, backend=backend)
+    assert out.shape == (3, 2)
+    h = torch.randn(3, 2, device=device)
+    assert replay_ops.permute(h, plan, 5, validate=False, backend=backend).shape == (5, 2)
 
 
 # ---------------------------------------------------------------- backend choice
