@@ -100,6 +100,9 @@ def _atomic_write(path: str, data: bytes) -> None:
     d = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-" + os.path.basename(path))
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a summary is for everyone
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
