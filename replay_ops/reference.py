@@ -23,6 +23,15 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def sqrt_softplus(x: torch.Tensor) -> torch.Tensor:
+    """sqrt(softplus(x)). Where softplus underflows to 0 (x below about -103 in fp32) the
+    value is 0 and so is the gradient (the true one, ~exp(x/2)/2, is below fp32's range);
+    plain autograd through sqrt(0) would give inf * 0 = NaN there."""
+    sp = F.softplus(x)
+    pos = sp > 0
+    return torch.where(pos, torch.where(pos, sp, 1.0).sqrt(), 0.0)
+
+
 def scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
     """Dense scores over all experts in the compute dtype (used for the fallback top-k)."""
     x = logits.to(compute_dtype(logits.dtype))
@@ -31,7 +40,7 @@ def scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
     if score_func == "sigmoid":
         return torch.sigmoid(x)
     if score_func == "sqrtsoftplus":
-        return F.softplus(x).sqrt()
+        return sqrt_softplus(x)
     raise ValueError(f"unknown score_func {score_func!r}")
 
 
@@ -91,7 +100,7 @@ def gate_weights(
         w = e / torch.where(s > 0, s, 1.0)
     else:
         z = x.gather(1, safe)
-        sc = torch.sigmoid(z) if score_func == "sigmoid" else F.softplus(z).sqrt()
+        sc = torch.sigmoid(z) if score_func == "sigmoid" else sqrt_softplus(z)
         sc = torch.where(valid, sc, 0.0)
         if normalize:
             many = valid.sum(dim=-1, keepdim=True) > 1
