@@ -24,7 +24,28 @@ def available(device_type: str) -> bool:
     return False
 
 
+# Limits of the CUDA gate kernels (shared-memory histograms; one lane per slot in the
+# backward), mirrored from csrc/cuda/replay_cuda.h. Larger CUDA problems run on the next
+# backend in the CUDA order (Triton, else eager PyTorch).
+CUDA_MAX_EXPERTS = 1024
+CUDA_MAX_TOPK = 32
+
+
+def _cuda_fallback():
+    from . import backend
+
+    for name in ("triton", "torch"):
+        mod = backend._load(name)
+        if mod is not None and mod.available("cuda"):
+            return mod
+    return backend._load("torch")
+
+
 def gate_fwd(logits, expert_indices, score_func, normalize, scaling_factor, align):
+    if logits.is_cuda and logits.shape[1] > CUDA_MAX_EXPERTS:
+        return _cuda_fallback().gate_fwd(
+            logits, expert_indices, score_func, normalize, scaling_factor, align
+        )
     return tuple(
         _ops.native_gate_fwd(
             logits, expert_indices, score_func, bool(normalize), float(scaling_factor), int(align)
@@ -33,6 +54,10 @@ def gate_fwd(logits, expert_indices, score_func, normalize, scaling_factor, alig
 
 
 def gate_bwd(grad_weights, logits, idx, score_func, normalize, scaling_factor):
+    if logits.is_cuda and (logits.shape[1] > CUDA_MAX_EXPERTS or idx.shape[1] > CUDA_MAX_TOPK):
+        return _cuda_fallback().gate_bwd(
+            grad_weights, logits, idx, score_func, normalize, scaling_factor
+        )
     return _ops.native_gate_bwd(
         grad_weights, logits, idx, score_func, bool(normalize), float(scaling_factor)
     )
