@@ -255,6 +255,15 @@ def test_gate_to_dense(dev_backend):
     assert probs.dtype == plan.weights.dtype and rmap.dtype == torch.bool
     assert torch.equal(probs.cpu(), want_probs)
     assert torch.equal(rmap.cpu(), want_map)
+    # Megatron consumes the dense probs: the gradient must flow through them to the logits
+    x = logits.clone().requires_grad_(True)
+    gd = torch.randn(T, E, generator=torch.Generator().manual_seed(19)).to(device)
+    p = replay_ops.gate(x, idx, score_func="sigmoid", backend=backend)
+    (p.to_dense()[0] * gd).sum().backward()
+    y = logits.clone().requires_grad_(True)
+    w = ref.gate(y, idx, score_func="sigmoid").weights
+    (w * gd.gather(1, idx.clamp_min(0).long())).sum().backward()
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-6, atol=1e-7)
 
 
 # --------------------------------------------------------------- replay_mask rows

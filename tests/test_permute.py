@@ -184,3 +184,17 @@ def test_permute_gradcheck(device, backend, case):
     hidden = torch.randn(T, H, dtype=torch.float64, device=device, requires_grad=True)
     fn = lambda h: replay_ops.permute(h, plan, n, backend=backend)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (hidden,), fast_mode=is_interpreted(device, backend))
+
+
+@pytest.mark.parametrize("dev_backend", backend_params())
+def test_permute_backward_accumulates_in_fp32(dev_backend):
+    """A token's K row gradients are summed in fp32 and rounded once: 1 + 2 * 0.0048828125
+    gives bf16 1.0078125 (a bf16 running sum would round twice, to 1.015625)."""
+    device, backend = dev_backend
+    idx = torch.tensor([[0, 1, 2]], device=device)
+    plan = replay_ops.gate(torch.zeros(1, 3, device=device), idx, backend=backend)
+    assert plan.row_id_map.tolist() == [[0, 1, 2]]
+    h = torch.zeros(1, 1, dtype=torch.bfloat16, device=device, requires_grad=True)
+    g = torch.tensor([[1.0], [0.0048828125], [0.0048828125]], dtype=torch.bfloat16, device=device)
+    replay_ops.permute(h, plan, backend=backend).backward(g)
+    assert h.grad.item() == 1.0078125
