@@ -322,6 +322,28 @@ def test_gradient_checkpointing_replays_from_queue(arch):
     assert_grads_close(grads(model), ref_grads)
 
 
+def test_gradient_checkpointing_record_records_once():
+    model = make_model("mixtral")
+    ref_model = copy.deepcopy(model)
+    ids = make_ids(2, 12, seed=33)
+    ref_model.train()
+    loss_of(ref_model(ids).logits, ids).backward()
+    _, ref_routing = capture_routing(ref_model.eval(), ids)
+    ref_grads = grads(ref_model)
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    with hf.patch_model(model, "R2") as patch:
+        patch.replay.set_action(ReplayAction.RECORD)
+        loss_of(model(ids).logits, ids).backward()  # the recompute must not record again
+        for lid in patch.moe_layer_ids:
+            assert patch.replay.record_calls(lid) == 1
+        assert torch.equal(patch.replay.recorded(), ref_routing.to(torch.int32))
+    assert_grads_close(grads(model), ref_grads)
+
+
 # ------------------------------------------------------------------------------ DeepSeek-V3
 
 

@@ -45,7 +45,8 @@ same), the others cast them to the model dtype, as the unpatched models do.
 
 Activation recompute (`model.gradient_checkpointing_enable()`): a block that runs while
 autograd is executing a backward pass is a recompute, so a REPLAY_FORWARD action is served
-as REPLAY_BACKWARD for that call (it pops the layer's queue). Turn this off with
+as REPLAY_BACKWARD for that call (it pops the layer's queue), and a RECORD action gates with
+the native choice again without recording it twice. Turn this off with
 `patch_model(..., auto_recompute=False)` and set the action yourself.
 """
 from __future__ import annotations
@@ -443,23 +444,24 @@ def _patched_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> tor
         return spec.topk(gate, lg)
 
     action = replay.action
-    recompute = (
-        patch.auto_recompute and action is ReplayAction.REPLAY_FORWARD and _in_backward()
-    )
-    if recompute:
+    opts = dict(score_func=spec.score_func, normalize=spec.normalize(gate),
+                scaling_factor=spec.scaling_factor(gate))
+    recompute = patch.auto_recompute and action in (
+        ReplayAction.REPLAY_FORWARD, ReplayAction.RECORD) and _in_backward()
+    if recompute and action is ReplayAction.RECORD:
+        # Recompute of a recorded forward: same inputs, same native choice; gate with it but
+        # do not record it a second time.
+        with torch.no_grad():
+            idx = topk_fn(logits.detach())
+        plan = replay_ops.gate(logits, idx, validate=replay.config.validate, **opts)
+    elif recompute:
         replay.set_action(ReplayAction.REPLAY_BACKWARD)
-    try:
-        plan = replay.route(
-            lid,
-            logits,
-            topk_fn=topk_fn,
-            score_func=spec.score_func,
-            normalize=spec.normalize(gate),
-            scaling_factor=spec.scaling_factor(gate),
-        )
-    finally:
-        if recompute:
+        try:
+            plan = replay.route(lid, logits, topk_fn=topk_fn, **opts)
+        finally:
             replay.set_action(action)
+    else:
+        plan = replay.route(lid, logits, topk_fn=topk_fn, **opts)
     if plan is None:  # the replay object chose the native path
         return original(block, hidden_states)
     if not recompute:
