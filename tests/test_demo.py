@@ -78,3 +78,10 @@ def test_cli_help_and_errors(tmp_path):
     assert unknown.returncode == 2 and "unknown command 'nonsense'" in unknown.stderr
     with pytest.raises(ValueError, match="unknown size='huge'"):
         demo.DemoConfig.from_size("huge")
+    ok = run("demo", "--size", "tiny", "--out", str(tmp_path / "cli"), "--no-progress",
+             "--no-chart", "--seed", "1")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "routing difference 0.00% (exactly zero)" in ok.stdout
+    assert "tokens with >= 1 differing layer" in ok.stdout
+    with open(tmp_path / "cli" / "summary.json") as f:
+        assert json.load(f)["config"]["seed"] == 1
