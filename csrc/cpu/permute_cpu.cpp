@@ -95,21 +95,23 @@ void weighted_gather_sum(const at::Tensor& x, const at::Tensor& rid, const at::T
   });
 }
 
-// <a, b> in the compute type with kLanes interleaved partial sums combined by a fixed
-// pairwise tree: the rounding error grows like that of PyTorch's vectorised sum (a single
-// running sum loses about sqrt(H) times more), and the order is fixed, so it is deterministic.
+// <a, b>, accumulated in fp64 with kLanes interleaved partial sums combined by a fixed
+// pairwise tree, then rounded once to the compute type. A plain left-to-right fp32 sum over
+// thousands of hidden units loses about sqrt(H) times more than PyTorch's cascaded sum;
+// fp64 partials keep the result within one rounding of the exact dot product, and the
+// fixed order keeps it deterministic.
 constexpr int kLanes = 16;
 template <typename scalar_t, typename acc_t = acc_type_t<scalar_t>>
 acc_t dot(const scalar_t* a, const scalar_t* b, int64_t H) {
-  acc_t part[kLanes] = {};
+  double part[kLanes] = {};
   int64_t h = 0;
   for (; h + kLanes <= H; h += kLanes)
     for (int l = 0; l < kLanes; ++l)
-      part[l] += static_cast<acc_t>(a[h + l]) * static_cast<acc_t>(b[h + l]);
-  for (int l = 0; h < H; ++h, ++l) part[l] += static_cast<acc_t>(a[h]) * static_cast<acc_t>(b[h]);
+      part[l] += static_cast<double>(a[h + l]) * static_cast<double>(b[h + l]);
+  for (int l = 0; h < H; ++h, ++l) part[l] += static_cast<double>(a[h]) * static_cast<double>(b[h]);
   for (int w = kLanes / 2; w > 0; w /= 2)
     for (int l = 0; l < w; ++l) part[l] += part[l + w];
-  return part[0];
+  return static_cast<acc_t>(part[0]);
 }
 
 }  // namespace
