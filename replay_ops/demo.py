@@ -204,8 +204,10 @@ def _run(cfg: DemoConfig) -> dict:
     g = torch.Generator().manual_seed(cfg.seed)
     prompt_lens, resp_lens, prompts = {}, {}, {}
     for i in range(cfg.num_seqs):
-        prompt_lens[i] = int(torch.randint(cfg.prompt_len[0], cfg.prompt_len[1] + 1, (1,), generator=g))
-        resp_lens[i] = int(torch.randint(cfg.response_len[0], cfg.response_len[1] + 1, (1,), generator=g))
+        lo, hi = cfg.prompt_len
+        prompt_lens[i] = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        lo, hi = cfg.response_len
+        resp_lens[i] = int(torch.randint(lo, hi + 1, (1,), generator=g))
         prompts[i] = torch.randint(0, cfg.vocab_size - 1, (prompt_lens[i],), generator=g)
 
     # ------------------------------------------------------------------ inference: sample
@@ -550,8 +552,8 @@ def format_report(s: dict) -> str:
                  f"R2 replay {100 * q['after_update_routing_mismatch_r2']:.2f}%")
     lines.append("")
     t = s["timing"]
-    lines.append(f"wrote {s.get('summary_file', '')}" + (f", {s['chart']}" if s.get("chart") else "")
-                 + f"  ({t.get('total_s', 0):.1f} s)")
+    chart = f", {s['chart']}" if s.get("chart") else ""
+    lines.append(f"wrote {s.get('summary_file', '')}{chart}  ({t.get('total_s', 0):.1f} s)")
     return "\n".join(lines)
 
 

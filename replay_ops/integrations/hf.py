@@ -24,13 +24,15 @@ its original forward, so a patched model in disabled mode is the unpatched model
 
 Per architecture (transformers 5.x module code):
 
-| model_type  | block                   | scores  | normalize            | scaling               | shared experts            |
-|-------------|-------------------------|---------|----------------------|-----------------------|---------------------------|
-| mixtral     | MixtralSparseMoeBlock   | softmax | always               | 1                     | none                      |
-| qwen2_moe   | Qwen2MoeSparseMoeBlock  | softmax | config.norm_topk_prob| 1                     | sigmoid-gated shared MLP  |
-| qwen3_moe   | Qwen3MoeSparseMoeBlock  | softmax | config.norm_topk_prob| 1                     | none                      |
-| olmoe       | OlmoeSparseMoeBlock     | softmax | config.norm_topk_prob| 1                     | none                      |
-| deepseek_v3 | DeepseekV3MoE           | sigmoid | config.norm_topk_prob| routed_scaling_factor | shared MLP                |
+| model_type  | block                  | scores  | normalize     | scaling               | shared  |
+|-------------|------------------------|---------|---------------|-----------------------|---------|
+| mixtral     | MixtralSparseMoeBlock  | softmax | always        | 1                     | none    |
+| qwen2_moe   | Qwen2MoeSparseMoeBlock | softmax | norm_topk_prob| 1                     | gated   |
+| qwen3_moe   | Qwen3MoeSparseMoeBlock | softmax | norm_topk_prob| 1                     | none    |
+| olmoe       | OlmoeSparseMoeBlock    | softmax | norm_topk_prob| 1                     | none    |
+| deepseek_v3 | DeepseekV3MoE          | sigmoid | norm_topk_prob| routed_scaling_factor | MLP     |
+
+("gated": Qwen2-MoE's shared expert is scaled by sigmoid(shared_expert_gate(x)).)
 
 DeepSeek-V3 selects with `sigmoid(logits) + e_score_correction_bias` restricted to the
 `topk_group` best of `n_group` groups; the gate weights are the *unbiased* sigmoid scores.
