@@ -2,12 +2,9 @@
 rule, and checks of the plan's structure that do not use the reference."""
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
-import replay_ops
 from replay_ops import backend as _backend
 from replay_ops import reference as ref
 
@@ -116,7 +113,7 @@ def assert_fa_close(out, ref_same, ref64, what="output"):
     assert out.device == ref_same.device, f"{what}: device {out.device} != {ref_same.device}"
     if out.numel() == 0:
         return
-    o, r, r64 = out.detach().double().cpu(), ref_same.detach().double().cpu(), ref64.detach().double().cpu()
+    o, r, r64 = (t.detach().double().cpu() for t in (out, ref_same, ref64))
     assert not torch.isnan(o).any() or torch.isnan(r64).any(), f"{what}: NaN in output"
     err = (o - r64).abs().nan_to_num(nan=float("inf")).max().item()
     ref_err = (r - r64).abs().nan_to_num(nan=0.0).max().item()
@@ -136,11 +133,14 @@ def assert_int_equal(out, ref_out, what):
     if not torch.equal(out.cpu(), ref_out.cpu()):
         diff = (out.cpu() != ref_out.cpu()).nonzero()[:5].tolist()
         raise AssertionError(
-            f"{what}: integer outputs differ at {diff}:\nout={out.cpu().tolist()}\nref={ref_out.cpu().tolist()}"
+            f"{what}: integer outputs differ at {diff}:\n"
+            f"out={out.cpu().tolist()}\nref={ref_out.cpu().tolist()}"
         )
 
 
-PLAN_INT_FIELDS = ("expert_indices", "tokens_per_expert", "expert_offsets", "row_id_map", "sorted_slots")
+PLAN_INT_FIELDS = (
+    "expert_indices", "tokens_per_expert", "expert_offsets", "row_id_map", "sorted_slots"
+)
 
 
 def assert_plan_ints_equal(out_plan, ref_plan):
@@ -161,9 +161,9 @@ def check_plan_structure(plan, idx_used: torch.Tensor, num_experts: int, align: 
     offs = plan.expert_offsets.cpu().tolist()
     rid = plan.row_id_map.cpu().tolist()
     ss = plan.sorted_slots.cpu().tolist()
-    for name in ("tokens_per_expert", "expert_offsets", "row_id_map", "sorted_slots", "expert_indices"):
+    for name in PLAN_INT_FIELDS:
         assert getattr(plan, name).dtype == torch.int32, f"{name} must be int32"
-    assert plan.expert_indices.cpu().long().tolist() == idx, "expert_indices differ from the used indices"
+    assert plan.expert_indices.cpu().long().tolist() == idx, "expert_indices != used indices"
     assert len(counts) == E and len(offs) == E + 1
     assert len(ss) == T * K + E * (align - 1), f"sorted_slots length {len(ss)}"
     assert plan.max_rows == len(ss)
@@ -181,7 +181,8 @@ def check_plan_structure(plan, idx_used: torch.Tensor, num_experts: int, align: 
     assert offs[0] == 0
     for e in range(E):
         size = -(-want_counts[e] // align) * align
-        assert offs[e + 1] - offs[e] == size, f"segment {e}: {offs[e]}..{offs[e + 1]}, want {size} rows"
+        got = offs[e + 1] - offs[e]
+        assert got == size, f"segment {e}: {offs[e]}..{offs[e + 1]}, want {size} rows"
         assert offs[e] % align == 0
     R = offs[E]
     assert R == plan.num_rows() and R <= len(ss)
@@ -230,5 +231,3 @@ def ref_gate64(logits, idx, **kw):
     """Reference gate on the fp64 copy of the logits (the fp64 oracle)."""
     return ref.gate(logits.detach().double(), idx, **kw)
 
-
-__all__ = [n for n in dir() if not n.startswith("__")] + ["itertools", "replay_ops", "ref"]

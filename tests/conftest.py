@@ -14,7 +14,8 @@ import torch  # noqa: E402  (torch does not import triton at import time)
 if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
     # Triton picks the interpreter when a kernel is decorated, so the kernel modules must
     # not be imported yet; fail loudly rather than let the Triton tests fail obscurely.
-    early = [m for m in ("replay_ops._triton_backend", "replay_ops.triton_kernels") if m in sys.modules]
+    kernel_modules = ("replay_ops._triton_backend", "replay_ops.triton_kernels")
+    early = [m for m in kernel_modules if m in sys.modules]
     if early:
         raise RuntimeError(
             f"tests/conftest.py: {early} imported before TRITON_INTERPRET=1 was set; "

@@ -55,7 +55,8 @@ def _run(device, backend, case, score_func):
 
 @pytest.mark.parametrize(
     "device,backend,case",
-    case_params(CASES, CASES_INTERP, ids=lambda c: "T{}E{}K{}H{}a{}-{}".format(*c[:5], str(c[5])[6:])),
+    case_params(CASES, CASES_INTERP,
+                ids=lambda c: "T{}E{}K{}H{}a{}-{}".format(*c[:5], str(c[5])[6:])),
 )
 def test_repeated_runs_are_bitwise_identical(device, backend, case):
     repeats = 1 if is_interpreted(device, backend) else 2
@@ -122,7 +123,9 @@ def test_runs_under_deterministic_algorithms(device, backend, n):
         assert_bitwise(r1[name], r2[name], name)
 
 
-@pytest.mark.parametrize("device,backend,n", [p for p in case_params([None]) if p.values[0] == "cpu"])
+@pytest.mark.parametrize(
+    "device,backend,n", [p for p in case_params([None]) if p.values[0] == "cpu"]
+)
 def test_cpu_results_do_not_depend_on_thread_count(device, backend, n):
     prev = torch.get_num_threads()
     try:

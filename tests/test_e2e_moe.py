@@ -18,7 +18,9 @@ class TinyMoE(torch.nn.Module):
     def __init__(self, H, Fh, E, K, dtype, seed=0):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
-        r = lambda *s, scale: torch.nn.Parameter((torch.randn(*s, generator=g) * scale).to(dtype))  # noqa: E731
+        def r(*s, scale):
+            return torch.nn.Parameter((torch.randn(*s, generator=g) * scale).to(dtype))
+
         self.E, self.K = E, K
         self.router = r(H, E, scale=1.0 / H**0.5)
         self.w1 = r(E, H, Fh, scale=1.0 / H**0.5)
@@ -108,7 +110,8 @@ def test_replay_after_router_update_uses_recorded_experts(device, backend, n):
     (even where the new top-k differs) and the weights come from the current logits."""
     T, H, Fh, E, K = 40, 16, 8, 8, 2
     model = TinyMoE(H, Fh, E, K, torch.float64).to(device)
-    x = torch.randn(T, H, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).to(device)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, H, dtype=torch.float64, generator=g).to(device)
     _, recorded = model.plain_forward(x, "softmax", True, 1.0)
     with torch.no_grad():
         model.router.add_(torch.randn(H, E, dtype=torch.float64, device=device) * 0.5)

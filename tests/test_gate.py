@@ -10,6 +10,7 @@ from replay_ops import reference as ref
 
 from _helpers import (
     INDEX_DTYPES,
+    PLAN_INT_FIELDS,
     SCORE_FUNCS,
     assert_fa_close,
     assert_int_equal,
@@ -127,7 +128,8 @@ def test_gate_align(device, backend, case):
 @pytest.mark.parametrize(
     "device,backend,case",
     case_params(
-        [(d, m) for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64) for m in SCORE_FUNCS],
+        [(d, m) for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+         for m in SCORE_FUNCS],
         [(d, "softmax") for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)]
         + [(torch.bfloat16, "sigmoid"), (torch.float16, "sqrtsoftplus")],
         ids=lambda c: f"{str(c[0])[6:]}-{c[1]}",
@@ -316,7 +318,10 @@ def test_gate_replay_mask_all_true_equals_no_mask(dev_backend):
 def _grad(fn, logits, gw):
     x = logits.detach().clone().requires_grad_(True)
     w = fn(x)
-    (w.float() * gw).sum().backward() if w.dtype != torch.float64 else (w * gw.double()).sum().backward()
+    if w.dtype == torch.float64:
+        (w * gw.double()).sum().backward()
+    else:
+        (w.float() * gw).sum().backward()
     return x.grad
 
 
@@ -426,7 +431,7 @@ def test_gate_integer_outputs_have_no_grad(dev_backend):
     x = make_logits(5, 7, device=device).requires_grad_(True)
     plan = replay_ops.gate(x, make_indices(5, 7, 2, device=device), backend=backend)
     assert plan.weights.requires_grad
-    for f in ("expert_indices", "tokens_per_expert", "expert_offsets", "row_id_map", "sorted_slots"):
+    for f in PLAN_INT_FIELDS:
         assert not getattr(plan, f).requires_grad, f
 
 
@@ -503,7 +508,8 @@ def test_gate_extreme_logits(dev_backend, dtype):
             kw = dict(score_func=sf, normalize=norm)
             out_plan = check_gate(logits, idx, backend, **kw)
             assert torch.isfinite(out_plan.weights).all(), (sf, norm)
-            out_g = _grad(lambda x: replay_ops.gate(x, idx, backend=backend, **kw).weights, logits, gw)
+            out_g = _grad(lambda x: replay_ops.gate(x, idx, backend=backend, **kw).weights,
+                          logits, gw)
             ref64 = _grad(lambda x: ref.gate(x, idx, **kw).weights, logits.double(), gw)
             assert torch.isfinite(out_g).all(), (sf, norm, out_g)
             tol = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}[dtype]

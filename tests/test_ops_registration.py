@@ -67,7 +67,8 @@ def test_opcheck_gate_backward(dev_backend):
     T, E, K = 6, 5, 2
     logits = make_logits(T, E, device=device)
     idx = make_indices(T, E, K, device=device, empty=0.2)
-    for sf, norm in (("softmax", False), ("softmax", True), ("sigmoid", True), ("sqrtsoftplus", False)):
+    modes = (("softmax", False), ("softmax", True), ("sigmoid", True), ("sqrtsoftplus", False))
+    for sf, norm in modes:
         gw = torch.randn(T, K, device=device)
         torch.library.opcheck(
             torch.ops.replay.gate_backward.default, (gw, logits, idx, sf, norm, 2.0, backend)

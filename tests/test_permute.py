@@ -142,7 +142,8 @@ def test_permute_backward_parity(device, backend, dtype):
     hidden = torch.randn(T, H, device=device).to(dtype)
     n = plan.max_rows
     grad_out = torch.randn(n, H, device=device).to(dtype)
-    out_g = _permute_grad(lambda h: replay_ops.permute(h, plan, n, backend=backend), hidden, grad_out)
+    out_g = _permute_grad(lambda h: replay_ops.permute(h, plan, n, backend=backend), hidden,
+                          grad_out)
     ref_g = _permute_grad(lambda h: ref.permute(h, plan, n), hidden, grad_out)
     ref64 = _permute_grad(lambda h: ref.permute(h, plan, n), hidden.double(), grad_out.double())
     assert_fa_close(out_g, ref_g, ref64, "grad hidden")

@@ -111,7 +111,8 @@ STATIC_CASES = {
         TypeError, ("replay_ops.gate:", "expert_indices", "integer", "torch.float32"),
     ),
     "bf16_index": (
-        lambda d: (make_logits(3, 4, device=d), torch.zeros(3, 2, device=d, dtype=torch.bfloat16), {}),
+        lambda d: (make_logits(3, 4, device=d),
+                   torch.zeros(3, 2, device=d, dtype=torch.bfloat16), {}),
         TypeError, ("replay_ops.gate:", "expert_indices", "torch.bfloat16"),
     ),
     "uint8_index": (
@@ -123,15 +124,18 @@ STATIC_CASES = {
         TypeError, ("replay_ops.gate:", "expert_indices", "torch.bool"),
     ),
     "int_logits": (
-        lambda d: (torch.zeros(3, 4, dtype=torch.int32, device=d), make_indices(3, 4, 2, device=d), {}),
+        lambda d: (torch.zeros(3, 4, dtype=torch.int32, device=d),
+                   make_indices(3, 4, 2, device=d), {}),
         TypeError, ("replay_ops.gate:", "logits", "torch.int32"),
     ),
     "rows_mismatch": (
         lambda d: (make_logits(5, 4, device=d), make_indices(4, 4, 2, device=d), {}),
-        ValueError, ("replay_ops.gate:", "shape mismatch", "logits", "T=5", "expert_indices", "4 rows"),
+        ValueError,
+        ("replay_ops.gate:", "shape mismatch", "logits", "T=5", "expert_indices", "4 rows"),
     ),
     "indices_3d": (
-        lambda d: (make_logits(5, 4, device=d), torch.zeros(5, 3, 2, dtype=torch.int32, device=d), {}),
+        lambda d: (make_logits(5, 4, device=d),
+                   torch.zeros(5, 3, 2, dtype=torch.int32, device=d), {}),
         ValueError, ("replay_ops.gate:", "expert_indices", "2-D", "(5, 3, 2)"),
     ),
     "logits_1d": (
@@ -155,7 +159,8 @@ STATIC_CASES = {
         ValueError, ("replay_ops.gate:", "align", "align=-16"),
     ),
     "unknown_score_func": (
-        lambda d: (make_logits(3, 4, device=d), make_indices(3, 4, 2, device=d), {"score_func": "relu"}),
+        lambda d: (make_logits(3, 4, device=d), make_indices(3, 4, 2, device=d),
+                   {"score_func": "relu"}),
         ValueError, ("replay_ops.gate:", "score_func", "'relu'", "softmax"),
     ),
     "mask_dtype": (
@@ -170,11 +175,13 @@ STATIC_CASES = {
     ),
     "indices_on_other_device": (
         lambda d: (make_logits(3, 4, device=d), make_indices(3, 4, 2, device="meta"), {}),
-        ValueError, ("replay_ops.gate:", "different devices", "logits on", "expert_indices on meta"),
+        ValueError,
+        ("replay_ops.gate:", "different devices", "logits on", "expert_indices on meta"),
     ),
     "logits_on_other_device": (
         lambda d: (make_logits(3, 4, device="meta"), make_indices(3, 4, 2, device=d), {}),
-        ValueError, ("replay_ops.gate:", "different devices", "logits on meta", "expert_indices on"),
+        ValueError,
+        ("replay_ops.gate:", "different devices", "logits on meta", "expert_indices on"),
     ),
     "mask_on_other_device": (
         lambda d: (make_logits(3, 4, device=d), make_indices(3, 4, 2, device=d),
