@@ -165,6 +165,20 @@ def test_patch_twice_and_mismatched_replay():
     assert getattr(model, "_replay_ops_patch", None) is None
 
 
+def test_unsupported_expert_layout_is_an_error():
+    model = make_model("qwen3_moe")
+    experts = hf.moe_layout(model).blocks[0].experts
+    experts.is_transposed = True
+    with pytest.raises(hf.UnsupportedModelError, match=r"model.layers.0.mlp.experts has "
+                                                      r"is_transposed=True"):
+        hf.patch_model(model, "R3")
+    experts.is_transposed = False
+    del experts.gate_up_proj  # e.g. transformers 4.x: one nn.Module per expert
+    with pytest.raises(hf.UnsupportedModelError, match="no fused gate_up_proj tensor"):
+        hf.patch_model(model, "R3")
+    assert getattr(model, "_replay_ops_patch", None) is None
+
+
 # ------------------------------------------------------------------------------ disabled
 
 
