@@ -87,6 +87,7 @@ def test_permute_dtypes_and_views(device, backend, dtype):
         "contiguous": base[:, :T].t().contiguous(),
         "transposed": base[:, :T].t(),  # stride (1, 2T)
         "column-strided": torch.randn(T, 2 * H, device=device).to(dtype)[:, ::2],
+        "broadcast rows (stride 0)": torch.randn(1, H, device=device).to(dtype).expand(T, H),
     }
     for name, hidden in views.items():
         out = replay_ops.permute(hidden, plan, backend=backend)

@@ -114,6 +114,7 @@ def test_unpermute_noncontiguous_expert_out(dev_backend):
     views = {
         "transposed": torch.randn(H, R, device=device).t(),
         "column-strided": torch.randn(R, 2 * H, device=device)[:, 1::2],
+        "broadcast rows (stride 0)": torch.randn(1, H, device=device).expand(R, H),
     }
     for name, x in views.items():
         assert not x.is_contiguous()
