@@ -340,3 +340,27 @@ def test_command_line_info_and_verify(tmp_path, good):
                          timeout=60)
     assert out.returncode == 1 and f"OK   {good}" in out.stdout
     assert "bad.safetensors" in out.stderr and "checksum mismatch" in out.stderr
+
+
+def test_written_file_gets_the_umask_mode_not_0600(tmp_path):
+    """A record file is shared between processes and users like any output file: the
+    atomic write must not leave the temporary file's private 0600 mode on it."""
+    import os
+    import stat
+
+    from replay_ops.router_replay import files as rfiles
+
+    target = tmp_path / "routing.bin"
+    old = os.umask(0o022)
+    try:
+        with rfiles._atomic_target(target) as tmp:
+            with open(tmp, "wb") as f:
+                f.write(b"x")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o644
+    os.chmod(target, 0o640)  # a replaced file keeps the mode it had
+    with rfiles._atomic_target(target) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(b"y")
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o640

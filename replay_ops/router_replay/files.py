@@ -38,6 +38,7 @@ import errno
 import hashlib
 import json
 import os
+import stat
 import struct
 import tempfile
 from dataclasses import dataclass, field
@@ -212,6 +213,15 @@ def _atomic_target(path) -> Iterator[str]:
     _remove_stale_temps(d, base)
     fd, tmp = tempfile.mkstemp(prefix=f".{base}.tmp-{os.getpid()}-", dir=d)
     os.close(fd)
+    # mkstemp creates 0600; give the file the mode a plain open() would (0666 & ~umask),
+    # or the existing file's mode when it is replaced
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    os.chmod(tmp, mode)
     try:
         yield tmp
         os.replace(tmp, path)
