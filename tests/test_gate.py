@@ -555,3 +555,18 @@ def test_gate_wide_expert_dim(device, backend, dtype):
         ref_g = _grad(lambda x: ref.gate(x, idx, **kw).weights, logits, gw)
         ref64 = _grad(lambda x: ref.gate(x, idx, **kw).weights, logits.double(), gw)
         assert_fa_close(out_g, ref_g, ref64, f"grad logits ({sf}, normalize={norm})")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "device,backend,case",
+    case_params([(8200, 8, 8, 16), (5000, 1, 1, 128)], ids=lambda c: "T{}E{}K{}a{}".format(*c)),
+)
+def test_gate_many_programs(device, backend, case):
+    """Enough slots for a Triton grid of more than 64 programs (more than one block of the
+    chunk scan), and a single expert with multi-program planning."""
+    T, E, K, align = case
+    logits = make_logits(T, E, device=device, seed=20)
+    idx = make_indices(T, E, K, device=device, seed=21, empty=0.05 if K > 1 else 0.0)
+    plan = check_gate(logits, idx, backend, align=align, score_func="sigmoid")
+    check_plan_structure(plan, idx, E, align)
