@@ -173,11 +173,21 @@ def test_gate_noncontiguous_logits(dev_backend):
     logits = wide[:, 1 : 2 * E + 1 : 2]  # column stride 2
     t_logits = make_logits(E, T, device=device, seed=8).t()  # transposed
     idx = make_indices(T, E, K, device=device, empty=0.2)
+    gw = torch.randn(T, K, generator=torch.Generator().manual_seed(9)).to(device)
     for lg in (logits, t_logits):
         assert not lg.is_contiguous()
         for sf in SCORE_FUNCS:
-            check_gate(lg, idx, backend, score_func=sf, normalize=True)
-            check_gate(lg, idx, backend, score_func=sf, normalize=False)
+            for norm in (True, False):
+                kw = dict(score_func=sf, normalize=norm)
+                check_gate(lg, idx, backend, **kw)
+                # backward reads the saved (strided) logits
+                x = lg.detach().t().contiguous().t() if lg is t_logits else wide.detach()[:, 1::2]
+                assert not x.is_contiguous() and torch.equal(x, lg)
+                x.requires_grad_(True)
+                (replay_ops.gate(x, idx, backend=backend, **kw).weights * gw).sum().backward()
+                y = lg.detach().contiguous().requires_grad_(True)
+                (ref.gate(y, idx, **kw).weights * gw).sum().backward()
+                torch.testing.assert_close(x.grad, y.grad, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("dev_backend", backend_params())
