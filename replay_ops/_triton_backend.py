@@ -72,7 +72,7 @@ def gate_fwd(logits, expert_indices, score_func, normalize, scaling_factor, alig
             weights, idx_out, row_id_map, chunk_counts, tpe, offsets, sorted_slots,
             T, E, K, logits.stride(0), logits.stride(1),
             expert_indices.stride(0), expert_indices.stride(1),
-            float(scaling_factor), align, n_sorted,
+            *_gate.split_scale(scaling_factor), align, n_sorted,
             **common,
         )
         if not cfg["single"]:
@@ -98,7 +98,7 @@ def gate_bwd(grad_weights, logits, idx, score_func, normalize, scaling_factor):
     with _device_ctx(logits):
         _gate._gate_bwd_kernel[(triton.cdiv(T, cfg["BLOCK_T"]),)](
             grad_weights.contiguous(), logits, idx.contiguous(), grad,
-            T, E, K, logits.stride(0), logits.stride(1), float(scaling_factor),
+            T, E, K, logits.stride(0), logits.stride(1), *_gate.split_scale(scaling_factor),
             SCORE=_gate.SCORE_IDS[score_func], NORMALIZE=bool(normalize),
             DENSE=(score_func == "softmax" and not normalize), CDT=_cdt(logits.dtype),
             **cfg,

@@ -112,14 +112,19 @@ def gate_weights(
 
 
 def build_plan(idx: torch.Tensor, num_experts: int, align: int):
-    """(tokens_per_expert, expert_offsets, row_id_map, sorted_slots) for int indices [T, K]."""
+    """(tokens_per_expert, expert_offsets, row_id_map, sorted_slots) for int indices [T, K].
+
+    Built only from sort, gather and scatter (no bincount, no boolean indexing), so it
+    never reads device memory on the host."""
     T, K = idx.shape
     E = num_experts
+    N = T * K
+    n_sorted = N + E * (align - 1)
     dev = idx.device
     flat = idx.reshape(-1).long()
-    valid = flat >= 0
-    key = torch.where(valid, flat, E)  # empty slots sort after every expert
-    counts = torch.bincount(key, minlength=E + 1)[:E]
+    key = torch.where(flat >= 0, flat, E)  # empty slots sort after every expert
+    counts = torch.zeros(E + 1, dtype=torch.long, device=dev)
+    counts = counts.scatter_add(0, key, torch.ones_like(key))[:E]
     padded = (counts + align - 1) // align * align
     zero = torch.zeros(1, dtype=torch.long, device=dev)
     offsets = torch.cat([zero, padded.cumsum(0)])
@@ -127,14 +132,14 @@ def build_plan(idx: torch.Tensor, num_experts: int, align: int):
     # Stable sort by expert: within an expert, slots stay in ascending flat-slot order.
     order = torch.sort(key, stable=True).indices
     sorted_key = key[order]
-    rank = torch.arange(T * K, device=dev) - starts[sorted_key]
     keep = sorted_key < E
-    rows = offsets[sorted_key[keep]] + rank[keep]
-    slots = order[keep]
-    row_id_map = torch.full((T * K,), -1, dtype=torch.long, device=dev)
-    row_id_map[slots] = rows
-    sorted_slots = torch.full((T * K + E * (align - 1),), -1, dtype=torch.long, device=dev)
-    sorted_slots[rows] = slots
+    rank = torch.arange(N, device=dev) - starts[sorted_key]
+    rows = torch.where(keep, offsets[sorted_key] + rank, -1)
+    row_id_map = torch.empty(N, dtype=torch.long, device=dev).scatter(0, order, rows)
+    # empty slots all land on one extra scratch entry (every value there is -1), cut off
+    target = torch.where(keep, rows, n_sorted)
+    sorted_slots = torch.full((n_sorted + 1,), -1, dtype=torch.long, device=dev)
+    sorted_slots = sorted_slots.scatter(0, target, torch.where(keep, order, -1))[:n_sorted]
     i32 = torch.int32
     return (
         counts.to(i32),

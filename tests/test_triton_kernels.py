@@ -206,3 +206,15 @@ def test_cuda_graph_capture_and_replay():
     plan = ref.gate(logits, idx, align=16)
     expected = ref.unpermute(ref.permute(h, plan, num_rows=plan.max_rows) * 2, plan)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("s", [0.7, 2.5, 1.0, 1e-3, 16.0, 1 / 3, 123456.789])
+def test_split_scale_keeps_fp64_precision(s):
+    """Triton passes a Python float argument as fp32; the gate kernels take the scale as
+    an fp32 (hi, lo) pair so fp64 gates see it to ~48 bits, and fp32 gates see fp32(s)."""
+    import numpy as np
+
+    hi, lo = G.split_scale(s)
+    assert float(np.float32(hi)) == hi and float(np.float32(lo)) == lo  # both fp32
+    assert abs((hi + lo) - s) <= abs(s) * 2.0**-46
+    assert np.float32(np.float32(hi) + np.float32(lo)) == np.float32(s)

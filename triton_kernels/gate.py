@@ -78,6 +78,21 @@ def _log1p(u):
     return tl.where(w == 1.0, u, tl.log(w) * u / (w - 1.0))
 
 
+def split_scale(scaling_factor: float) -> tuple[float, float]:
+    """scaling_factor as an fp32 pair (hi, lo) with hi + lo ~= scaling_factor to ~48 bits.
+    A Python float kernel argument is passed as fp32; the pair keeps fp64 gates exact
+    enough for gradcheck, and in fp32 hi + lo rounds back to hi = fp32(scaling_factor)."""
+    import numpy as np
+
+    hi = float(np.float32(scaling_factor))
+    return hi, float(np.float32(scaling_factor - hi))
+
+
+@triton.jit
+def _scale(scale_hi, scale_lo, CDT: tl.constexpr):
+    return tl.cast(scale_hi, CDT) + tl.cast(scale_lo, CDT)
+
+
 @triton.jit
 def _score(z, SCORE: tl.constexpr):
     if SCORE == 1:
@@ -120,7 +135,7 @@ def _masked_softmax(x, valid):
 @triton.jit
 def _gate_weights_block(
     Logits_ptr, Idx_ptr, W_ptr, IdxOut_ptr,
-    r0, T, E, K, stride_lt, stride_le, stride_it, stride_ik, scaling_factor,
+    r0, T, E, K, stride_lt, stride_le, stride_it, stride_ik, scale_hi, scale_lo,
     SCORE: tl.constexpr, NORMALIZE: tl.constexpr, CDT: tl.constexpr,
     BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, E_BLOCK: tl.constexpr,
 ):
@@ -148,7 +163,7 @@ def _gate_weights_block(
             w = tl.where((nvalid > 1)[:, None], c / denom[:, None], c)
         else:
             w = c
-    w = tl.where(valid, w * scaling_factor, 0.0)
+    w = tl.where(valid, w * _scale(scale_hi, scale_lo, CDT), 0.0)
     out = rows[:, None] * K + cols[None, :]
     tl.store(W_ptr + out, cast_rne(w, W_ptr.dtype.element_ty), mask=m2)
     tl.store(IdxOut_ptr + out, idx, mask=m2)
@@ -211,7 +226,7 @@ def _gate_fwd_kernel(
     # outputs
     W_ptr, IdxOut_ptr, RowMap_ptr, ChunkCounts_ptr, Tpe_ptr, Offsets_ptr, Sorted_ptr,
     # sizes and strides
-    T, E, K, stride_lt, stride_le, stride_it, stride_ik, scaling_factor, align, n_sorted,
+    T, E, K, stride_lt, stride_le, stride_it, stride_ik, scale_hi, scale_lo, align, n_sorted,
     # constexprs
     SCORE: tl.constexpr, NORMALIZE: tl.constexpr, CDT: tl.constexpr, SINGLE: tl.constexpr,
     BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, E_BLOCK: tl.constexpr, E_HIST: tl.constexpr,
@@ -228,7 +243,7 @@ def _gate_fwd_kernel(
         row_end = tl.minimum(row_begin + BLOCK_T, T)
     for r0 in range(row_begin, row_end, BLOCK_T):
         _gate_weights_block(Logits_ptr, Idx_ptr, W_ptr, IdxOut_ptr, r0, T, E, K,
-                            stride_lt, stride_le, stride_it, stride_ik, scaling_factor,
+                            stride_lt, stride_le, stride_it, stride_ik, scale_hi, scale_lo,
                             SCORE, NORMALIZE, CDT, BLOCK_T, K_PAD, E_BLOCK)
     f_begin = row_begin * K
     f_end = row_end * K
@@ -320,7 +335,7 @@ def _gate_bwd_kernel(
     # outputs
     DLogits_ptr,
     # sizes and strides
-    T, E, K, stride_lt, stride_le, scaling_factor,
+    T, E, K, stride_lt, stride_le, scale_hi, scale_lo,
     # constexprs
     SCORE: tl.constexpr, NORMALIZE: tl.constexpr, DENSE: tl.constexpr, CDT: tl.constexpr,
     BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, E_BLOCK: tl.constexpr,
@@ -340,7 +355,7 @@ def _gate_bwd_kernel(
     kk = rows[:, None] * K + cols[None, :]
     idx = tl.load(Idx_ptr + kk, mask=m2, other=-1)
     valid = m2 & (idx >= 0)
-    g = tl.load(G_ptr + kk, mask=valid, other=0.0).to(CDT) * scaling_factor
+    g = tl.load(G_ptr + kk, mask=valid, other=0.0).to(CDT) * _scale(scale_hi, scale_lo, CDT)
     x = tl.load(Logits_ptr + rows[:, None] * stride_lt + idx.to(tl.int64) * stride_le,
                 mask=valid, other=0.0).to(CDT)
     if DENSE:
