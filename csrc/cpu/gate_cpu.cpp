@@ -75,9 +75,7 @@ void gate_fwd_impl(const at::Tensor& logits, const at::Tensor& idx, int sf, bool
         }
         acc_t m = acc_t(0), s = acc_t(0);
         if (sf == rm::kSoftmax && !normalize) {
-          m = static_cast<acc_t>(x[0]);
-          for (int64_t j = 1; j < E; ++j) m = rm::ro_max(m, static_cast<acc_t>(x[j]));
-          for (int64_t j = 0; j < E; ++j) s += rm::ro_exp(static_cast<acc_t>(x[j]) - m);
+          row_softmax_stats(x, E, m, s);
         } else if (sf == rm::kSoftmax) {
           bool any = false;
           for (int64_t k = 0; k < K; ++k) {
@@ -179,9 +177,8 @@ void gate_bwd_impl(const at::Tensor& g_acc, const at::Tensor& logits, const at::
         nvalid += valid[k] ? 1 : 0;
       }
       if (sf == rm::kSoftmax && !normalize) {
-        acc_t m = static_cast<acc_t>(x[0]), s = acc_t(0);
-        for (int64_t j = 1; j < E; ++j) m = rm::ro_max(m, static_cast<acc_t>(x[j]));
-        for (int64_t j = 0; j < E; ++j) s += rm::ro_exp(static_cast<acc_t>(x[j]) - m);
+        acc_t m, s;
+        row_softmax_stats(x, E, m, s);
         acc_t A = acc_t(0);
         for (int64_t k = 0; k < K; ++k) {
           const acc_t a = valid[k] ? g[k] * (rm::ro_exp(z[k] - m) / s) : acc_t(0);
@@ -189,7 +186,7 @@ void gate_bwd_impl(const at::Tensor& g_acc, const at::Tensor& logits, const at::
           A += a;
         }
         for (int64_t j = 0; j < E; ++j)
-          row[j] = rm::softmax_full_base(static_cast<acc_t>(x[j]), m, s, A);
+          row[j] = rm::softmax_full_base(row_exp(static_cast<acc_t>(x[j]) - m), s, A);
         for (int64_t k = 0; k < K; ++k)
           if (valid[k]) row[I[t * K + k]] += z[k];
       } else {

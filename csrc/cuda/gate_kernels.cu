@@ -337,13 +337,13 @@ __global__ void __launch_bounds__(256) _gate_bwd_kernel(const acc_t<scalar_t>* g
       dz = v ? rm::elementwise_dz(sf, normalize, nvalid, z, g, S, D) : A(0);
     }
     for (int64_t j = lane; j < E; j += 32) {
-      const A base = full ? rm::softmax_full_base(to_acc(xr[j]), m, s, Asum) : A(0);
+      const A base = full ? rm::softmax_full_base(rm::ro_exp(to_acc(xr[j]) - m), s, Asum) : A(0);
       orow[j] = from_acc<scalar_t>(base);
     }
     __syncwarp();
     // Column e of a selected slot: base + the slot gradients of that column in k order,
     // written by the first lane that holds the column.
-    A tot = (full && v) ? rm::softmax_full_base(z, m, s, Asum) : A(0);
+    A tot = (full && v) ? rm::softmax_full_base(rm::ro_exp(z - m), s, Asum) : A(0);
     bool first = v;
     for (int kk = 0; kk < K; ++kk) {
       const int ek = __shfl_sync(kFullMask, e, kk);

@@ -188,10 +188,10 @@ RO_HD inline acc_t elementwise_dz(int score_func, bool normalize, int nvalid, ac
 }
 
 // softmax with normalize=False: p_j = exp(x_j - m)/s over all E. With a_k = g_k p_{idx_k}
-// and A = sum_k a_k, grad_j = -p_j A + sum_{k: idx_k = j} a_k.
+// and A = sum_k a_k, grad_j = -p_j A + sum_{k: idx_k = j} a_k. `e` is exp(x_j - m).
 template <typename acc_t>
-RO_HD inline acc_t softmax_full_base(acc_t x, acc_t m, acc_t s, acc_t A) {
-  return -ro_div(ro_exp(x - m), s) * A;
+RO_HD inline acc_t softmax_full_base(acc_t e, acc_t s, acc_t A) {
+  return -ro_div(e, s) * A;
 }
 
 // ---------------------------------------------------------------------------- plan
