@@ -174,15 +174,7 @@ def parser():
 
 
 def main(argv=None):
-    args = parser().parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    rows, summary = run(args)
-    print(harness.to_markdown(rows, COLS))
-    print("\n".join(summary))
-    if args.out:
-        paths = harness.save(rows, summary, args.out, args.env, args.copy_bw, COLS)
-        print("wrote", *paths)
+    return harness.cli_main(parser, run, COLS, argv)
 
 
 if __name__ == "__main__":

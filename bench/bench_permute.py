@@ -160,14 +160,7 @@ def parser():
 
 
 def main(argv=None):
-    args = parser().parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    rows, summary = run(args)
-    print(harness.to_markdown(rows, COLS))
-    print("\n".join(summary))
-    if args.out:
-        print("wrote", *harness.save(rows, summary, args.out, args.env, args.copy_bw, COLS))
+    return harness.cli_main(parser, run, COLS, argv)
 
 
 if __name__ == "__main__":

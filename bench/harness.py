@@ -216,3 +216,16 @@ def triton_available(device: str) -> bool:
 
     mod = backend._load("triton")
     return mod is not None and mod.available("cuda")
+
+
+def cli_main(parser: Callable, run: Callable, cols: list[str], argv=None):
+    """Shared `main` of the bench scripts: parse, run, print the table, save with --out."""
+    args = parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows, summary = run(args)
+    print(to_markdown(rows, cols))
+    print("\n".join(summary))
+    if args.out:
+        print("wrote", *save(rows, summary, args.out, args.env, args.copy_bw, cols))
+    return rows, summary
