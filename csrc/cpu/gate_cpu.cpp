@@ -77,15 +77,7 @@ void gate_fwd_impl(const at::Tensor& logits, const at::Tensor& idx, int sf, bool
         if (sf == rm::kSoftmax && !normalize) {
           row_softmax_stats(x, E, m, s);
         } else if (sf == rm::kSoftmax) {
-          bool any = false;
-          for (int64_t k = 0; k < K; ++k) {
-            if (!valid[k]) continue;
-            m = any ? rm::ro_max(m, z[k]) : z[k];
-            any = true;
-          }
-          m = rm::finite_or_zero(m, any);
-          for (int64_t k = 0; k < K; ++k)
-            if (valid[k]) s += rm::ro_exp(z[k] - m);
+          rm::selected_softmax_stats(z.data(), valid.data(), K, m, s);
         } else if (rm::divides_by_sum(normalize, nvalid)) {
           for (int64_t k = 0; k < K; ++k)
             if (valid[k]) s += rm::score(sf, z[k]);
@@ -192,16 +184,8 @@ void gate_bwd_impl(const at::Tensor& g_acc, const at::Tensor& logits, const at::
       } else {
         std::fill(row.begin(), row.end(), acc_t(0));
         if (sf == rm::kSoftmax) {
-          acc_t m = acc_t(0), s = acc_t(0);
-          bool any = false;
-          for (int64_t k = 0; k < K; ++k) {
-            if (!valid[k]) continue;
-            m = any ? rm::ro_max(m, z[k]) : z[k];
-            any = true;
-          }
-          m = rm::finite_or_zero(m, any);
-          for (int64_t k = 0; k < K; ++k)
-            if (valid[k]) s += rm::ro_exp(z[k] - m);
+          acc_t m, s;
+          rm::selected_softmax_stats(z.data(), valid.data(), K, m, s);
           const acc_t sd = s > acc_t(0) ? s : acc_t(1);
           acc_t Gs = acc_t(0);
           for (int64_t k = 0; k < K; ++k)

@@ -165,6 +165,24 @@ RO_HD inline acc_t finite_or_zero(acc_t m, bool any) {
   return any ? m : acc_t(0);
 }
 
+// Softmax statistics over the valid selected logits of one row: m = max over valid z[k]
+// (0 when none is valid), s = sum over valid exp(z[k] - m).
+template <typename acc_t, typename flag_t>
+RO_HD inline void selected_softmax_stats(const acc_t* z, const flag_t* valid, int64_t K,
+                                         acc_t& m, acc_t& s) {
+  bool any = false;
+  m = acc_t(0);
+  for (int64_t k = 0; k < K; ++k) {
+    if (!valid[k]) continue;
+    m = any ? ro_max(m, z[k]) : z[k];
+    any = true;
+  }
+  m = finite_or_zero(m, any);
+  s = acc_t(0);
+  for (int64_t k = 0; k < K; ++k)
+    if (valid[k]) s += ro_exp(z[k] - m);
+}
+
 // ---------------------------------------------------------------------------- backward
 // Per-slot gradient dz_k of the loss with respect to the gathered logit z_k, for the
 // selected-range formulations (everything except softmax with normalize=False):
