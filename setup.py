@@ -30,6 +30,7 @@ CPU_SOURCES = [
     "csrc/bindings/register_cpu.cpp",
     "csrc/cpu/gate_cpu.cpp",
     "csrc/cpu/permute_cpu.cpp",
+    "csrc/cpu/row_kernels.cpp",
 ]
 CUDA_SOURCES = [
     "csrc/bindings/register_cuda.cpp",
@@ -99,8 +100,10 @@ def native_extensions():
     include = [os.path.join(ROOT, "csrc", "include")]
     # -fno-trapping-math: FP ops are assumed not to trap (they never do here; no value
     # changes), which lets GCC vectorise the branch-free exp and max loops of the CPU gate.
-    cxx = ["-O3", "-std=c++17", "-fno-trapping-math", "-fvisibility=hidden", "-Wall",
-           "-Wno-unused-function"]
+    # -ffp-contract=off: no fused multiply-add, so the AVX2/AVX-512 copies of the row
+    # kernels (csrc/cpu/row_kernels.h) give the same bits as the baseline copy.
+    cxx = ["-O3", "-std=c++17", "-fno-trapping-math", "-ffp-contract=off",
+           "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
     if sys.platform.startswith("linux"):
         cxx.append("-fopenmp")  # at::parallel_for uses OpenMP in the standard torch builds
     cuda, why = want_cuda()

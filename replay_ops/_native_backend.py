@@ -16,6 +16,12 @@ WITH_CUDA = bool(getattr(_C, "WITH_CUDA", 0))
 _ops = torch.ops.replay
 
 
+def cpu_isa() -> str:
+    """The x86 vector ISA of the CPU row kernels ("baseline", "avx2" or "avx512"): the best
+    the CPU supports, or the cap set by REPLAY_OPS_CPU_ISA. Every ISA gives the same bits."""
+    return _ops.native_cpu_isa("")
+
+
 def available(device_type: str) -> bool:
     if device_type == "cpu":
         return True

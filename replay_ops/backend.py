@@ -101,4 +101,6 @@ def backends() -> dict:
         }
         if mod is None:
             info["backends"][name]["reason"] = _errors.get(name)
+        elif hasattr(mod, "cpu_isa"):
+            info["backends"][name]["cpu_isa"] = mod.cpu_isa()
     return info

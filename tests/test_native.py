@@ -277,6 +277,82 @@ def test_native_outputs_do_not_depend_on_thread_count():
             assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+def _cpu_isas():
+    """The x86 vector ISAs of the CPU row kernels that this machine runs."""
+    ops = torch.ops.replay
+    prev = ops.native_cpu_isa("")
+    found = []
+    try:
+        for isa in ("baseline", "avx2", "avx512"):
+            try:
+                ops.native_cpu_isa(isa)
+            except ValueError:
+                continue
+            found.append(isa)
+    finally:
+        ops.native_cpu_isa(prev)
+    return found
+
+
+def _bits(t):
+    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("E", [1, 7, 16, 37, 128, 200])
+def test_native_row_kernels_give_the_same_bits_on_every_cpu_isa(dtype, E):
+    """The softmax row kernels (gate with normalize=False, forward and backward) have an
+    AVX2 and an AVX-512 copy besides the baseline one; all give the same bits, and the
+    baseline matches the reference."""
+    _native()
+    isas = _cpu_isas()
+    assert isas[0] == "baseline"
+    if len(isas) < 2:
+        pytest.skip(f"this CPU runs only the baseline row kernels ({isas})")
+    T, K = 97, min(4, E)
+    logits = make_logits(T, E, dtype, seed=31) * 4
+    if E >= 16:
+        logits[3, ::5] = float("-inf")  # masked experts
+        logits[5, :] = -1e4
+    idx = make_indices(T, E, K, empty=0.1, seed=32)
+    grad_w = torch.randn(T, K, generator=torch.Generator().manual_seed(33)).to(dtype)
+    ops = torch.ops.replay
+    prev = ops.native_cpu_isa("")
+    results = {}
+    try:
+        for isa in isas:
+            ops.native_cpu_isa(isa)
+            x = logits.clone().requires_grad_(True)
+            plan = replay_ops.gate(x, idx, normalize=False, backend="native")
+            (plan.weights.float() * grad_w.float()).sum().backward()
+            results[isa] = (plan.weights.detach(), x.grad)
+    finally:
+        ops.native_cpu_isa(prev)
+    for isa in isas[1:]:
+        for a, b in zip(results["baseline"], results[isa]):
+            assert torch.equal(_bits(a), _bits(b)), f"{isa} differs from baseline"
+    keep = torch.isfinite(logits).all(dim=1)
+    x, i = logits[keep], idx[keep]
+    assert_fa_close(
+        results["baseline"][0][keep],
+        ref.gate(x, i, normalize=False).weights,
+        ref.gate(x.double(), i, normalize=False).weights,
+        "weights",
+    )
+
+
+@needs_native
+def test_native_cpu_isa_names_and_errors():
+    ops = torch.ops.replay
+    active = ops.native_cpu_isa("")
+    assert active in _cpu_isas()
+    assert replay_ops.backends()["backends"]["native"]["cpu_isa"] == active
+    with pytest.raises(ValueError, match=r"isa='sse9' is not a CPU ISA; expected baseline"):
+        ops.native_cpu_isa("sse9")
+    assert ops.native_cpu_isa("") == active
+
+
 # ------------------------------------------------------------------------ bad input
 @needs_native
 def test_native_out_of_range_index_without_validation_is_a_clear_error():

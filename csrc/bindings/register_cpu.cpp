@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "../cpu/ops_cpu.h"
+#include "../cpu/row_kernels.h"
 
 TORCH_LIBRARY_FRAGMENT(replay, m) {
   m.def("native_gate_fwd(Tensor logits, Tensor expert_indices, str score_func, bool normalize, "
@@ -19,6 +20,8 @@ TORCH_LIBRARY_FRAGMENT(replay, m) {
   m.def("native_unpermute_fwd(Tensor expert_out, Tensor row_id_map, Tensor weights) -> Tensor");
   m.def("native_unpermute_bwd(Tensor grad_out, Tensor expert_out, Tensor row_id_map, "
         "Tensor sorted_slots, Tensor weights) -> (Tensor, Tensor)");
+  // The x86 vector ISA of the CPU row kernels: "" queries, a name sets (see row_kernels.h).
+  m.def("native_cpu_isa(str name) -> str", &replay_cpu::native_cpu_isa);
 }
 
 TORCH_LIBRARY_IMPL(replay, CPU, m) {

@@ -12,6 +12,7 @@
 
 #include "cpu_common.h"
 #include "ops_cpu.h"
+#include "row_kernels.h"
 
 namespace replay_cpu {
 namespace rm = replay_math;
@@ -45,6 +46,7 @@ void gate_fwd_impl(const at::Tensor& logits, const at::Tensor& idx, int sf, bool
   const int64_t nch = num_chunks(T, tok_per_chunk);
   std::vector<int32_t> hist(static_cast<size_t>(nch * E), 0);
   std::vector<int64_t> first_bad(static_cast<size_t>(nch), -1);
+  const RowKernels<scalar_t> rk = row_kernels<scalar_t>();
 
   // Pass 1: indices, weights, per-chunk histograms.
   at::parallel_for(0, nch, 1, [&](int64_t c0, int64_t c1) {
@@ -75,7 +77,7 @@ void gate_fwd_impl(const at::Tensor& logits, const at::Tensor& idx, int sf, bool
         }
         acc_t m = acc_t(0), s = acc_t(0);
         if (sf == rm::kSoftmax && !normalize) {
-          row_softmax_stats(x, E, m, s);
+          rk.softmax_stats(x, E, m, s);
         } else if (sf == rm::kSoftmax) {
           rm::selected_softmax_stats(z.data(), valid.data(), K, m, s);
         } else if (rm::divides_by_sum(normalize, nvalid)) {
@@ -153,6 +155,7 @@ void gate_bwd_impl(const at::Tensor& g_acc, const at::Tensor& logits, const at::
   scalar_t* GR = grad.data_ptr<scalar_t>();
   const acc_t scale = static_cast<acc_t>(scaling);
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(E, 1));
+  const RowKernels<scalar_t> rk = row_kernels<scalar_t>();
 
   at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
     std::vector<acc_t> row(static_cast<size_t>(E));
@@ -170,15 +173,14 @@ void gate_bwd_impl(const at::Tensor& g_acc, const at::Tensor& logits, const at::
       }
       if (sf == rm::kSoftmax && !normalize) {
         acc_t m, s;
-        row_softmax_stats(x, E, m, s);
+        rk.softmax_stats(x, E, m, s);
         acc_t A = acc_t(0);
         for (int64_t k = 0; k < K; ++k) {
           const acc_t a = valid[k] ? g[k] * (rm::ro_exp(z[k] - m) / s) : acc_t(0);
           z[k] = a;  // reuse: a_k
           A += a;
         }
-        for (int64_t j = 0; j < E; ++j)
-          row[j] = rm::softmax_full_base(row_exp(static_cast<acc_t>(x[j]) - m), s, A);
+        rk.softmax_full_base(x, E, m, s, A, row.data());
         for (int64_t k = 0; k < K; ++k)
           if (valid[k]) row[I[t * K + k]] += z[k];
       } else {
