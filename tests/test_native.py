@@ -439,6 +439,51 @@ def test_cuda_gate_matches_reference_and_triton(T, E, K, align, dtype, score_fun
         assert_fa_close(out.weights, tri.weights, w64, "weights vs triton")
 
 
+class _gate_path:
+    """Run the CUDA gate on one launch path (replay_cuda::GatePath) inside the block."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __enter__(self):
+        self.prev = torch.ops.replay.native_cuda_gate_path(self.name)
+
+    def __exit__(self, *exc):
+        torch.ops.replay.native_cuda_gate_path(self.prev)
+
+
+@_apply(gpu_native)
+@pytest.mark.parametrize(
+    "T,E,K,align",
+    [(37, 9, 3, 4), (1000, 64, 8, 1), (20000, 128, 8, 16), (70001, 256, 2, 128),
+     (131072, 256, 8, 1), (4096, 1024, 8, 1)],
+    ids=lambda v: str(v),
+)
+def test_cuda_gate_launch_paths_give_the_same_bits(T, E, K, align):
+    """The single-CTA, cooperative (one launch, grid-wide barriers) and three-launch paths
+    of the CUDA gate give the same bits, and the plan of the reference."""
+    rec, idx = strided_indices(T, E, K, dtype=torch.int32, empty=0.05, seed=T + 1, device="cuda")
+    logits = make_logits(T, E, torch.bfloat16, seed=E + 1, device="cuda")
+    paths = ["cooperative", "three_launches"] + (["single_cta"] if T * K <= 8192 else [])
+    outs = {}
+    for path in paths:
+        with _gate_path(path):
+            outs[path] = replay_ops.gate(logits, idx, align=align, validate=False,
+                                         backend="native")
+    assert_plan_ints_equal(outs["cooperative"], ref.gate(logits, idx, align=align))
+    for path in paths[1:]:
+        for a, b in zip(outs["cooperative"], outs[path]):
+            assert torch.equal(a, b), path
+
+
+def test_cuda_gate_path_names_are_checked():
+    if not hasattr(torch.ops.replay, "native_cuda_gate_path"):
+        pytest.skip("replay_ops._C was built without the CUDA kernels")
+    assert torch.ops.replay.native_cuda_gate_path("") == "auto"
+    with pytest.raises(ValueError, match="gate path 'warp' is unknown; expected auto"):
+        torch.ops.replay.native_cuda_gate_path("warp")
+
+
 @_apply(gpu_native)
 @pytest.mark.parametrize("H", [4096, 7168, 1000, 7])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -483,7 +528,8 @@ def test_cuda_bitwise_deterministic_100_runs():
 
 
 @_apply(gpu_native)
-def test_cuda_graph_capture_and_replay():
+@pytest.mark.parametrize("path", ["auto", "cooperative", "three_launches"])
+def test_cuda_graph_capture_and_replay(path):
     T, E, K, H = 20000, 64, 4, 256
     idx = make_indices(T, E, K, seed=2, device="cuda")
     logits = make_logits(T, E, torch.bfloat16, device="cuda")
@@ -495,19 +541,20 @@ def test_cuda_graph_capture_and_replay():
         x = replay_ops.permute(hidden, plan, max_rows, validate=False, backend="native")
         return plan, replay_ops.unpermute(x, plan, backend="native")
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()  # warm-up outside the graph
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        plan_g, y_g = step()
-    logits.copy_(make_logits(T, E, torch.bfloat16, seed=9, device="cuda"))
-    idx.copy_(make_indices(T, E, K, seed=10, device="cuda"))
-    graph.replay()
-    torch.cuda.synchronize()
-    plan_e, y_e = step()
+    with _gate_path(path):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step()  # warm-up outside the graph
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            plan_g, y_g = step()
+        logits.copy_(make_logits(T, E, torch.bfloat16, seed=9, device="cuda"))
+        idx.copy_(make_indices(T, E, K, seed=10, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        plan_e, y_e = step()
     for a, b in zip((*plan_g, y_g), (*plan_e, y_e)):
         assert torch.equal(a, b)
 
@@ -521,7 +568,10 @@ def test_cuda_compute_sanitizer(tool):
     code = textwrap.dedent(
         """
         import torch, replay_ops
-        for T, E, K, align in [(37, 9, 3, 4), (3000, 64, 8, 16)]:
+        cases = [(37, 9, 3, 4, "auto"), (3000, 64, 8, 16, "cooperative"),
+                 (3000, 64, 8, 16, "three_launches")]
+        for T, E, K, align, path in cases:
+            torch.ops.replay.native_cuda_gate_path(path)
             idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).cuda()
             idx[T // 2] = -1
             lg = torch.randn(T, E, device="cuda", requires_grad=True)

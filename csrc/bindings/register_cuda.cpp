@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <string>
 
 #include "../cuda/replay_cuda.h"
@@ -53,6 +54,34 @@ IType itype_of(const at::Tensor& t) {
 }
 
 at::ScalarType acc_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+// The launch path of the CUDA gate (replay_cuda::GatePath); "auto" unless a test or a
+// benchmark picks one with replay::native_cuda_gate_path.
+std::atomic<int> g_gate_path{static_cast<int>(replay_cuda::GatePath::kAuto)};
+
+const char* gate_path_name(int p) {
+  switch (static_cast<replay_cuda::GatePath>(p)) {
+    case replay_cuda::GatePath::kSingleCta: return "single_cta";
+    case replay_cuda::GatePath::kCooperative: return "cooperative";
+    case replay_cuda::GatePath::kThreeLaunches: return "three_launches";
+    default: return "auto";
+  }
+}
+
+// replay::native_cuda_gate_path(str name) -> str: "" returns the current path; a name sets
+// it and returns the previous one.
+std::string native_cuda_gate_path(c10::string_view name_view) {
+  const std::string name(name_view);
+  const int prev = g_gate_path.load();
+  if (name.empty()) return gate_path_name(prev);
+  int p = -1;
+  for (int i = 0; i < 4; ++i)
+    if (name == gate_path_name(i)) p = i;
+  TORCH_CHECK_VALUE(p >= 0, "replay_ops native CUDA: gate path '", name,
+                    "' is unknown; expected auto, single_cta, cooperative or three_launches");
+  g_gate_path.store(p);
+  return gate_path_name(prev);
+}
 
 void check_launch(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, "replay_ops native CUDA ", op, " failed: ",
@@ -104,8 +133,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   a.expert_offsets = offsets.data_ptr<int32_t>();
   a.row_id_map = row_id_map.data_ptr<int32_t>();
   a.sorted_slots = sorted_slots.data_ptr<int32_t>();
+  const auto path = static_cast<replay_cuda::GatePath>(g_gate_path.load());
+  TORCH_CHECK_VALUE(path != replay_cuda::GatePath::kSingleCta || T * K <= replay_cuda::kSmallSlots,
+                    "replay_ops native CUDA: gate path 'single_cta' takes T*K <= ",
+                    replay_cuda::kSmallSlots, " slots, got T*K=", T * K);
   check_launch(replay_cuda::gate_fwd(a, ws_bytes ? ws.data_ptr() : nullptr,
-                                     c10::cuda::getCurrentCUDAStream()),
+                                     c10::cuda::getCurrentCUDAStream(), path),
                "gate");
   return {weights, idx32, counts, offsets, row_id_map, sorted_slots};
 }
@@ -210,6 +243,10 @@ std::tuple<at::Tensor, at::Tensor> unpermute_bwd(const at::Tensor& grad_out_in,
 }
 
 }  // namespace
+
+TORCH_LIBRARY_FRAGMENT(replay, m) {
+  m.def("native_cuda_gate_path(str name) -> str", &native_cuda_gate_path);
+}
 
 TORCH_LIBRARY_IMPL(replay, CUDA, m) {
   m.impl("native_gate_fwd", &gate_fwd);

@@ -55,6 +55,7 @@ __device__ __forceinline__ unsigned lanemask_lt() {
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+__device__ __forceinline__ int64_t ceil_div_dev(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 inline unsigned grid_1d(int64_t blocks) {
   // Grid-stride loops cover the rest; 65535 * 8 blocks keep every GPU busy.

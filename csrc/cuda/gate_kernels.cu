@@ -11,7 +11,12 @@
 // expert segment, and -1 fills padding and tail. Shared-memory integer atomics only build
 // counts (whose values do not depend on the order of the additions); ranks never come from
 // atomics, so the plan is bitwise deterministic. For T*K <= kSmallSlots all three steps run
-// in one CTA, in one launch.
+// in one CTA, in one launch. Larger problems run the three steps as the phases of one
+// cooperative launch (a persistent grid, at most as many CTAs as fit on the device at once,
+// with a grid-wide barrier between phases), or, where the device cannot launch cooperative
+// kernels, as three launches. Both run the same device functions and give the same bits.
+#include <cooperative_groups.h>
+
 #include "cuda_common.cuh"
 
 namespace replay_cuda {
@@ -22,7 +27,6 @@ namespace rm = replay_math;
 
 constexpr int kRowsPerCta = 256;  // chunk of token rows: one thread per row
 constexpr int kWarps = kRowsPerCta / 32;
-constexpr int kScanThreads = 1024;
 
 // Gate weights and the int32 index copy of one token row (one thread).
 template <typename scalar_t, typename index_t>
@@ -201,76 +205,92 @@ __global__ void __launch_bounds__(kRowsPerCta) _gate_plan_small_kernel(GateFwdAr
 }
 
 // ---------------------------------------------------------------- multi-CTA path
+// Phase 1 for chunk c (token rows [256c, 256c + 256)): gate weights, int32 indices, and the
+// chunk's slot count per expert into hist[c][*]. `h` is shared memory for E counters.
 template <typename scalar_t, typename index_t>
-__global__ void __launch_bounds__(kRowsPerCta) _gate_hist_kernel(GateFwdArgs a, int32_t* hist) {
-  extern __shared__ int32_t smem[];  // [E]
+__device__ __forceinline__ void hist_chunk(const GateFwdArgs& a, int32_t* hist, int64_t c,
+                                           int32_t* h) {
   const int64_t E = a.E;
-  for (int64_t e = threadIdx.x; e < E; e += blockDim.x) smem[e] = 0;
+  for (int64_t e = threadIdx.x; e < E; e += blockDim.x) h[e] = 0;
   __syncthreads();
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + threadIdx.x;
+  const int64_t t = c * kRowsPerCta + threadIdx.x;
   if (t < a.T) {
     gate_row<scalar_t, index_t>(a, t);
     for (int64_t k = 0; k < a.K; ++k) {
       const int e = a.indices32[t * a.K + k];
-      if (rm::takes_row(e, E)) atomicAdd(&smem[e], 1);  // integer count: order-free
+      if (rm::takes_row(e, E)) atomicAdd(&h[e], 1);  // integer count: order-free
     }
   }
   __syncthreads();
-  for (int64_t e = threadIdx.x; e < E; e += blockDim.x)
-    hist[static_cast<int64_t>(blockIdx.x) * E + e] = smem[e];
+  for (int64_t e = threadIdx.x; e < E; e += blockDim.x) hist[c * E + e] = h[e];
+  __syncthreads();  // h is reused by the next chunk
 }
 
-// hist[c][e] -> sum of hist[c'][e] over c' < c; counts[e] = total. One CTA per 32 experts.
-__global__ void __launch_bounds__(kScanThreads) _chunk_scan_kernel(int32_t* hist, int64_t nch,
-                                                                   int64_t E, int32_t* counts) {
-  __shared__ int32_t part[32][33];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t e = static_cast<int64_t>(blockIdx.x) * 32 + lane;
-  const int64_t cpw = (nch + 31) / 32;
-  const int64_t c0 = warp * cpw < nch ? warp * cpw : nch;
-  const int64_t c1 = c0 + cpw < nch ? c0 + cpw : nch;
+template <typename scalar_t, typename index_t>
+__global__ void __launch_bounds__(kRowsPerCta) _gate_hist_kernel(GateFwdArgs a, int32_t* hist) {
+  extern __shared__ int32_t smem[];  // [E]
+  hist_chunk<scalar_t, index_t>(a, hist, blockIdx.x, smem);
+}
+
+// Phase 2 for experts [8g, 8g + 8): hist[c][e] becomes the sum of hist[c'][e] over c' < c,
+// and counts[e] the total. Thread (segment, lane): lane = expert in the group, segment = a
+// contiguous range of chunks; a scan over the segments in shared memory joins them.
+constexpr int kScanExperts = 8;
+constexpr int kScanSegments = kRowsPerCta / kScanExperts;  // 32
+
+__device__ __forceinline__ void scan_expert_group(int32_t* hist, int64_t nch, int64_t E,
+                                                  int32_t* counts, int64_t g) {
+  __shared__ int32_t part[kScanSegments][kScanExperts];
+  const int lane = threadIdx.x % kScanExperts, seg = threadIdx.x / kScanExperts;
+  const int64_t e = g * kScanExperts + lane;
+  const int64_t per = (nch + kScanSegments - 1) / kScanSegments;
+  const int64_t c0 = seg * per < nch ? seg * per : nch;
+  const int64_t c1 = c0 + per < nch ? c0 + per : nch;
   int32_t sum = 0;
   if (e < E)
     for (int64_t c = c0; c < c1; ++c) sum += hist[c * E + e];
-  part[warp][lane] = sum;
+  part[seg][lane] = sum;
   __syncthreads();
-  if (warp == 0) {
+  if (seg == 0) {
     int32_t run = 0;
-    for (int w = 0; w < 32; ++w) {
-      const int32_t v = part[w][lane];
-      part[w][lane] = run;
+    for (int sg = 0; sg < kScanSegments; ++sg) {
+      const int32_t v = part[sg][lane];
+      part[sg][lane] = run;
       run += v;
     }
     if (e < E) counts[e] = run;
   }
   __syncthreads();
-  int32_t run = part[warp][lane];
+  int32_t run = part[seg][lane];
   if (e < E)
     for (int64_t c = c0; c < c1; ++c) {
       const int32_t v = hist[c * E + e];
       hist[c * E + e] = run;
       run += v;
     }
+  __syncthreads();  // part is reused by the next group
 }
 
-__global__ void __launch_bounds__(kRowsPerCta) _gate_scatter_kernel(GateFwdArgs a,
-                                                                   const int32_t* hist) {
-  extern __shared__ int32_t smem[];
+__global__ void __launch_bounds__(kRowsPerCta) _chunk_scan_kernel(int32_t* hist, int64_t nch,
+                                                                 int64_t E, int32_t* counts) {
+  scan_expert_group(hist, nch, E, counts, blockIdx.x);
+}
+
+// Phase 3 for chunk c: scatter its slots in ascending order. `off` holds the expert offsets
+// (shared memory, E + 1), `wh` kWarps * E shared counters.
+__device__ __forceinline__ void scatter_chunk(const GateFwdArgs& a, const int32_t* hist,
+                                              const int32_t* off, int32_t* wh, int64_t c) {
   const int64_t E = a.E, T = a.T, K = a.K;
-  int32_t* off = smem;         // [E + 1]
-  int32_t* wh = off + E + 1;   // [kWarps][E]
   const int tid = threadIdx.x, warp = tid >> 5;
   for (int64_t i = tid; i < kWarps * E; i += blockDim.x) wh[i] = 0;
-  block_offsets(a.tokens_per_expert, E, static_cast<int32_t>(a.align), off);  // ends with __syncthreads
-  if (blockIdx.x == 0)
-    for (int64_t e = tid; e <= E; e += blockDim.x) a.expert_offsets[e] = off[e];
-  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + warp * 32;
+  __syncthreads();
+  const int64_t t0 = c * kRowsPerCta + warp * 32;
   const int64_t s0 = (t0 < T ? t0 : T) * K;
   const int64_t s1 = (t0 + 32 < T ? t0 + 32 : T) * K;  // s1 >= s0: t0 + 32 > t0
   warp_count(a.indices32, s0, s1, E, wh + warp * E);
   __syncthreads();
   for (int64_t e = tid; e < E; e += blockDim.x) {
-    int32_t run = off[e] + hist[static_cast<int64_t>(blockIdx.x) * E + e];
+    int32_t run = off[e] + hist[c * E + e];
     for (int w = 0; w < kWarps; ++w) {
       const int32_t v = wh[w * E + e];
       wh[w * E + e] = run;
@@ -279,7 +299,47 @@ __global__ void __launch_bounds__(kRowsPerCta) _gate_scatter_kernel(GateFwdArgs 
   }
   __syncthreads();
   warp_scatter(a.indices32, s0, s1, E, wh + warp * E, a.row_id_map, a.sorted_slots);
-  fill_unused(off, a.tokens_per_expert, E, T * K + E * (a.align - 1), a.sorted_slots);
+  __syncthreads();  // wh is reused by the next chunk
+}
+
+__global__ void __launch_bounds__(kRowsPerCta) _gate_scatter_kernel(GateFwdArgs a,
+                                                                   const int32_t* hist) {
+  extern __shared__ int32_t smem[];
+  const int64_t E = a.E;
+  int32_t* off = smem;         // [E + 1]
+  int32_t* wh = off + E + 1;   // [kWarps][E]
+  block_offsets(a.tokens_per_expert, E, static_cast<int32_t>(a.align), off);  // ends with __syncthreads
+  if (blockIdx.x == 0)
+    for (int64_t e = threadIdx.x; e <= E; e += blockDim.x) a.expert_offsets[e] = off[e];
+  scatter_chunk(a, hist, off, wh, blockIdx.x);
+  fill_unused(off, a.tokens_per_expert, E, a.T * a.K + E * (a.align - 1), a.sorted_slots);
+}
+
+// ---------------------------------------------------------------- cooperative path
+// The three phases in one launch. The grid is persistent (every CTA resident at once, which
+// the cooperative launch guarantees), CTAs stride over the chunks and expert groups, and
+// grid.sync() (which also orders the global memory writes) separates the phases.
+template <typename scalar_t, typename index_t>
+__global__ void __launch_bounds__(kRowsPerCta) _gate_plan_coop_kernel(GateFwdArgs a,
+                                                                     int32_t* hist) {
+  extern __shared__ int32_t smem[];
+  namespace cg = cooperative_groups;
+  cg::grid_group grid = cg::this_grid();
+  const int64_t E = a.E, nch = ceil_div_dev(a.T, kRowsPerCta);
+  for (int64_t c = blockIdx.x; c < nch; c += gridDim.x)
+    hist_chunk<scalar_t, index_t>(a, hist, c, smem);
+  grid.sync();
+  const int64_t groups = ceil_div_dev(E, kScanExperts);
+  for (int64_t g = blockIdx.x; g < groups; g += gridDim.x)
+    scan_expert_group(hist, nch, E, a.tokens_per_expert, g);
+  grid.sync();
+  int32_t* off = smem;         // [E + 1]
+  int32_t* wh = off + E + 1;   // [kWarps][E]
+  block_offsets(a.tokens_per_expert, E, static_cast<int32_t>(a.align), off);
+  if (blockIdx.x == 0)
+    for (int64_t e = threadIdx.x; e <= E; e += blockDim.x) a.expert_offsets[e] = off[e];
+  for (int64_t c = blockIdx.x; c < nch; c += gridDim.x) scatter_chunk(a, hist, off, wh, c);
+  fill_unused(off, a.tokens_per_expert, E, a.T * a.K + E * (a.align - 1), a.sorted_slots);
 }
 
 // ---------------------------------------------------------------- backward
@@ -358,10 +418,42 @@ __global__ void __launch_bounds__(256) _gate_bwd_kernel(const acc_t<scalar_t>* g
   }
 }
 
+// Whether `device` can run cooperative launches, and its SM count (cached per device).
+struct CoopInfo {
+  bool known = false;
+  bool supported = false;
+  int sms = 0;
+};
+
+cudaError_t coop_info(CoopInfo& out) {
+  constexpr int kMaxDevices = 64;
+  static CoopInfo cache[kMaxDevices];
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  if (dev >= 0 && dev < kMaxDevices && cache[dev].known) {
+    out = cache[dev];
+    return cudaSuccess;
+  }
+  int coop = 0, sms = 0;
+  err = cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err != cudaSuccess) return err;
+  out.known = true;
+  out.supported = coop != 0 && sms > 0;
+  out.sms = sms;
+  if (dev >= 0 && dev < kMaxDevices) cache[dev] = out;
+  return cudaSuccess;
+}
+
 template <typename scalar_t, typename index_t>
-cudaError_t launch_gate_fwd(const GateFwdArgs& a, void* workspace, cudaStream_t stream) {
+cudaError_t launch_gate_fwd(const GateFwdArgs& a, void* workspace, cudaStream_t stream,
+                            GatePath path) {
   const int64_t TK = a.T * a.K;
-  if (TK <= kSmallSlots) {
+  // T == 0 has no chunks: the single CTA writes the empty plan whatever the path.
+  if ((path == GatePath::kAuto && TK <= kSmallSlots) || a.T == 0) path = GatePath::kSingleCta;
+  if (path == GatePath::kSingleCta) {
+    if (TK > kSmallSlots) return cudaErrorInvalidValue;
     const size_t smem = static_cast<size_t>(10 * a.E + 1) * sizeof(int32_t);
     _gate_plan_small_kernel<scalar_t, index_t><<<1, kRowsPerCta, smem, stream>>>(a);
     return cudaGetLastError();
@@ -369,28 +461,51 @@ cudaError_t launch_gate_fwd(const GateFwdArgs& a, void* workspace, cudaStream_t 
   const int64_t nch = ceil_div(a.T, kRowsPerCta);
   int32_t* hist = static_cast<int32_t*>(workspace);
   if (hist == nullptr) return cudaErrorInvalidValue;
+  const size_t plan_smem = static_cast<size_t>((kWarps + 1) * a.E + 1) * sizeof(int32_t);
+  if (path == GatePath::kAuto || path == GatePath::kCooperative) {
+    CoopInfo info;
+    cudaError_t err = coop_info(info);
+    if (err != cudaSuccess) return err;
+    auto kernel = _gate_plan_coop_kernel<scalar_t, index_t>;
+    int per_sm = 0;
+    if (info.supported) {
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kRowsPerCta,
+                                                          plan_smem);
+      if (err != cudaSuccess) return err;
+    }
+    if (per_sm > 0) {
+      const int64_t resident = static_cast<int64_t>(per_sm) * info.sms;
+      const unsigned grid = static_cast<unsigned>(nch < resident ? nch : resident);
+      GateFwdArgs args = a;
+      void* params[] = {&args, &hist};
+      err = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), dim3(grid),
+                                        dim3(kRowsPerCta), params, plan_smem, stream);
+      if (err != cudaSuccess) return err;
+      return cudaGetLastError();
+    }
+    if (path == GatePath::kCooperative) return cudaErrorCooperativeLaunchTooLarge;
+  }
   _gate_hist_kernel<scalar_t, index_t>
       <<<static_cast<unsigned>(nch), kRowsPerCta, a.E * sizeof(int32_t), stream>>>(a, hist);
-  _chunk_scan_kernel<<<static_cast<unsigned>(ceil_div(a.E, 32)), kScanThreads, 0, stream>>>(
-      hist, nch, a.E, a.tokens_per_expert);
-  const size_t smem = static_cast<size_t>((kWarps + 1) * a.E + 1) * sizeof(int32_t);
-  _gate_scatter_kernel<<<static_cast<unsigned>(nch), kRowsPerCta, smem, stream>>>(a, hist);
+  _chunk_scan_kernel<<<static_cast<unsigned>(ceil_div(a.E, kScanExperts)), kRowsPerCta, 0,
+                       stream>>>(hist, nch, a.E, a.tokens_per_expert);
+  _gate_scatter_kernel<<<static_cast<unsigned>(nch), kRowsPerCta, plan_smem, stream>>>(a, hist);
   return cudaGetLastError();
 }
 
 }  // namespace
 
 size_t gate_fwd_workspace_bytes(int64_t T, int64_t E, int64_t K) {
-  if (T * K <= kSmallSlots) return 0;
+  if (T * K == 0) return 0;
   return static_cast<size_t>(detail::ceil_div(T, kRowsPerCta) * E) * sizeof(int32_t);
 }
 
-cudaError_t gate_fwd(const GateFwdArgs& a, void* workspace, cudaStream_t stream) {
+cudaError_t gate_fwd(const GateFwdArgs& a, void* workspace, cudaStream_t stream, GatePath path) {
   if (a.E < 1 || a.E > kMaxExperts || a.K < 1 || a.T < 0 || a.align < 1) {
     return cudaErrorInvalidValue;
   }
   RO_CUDA_DISPATCH_FLOAT(a.logits_dtype, RO_CUDA_DISPATCH_INDEX(a.index_dtype, {
-    return launch_gate_fwd<scalar_t, index_t>(a, workspace, stream);
+    return launch_gate_fwd<scalar_t, index_t>(a, workspace, stream, path);
   }));
   return cudaSuccess;
 }

@@ -47,12 +47,22 @@ struct GateFwdArgs {
   int32_t* sorted_slots;       // [T*K + E*(align-1)]
 };
 
-// Bytes of device workspace gate_fwd needs (0 for the single-launch path).
+// How gate_fwd runs its three steps (weights + per-chunk histograms, a scan over the chunks,
+// the scatter). Every path gives the same bits.
+enum class GatePath : int {
+  kAuto = 0,         // kSingleCta when T*K <= kSmallSlots, else kCooperative where the device
+                     // supports cooperative launches, else kThreeLaunches
+  kSingleCta = 1,    // one launch of one CTA (T*K <= kSmallSlots only)
+  kCooperative = 2,  // one cooperative launch: a persistent grid with grid-wide barriers
+  kThreeLaunches = 3,
+};
+
+// Bytes of device workspace gate_fwd needs (per-chunk histograms: ceil(T/256) * E int32).
 size_t gate_fwd_workspace_bytes(int64_t T, int64_t E, int64_t K);
 
-// Gate weights plus dispatch plan. One launch when T*K <= kSmallSlots, else three:
-// weights + per-chunk histograms, a scan over chunks, and the scatter.
-cudaError_t gate_fwd(const GateFwdArgs& args, void* workspace, cudaStream_t stream);
+// Gate weights plus dispatch plan, on `path` (see GatePath).
+cudaError_t gate_fwd(const GateFwdArgs& args, void* workspace, cudaStream_t stream,
+                     GatePath path = GatePath::kAuto);
 
 // Dense [T, E] logits gradient (logits dtype) in one launch; grad_weights is [T, K] in the
 // compute type (fp32, or fp64 for fp64 logits), indices32 the int32 indices gate_fwd used.
