@@ -59,7 +59,15 @@ def device_name(device: str) -> str:
                 break
     except OSError:
         pass
-    return f"{model} ({os.cpu_count()} logical CPUs, torch threads={torch.get_num_threads()})"
+    isa = ""
+    try:
+        from replay_ops import _native_backend
+
+        isa = f", native row kernels: {_native_backend.cpu_isa()}"
+    except ImportError:
+        pass
+    return (f"{model} ({os.cpu_count()} logical CPUs, torch threads={torch.get_num_threads()}"
+            f"{isa})")
 
 
 def triton_version() -> str | None:
