@@ -102,5 +102,8 @@ def backends() -> dict:
         if mod is None:
             info["backends"][name]["reason"] = _errors.get(name)
         elif hasattr(mod, "cpu_isa"):
-            info["backends"][name]["cpu_isa"] = mod.cpu_isa()
+            try:
+                info["backends"][name]["cpu_isa"] = mod.cpu_isa()
+            except ValueError as e:  # a bad REPLAY_OPS_CPU_ISA: report it, the ops raise it
+                info["backends"][name]["cpu_isa"] = f"error: {e}"
     return info

@@ -353,6 +353,29 @@ def test_native_cpu_isa_names_and_errors():
     assert ops.native_cpu_isa("") == active
 
 
+@needs_native
+def test_native_cpu_isa_environment_cap():
+    code = "import replay_ops; print(replay_ops.backends()['backends']['native']['cpu_isa'])"
+    env = dict(os.environ, REPLAY_OPS_CPU_ISA="baseline")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "baseline", out.stderr[-2000:]
+    env["REPLAY_OPS_CPU_ISA"] = "avx9"
+    code += (
+        "\nimport torch\ntry:\n"
+        "    replay_ops.gate(torch.randn(3, 4), torch.zeros(3, 1, dtype=torch.long),"
+        " normalize=False, backend='native')\n"
+        "except ValueError as e:\n    print('raised:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    msg = "REPLAY_OPS_CPU_ISA='avx9' is not a CPU ISA; expected baseline, avx2 or avx512"
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("error: ") and msg in lines[0], out.stdout
+    assert lines[1].startswith("raised: ") and msg in lines[1], out.stdout
+
+
 # ------------------------------------------------------------------------ bad input
 @needs_native
 def test_native_out_of_range_index_without_validation_is_a_clear_error():
@@ -470,6 +493,16 @@ def test_cuda_gate_launch_paths_give_the_same_bits(T, E, K, align):
         with _gate_path(path):
             outs[path] = replay_ops.gate(logits, idx, align=align, validate=False,
                                          backend="native")
+    # A grid of 3 CTAs makes every CTA stride over many chunks and expert groups (the reuse
+    # of its shared-memory counters across iterations).
+    paths.append("cooperative, 3 CTAs")
+    prev = torch.ops.replay.native_cuda_gate_max_ctas(3)
+    try:
+        with _gate_path("cooperative"):
+            outs[paths[-1]] = replay_ops.gate(logits, idx, align=align, validate=False,
+                                              backend="native")
+    finally:
+        torch.ops.replay.native_cuda_gate_max_ctas(prev)
     assert_plan_ints_equal(outs["cooperative"], ref.gate(logits, idx, align=align))
     for path in paths[1:]:
         for a, b in zip(outs["cooperative"], outs[path]):
@@ -482,6 +515,7 @@ def test_cuda_gate_path_names_are_checked():
     assert torch.ops.replay.native_cuda_gate_path("") == "auto"
     with pytest.raises(ValueError, match="gate path 'warp' is unknown; expected auto"):
         torch.ops.replay.native_cuda_gate_path("warp")
+    assert torch.ops.replay.native_cuda_gate_max_ctas(-1) == 0
 
 
 @_apply(gpu_native)
@@ -568,10 +602,11 @@ def test_cuda_compute_sanitizer(tool):
     code = textwrap.dedent(
         """
         import torch, replay_ops
-        cases = [(37, 9, 3, 4, "auto"), (3000, 64, 8, 16, "cooperative"),
-                 (3000, 64, 8, 16, "three_launches")]
-        for T, E, K, align, path in cases:
+        cases = [(37, 9, 3, 4, "auto", 0), (3000, 64, 8, 16, "cooperative", 0),
+                 (3000, 64, 8, 16, "cooperative", 2), (3000, 64, 8, 16, "three_launches", 0)]
+        for T, E, K, align, path, max_ctas in cases:
             torch.ops.replay.native_cuda_gate_path(path)
+            torch.ops.replay.native_cuda_gate_max_ctas(max_ctas)
             idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).cuda()
             idx[T // 2] = -1
             lg = torch.randn(T, E, device="cuda", requires_grad=True)

@@ -58,6 +58,7 @@ at::ScalarType acc_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDoub
 // The launch path of the CUDA gate (replay_cuda::GatePath); "auto" unless a test or a
 // benchmark picks one with replay::native_cuda_gate_path.
 std::atomic<int> g_gate_path{static_cast<int>(replay_cuda::GatePath::kAuto)};
+std::atomic<int64_t> g_gate_max_ctas{0};
 
 const char* gate_path_name(int p) {
   switch (static_cast<replay_cuda::GatePath>(p)) {
@@ -81,6 +82,13 @@ std::string native_cuda_gate_path(c10::string_view name_view) {
                     "' is unknown; expected auto, single_cta, cooperative or three_launches");
   g_gate_path.store(p);
   return gate_path_name(prev);
+}
+
+// replay::native_cuda_gate_max_ctas(int n) -> int: caps the CTAs of the cooperative gate
+// (0: no cap; a negative n only queries) and returns the previous cap.
+int64_t native_cuda_gate_max_ctas(int64_t n) {
+  if (n < 0) return g_gate_max_ctas.load();
+  return g_gate_max_ctas.exchange(n);
 }
 
 void check_launch(cudaError_t err, const char* op) {
@@ -110,7 +118,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor offsets = at::empty({E + 1}, i32);
   at::Tensor row_id_map = at::empty({T, K}, i32);
   at::Tensor sorted_slots = at::empty({n_sorted}, i32);
-  const size_t ws_bytes = replay_cuda::gate_fwd_workspace_bytes(T, E, K);
+  const auto path = static_cast<replay_cuda::GatePath>(g_gate_path.load());
+  TORCH_CHECK_VALUE(path != replay_cuda::GatePath::kSingleCta || T * K <= replay_cuda::kSmallSlots,
+                    "replay_ops native CUDA: gate path 'single_cta' takes T*K <= ",
+                    replay_cuda::kSmallSlots, " slots, got T*K=", T * K);
+  const size_t ws_bytes = replay_cuda::gate_fwd_workspace_bytes(T, E, K, path);
   at::Tensor ws = at::empty({static_cast<int64_t>(ws_bytes)}, logits.options().dtype(at::kByte));
   replay_cuda::GateFwdArgs a{};
   a.logits = logits.data_ptr();
@@ -133,10 +145,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   a.expert_offsets = offsets.data_ptr<int32_t>();
   a.row_id_map = row_id_map.data_ptr<int32_t>();
   a.sorted_slots = sorted_slots.data_ptr<int32_t>();
-  const auto path = static_cast<replay_cuda::GatePath>(g_gate_path.load());
-  TORCH_CHECK_VALUE(path != replay_cuda::GatePath::kSingleCta || T * K <= replay_cuda::kSmallSlots,
-                    "replay_ops native CUDA: gate path 'single_cta' takes T*K <= ",
-                    replay_cuda::kSmallSlots, " slots, got T*K=", T * K);
+  a.max_ctas = g_gate_max_ctas.load();
   check_launch(replay_cuda::gate_fwd(a, ws_bytes ? ws.data_ptr() : nullptr,
                                      c10::cuda::getCurrentCUDAStream(), path),
                "gate");
@@ -246,6 +255,7 @@ std::tuple<at::Tensor, at::Tensor> unpermute_bwd(const at::Tensor& grad_out_in,
 
 TORCH_LIBRARY_FRAGMENT(replay, m) {
   m.def("native_cuda_gate_path(str name) -> str", &native_cuda_gate_path);
+  m.def("native_cuda_gate_max_ctas(int n) -> int", &native_cuda_gate_max_ctas);
 }
 
 TORCH_LIBRARY_IMPL(replay, CUDA, m) {

@@ -418,42 +418,38 @@ __global__ void __launch_bounds__(256) _gate_bwd_kernel(const acc_t<scalar_t>* g
   }
 }
 
-// Whether `device` can run cooperative launches, and its SM count (cached per device).
-struct CoopInfo {
-  bool known = false;
-  bool supported = false;
-  int sms = 0;
-};
+// The path that gate_fwd takes for these sizes (kAuto resolved except for the cooperative
+// versus three-launch choice, which depends on the device).
+GatePath resolve_path(int64_t T, int64_t K, GatePath path) {
+  // T == 0 has no chunks: the single CTA writes the empty plan whatever the path.
+  if ((path == GatePath::kAuto && T * K <= kSmallSlots) || T == 0) return GatePath::kSingleCta;
+  return path;
+}
 
-cudaError_t coop_info(CoopInfo& out) {
-  constexpr int kMaxDevices = 64;
-  static CoopInfo cache[kMaxDevices];
-  int dev = 0;
+// How many CTAs of the cooperative kernel can be resident at once on the current device
+// (0 where the device cannot launch cooperative kernels). Queried on every call: the
+// attribute and occupancy queries are host-side and cheap, and nothing is cached, so
+// concurrent callers share no state.
+template <typename Kernel>
+cudaError_t coop_capacity(Kernel kernel, size_t smem, int64_t& ctas) {
+  ctas = 0;
+  int dev = 0, coop = 0, sms = 0, per_sm = 0;
   cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  if (dev >= 0 && dev < kMaxDevices && cache[dev].known) {
-    out = cache[dev];
-    return cudaSuccess;
-  }
-  int coop = 0, sms = 0;
-  err = cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err != cudaSuccess || coop == 0 || sms <= 0) return err;
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kRowsPerCta, smem);
   if (err != cudaSuccess) return err;
-  out.known = true;
-  out.supported = coop != 0 && sms > 0;
-  out.sms = sms;
-  if (dev >= 0 && dev < kMaxDevices) cache[dev] = out;
+  ctas = static_cast<int64_t>(per_sm) * sms;
   return cudaSuccess;
 }
 
 template <typename scalar_t, typename index_t>
 cudaError_t launch_gate_fwd(const GateFwdArgs& a, void* workspace, cudaStream_t stream,
                             GatePath path) {
-  const int64_t TK = a.T * a.K;
-  // T == 0 has no chunks: the single CTA writes the empty plan whatever the path.
-  if ((path == GatePath::kAuto && TK <= kSmallSlots) || a.T == 0) path = GatePath::kSingleCta;
+  path = resolve_path(a.T, a.K, path);
   if (path == GatePath::kSingleCta) {
-    if (TK > kSmallSlots) return cudaErrorInvalidValue;
+    if (a.T * a.K > kSmallSlots) return cudaErrorInvalidValue;
     const size_t smem = static_cast<size_t>(10 * a.E + 1) * sizeof(int32_t);
     _gate_plan_small_kernel<scalar_t, index_t><<<1, kRowsPerCta, smem, stream>>>(a);
     return cudaGetLastError();
@@ -463,27 +459,25 @@ cudaError_t launch_gate_fwd(const GateFwdArgs& a, void* workspace, cudaStream_t 
   if (hist == nullptr) return cudaErrorInvalidValue;
   const size_t plan_smem = static_cast<size_t>((kWarps + 1) * a.E + 1) * sizeof(int32_t);
   if (path == GatePath::kAuto || path == GatePath::kCooperative) {
-    CoopInfo info;
-    cudaError_t err = coop_info(info);
-    if (err != cudaSuccess) return err;
     auto kernel = _gate_plan_coop_kernel<scalar_t, index_t>;
-    int per_sm = 0;
-    if (info.supported) {
-      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kRowsPerCta,
-                                                          plan_smem);
-      if (err != cudaSuccess) return err;
-    }
-    if (per_sm > 0) {
-      const int64_t resident = static_cast<int64_t>(per_sm) * info.sms;
-      const unsigned grid = static_cast<unsigned>(nch < resident ? nch : resident);
+    int64_t ctas = 0;
+    cudaError_t err = coop_capacity(kernel, plan_smem, ctas);
+    if (err != cudaSuccess) return err;
+    if (a.max_ctas > 0 && ctas > a.max_ctas) ctas = a.max_ctas;
+    if (ctas > 0) {
+      const unsigned grid = static_cast<unsigned>(nch < ctas ? nch : ctas);
       GateFwdArgs args = a;
       void* params[] = {&args, &hist};
       err = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), dim3(grid),
                                         dim3(kRowsPerCta), params, plan_smem, stream);
-      if (err != cudaSuccess) return err;
-      return cudaGetLastError();
+      if (err == cudaSuccess) return cudaSuccess;
+      (void)cudaGetLastError();  // clear it: the error is returned, or the fallback runs
+      if (path == GatePath::kCooperative) return err;
+      // kAuto: e.g. fewer SMs usable than reported (MPS limits); the three launches below
+      // give the same bits.
+    } else if (path == GatePath::kCooperative) {
+      return cudaErrorNotSupported;
     }
-    if (path == GatePath::kCooperative) return cudaErrorCooperativeLaunchTooLarge;
   }
   _gate_hist_kernel<scalar_t, index_t>
       <<<static_cast<unsigned>(nch), kRowsPerCta, a.E * sizeof(int32_t), stream>>>(a, hist);
@@ -495,8 +489,8 @@ cudaError_t launch_gate_fwd(const GateFwdArgs& a, void* workspace, cudaStream_t 
 
 }  // namespace
 
-size_t gate_fwd_workspace_bytes(int64_t T, int64_t E, int64_t K) {
-  if (T * K == 0) return 0;
+size_t gate_fwd_workspace_bytes(int64_t T, int64_t E, int64_t K, GatePath path) {
+  if (resolve_path(T, K, path) == GatePath::kSingleCta) return 0;
   return static_cast<size_t>(detail::ceil_div(T, kRowsPerCta) * E) * sizeof(int32_t);
 }
 

@@ -45,6 +45,9 @@ struct GateFwdArgs {
   int32_t* expert_offsets;     // [E + 1]
   int32_t* row_id_map;         // [T, K]
   int32_t* sorted_slots;       // [T*K + E*(align-1)]
+  // Upper bound on the CTAs of the cooperative path (0: as many as fit on the device), e.g.
+  // to leave SMs to a concurrent communication kernel. The result does not depend on it.
+  int64_t max_ctas = 0;
 };
 
 // How gate_fwd runs its three steps (weights + per-chunk histograms, a scan over the chunks,
@@ -57,8 +60,10 @@ enum class GatePath : int {
   kThreeLaunches = 3,
 };
 
-// Bytes of device workspace gate_fwd needs (per-chunk histograms: ceil(T/256) * E int32).
-size_t gate_fwd_workspace_bytes(int64_t T, int64_t E, int64_t K);
+// Bytes of device workspace gate_fwd needs on `path`: 0 where the single CTA runs, else the
+// per-chunk histograms (ceil(T/256) * E int32).
+size_t gate_fwd_workspace_bytes(int64_t T, int64_t E, int64_t K,
+                                GatePath path = GatePath::kAuto);
 
 // Gate weights plus dispatch plan, on `path` (see GatePath).
 cudaError_t gate_fwd(const GateFwdArgs& args, void* workspace, cudaStream_t stream,
