@@ -135,25 +135,31 @@ RO_AVX512 inline __m512 load16_avx512(const scalar_t* p) {
   }
 }
 
-// exp_nonpos, lane by lane, with the same operations in the same order.
-RO_AVX512 inline __m512 exp16_avx512(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // (-87 > x) ? -87 : x
-  __m512 j = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  j = _mm512_sub_ps(_mm512_add_ps(j, _mm512_set1_ps(12582912.0f)), _mm512_set1_ps(12582912.0f));
-  const __m512i i = _mm512_cvttps_epi32(j);
-  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(j, _mm512_set1_ps(0.693359375f)));
-  r = _mm512_add_ps(r, _mm512_mul_ps(j, _mm512_set1_ps(2.12194440e-4f)));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r),
-                    _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(i, _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
+// exp_nonpos, lane by lane, with the same operations in the same order, for a vector type
+// V (integer vector VI) whose intrinsics have prefix PFX and width BITS. One definition for
+// both widths: the bitwise equality of the ISA copies rests on this exact sequence.
+#define RO_DEFINE_VEC_EXP(NAME, ATTR, V, VI, PFX, BITS)                                    \
+  ATTR inline V NAME(V x) {                                                                \
+    x = PFX##_max_ps(PFX##_set1_ps(-87.0f), x); /* (-87 > x) ? -87 : x */                  \
+    V j = PFX##_mul_ps(x, PFX##_set1_ps(1.44269504088896341f));                            \
+    j = PFX##_sub_ps(PFX##_add_ps(j, PFX##_set1_ps(12582912.0f)),                          \
+                     PFX##_set1_ps(12582912.0f));                                          \
+    const VI i = PFX##_cvttps_epi32(j);                                                    \
+    V r = PFX##_sub_ps(x, PFX##_mul_ps(j, PFX##_set1_ps(0.693359375f)));                   \
+    r = PFX##_add_ps(r, PFX##_mul_ps(j, PFX##_set1_ps(2.12194440e-4f)));                   \
+    V p = PFX##_set1_ps(1.9875691500e-4f);                                                 \
+    p = PFX##_add_ps(PFX##_mul_ps(p, r), PFX##_set1_ps(1.3981999507e-3f));                 \
+    p = PFX##_add_ps(PFX##_mul_ps(p, r), PFX##_set1_ps(8.3334519073e-3f));                 \
+    p = PFX##_add_ps(PFX##_mul_ps(p, r), PFX##_set1_ps(4.1665795894e-2f));                 \
+    p = PFX##_add_ps(PFX##_mul_ps(p, r), PFX##_set1_ps(1.6666665459e-1f));                 \
+    p = PFX##_add_ps(PFX##_mul_ps(p, r), PFX##_set1_ps(5.0000001201e-1f));                 \
+    p = PFX##_add_ps(PFX##_add_ps(PFX##_mul_ps(PFX##_mul_ps(p, r), r), r),                 \
+                     PFX##_set1_ps(1.0f));                                                 \
+    const VI bits = PFX##_slli_epi32(PFX##_add_epi32(i, PFX##_set1_epi32(127)), 23);       \
+    return PFX##_mul_ps(p, PFX##_castsi##BITS##_ps(bits));                                 \
+  }
+
+RO_DEFINE_VEC_EXP(exp16_avx512, RO_AVX512, __m512, __m512i, _mm512, 512)
 
 template <typename scalar_t>
 RO_AVX512 void stats_avx512(const scalar_t* x, int64_t E, float& m_out, float& s_out) {
@@ -204,24 +210,8 @@ RO_AVX2 inline __m256 load8_avx2(const scalar_t* p) {
   }
 }
 
-RO_AVX2 inline __m256 exp8_avx2(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
-  __m256 j = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  j = _mm256_sub_ps(_mm256_add_ps(j, _mm256_set1_ps(12582912.0f)), _mm256_set1_ps(12582912.0f));
-  const __m256i i = _mm256_cvttps_epi32(j);
-  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(j, _mm256_set1_ps(0.693359375f)));
-  r = _mm256_add_ps(r, _mm256_mul_ps(j, _mm256_set1_ps(2.12194440e-4f)));
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r),
-                    _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(i, _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
+RO_DEFINE_VEC_EXP(exp8_avx2, RO_AVX2, __m256, __m256i, _mm256, 256)
+#undef RO_DEFINE_VEC_EXP
 
 template <typename scalar_t>
 RO_AVX2 void stats_avx2(const scalar_t* x, int64_t E, float& m_out, float& s_out) {
