@@ -25,8 +25,8 @@ const char* cpu_isa_name(CpuIsa isa);
 
 // replay::native_cpu_isa(str name) -> str. With name "" it returns the active ISA; with
 // "baseline", "avx2" or "avx512" it makes that ISA active (it must be supported) and
-// returns the previous one. The environment variable REPLAY_OPS_CPU_ISA caps the initial
-// choice the same way.
+// returns the previous one. The environment variable REPLAY_OPS_CPU_ISA (same names) caps
+// the initial choice: the active ISA is the lower of it and the best supported one.
 std::string native_cpu_isa(c10::string_view name);
 
 template <typename scalar_t>
