@@ -31,7 +31,7 @@ FLAGS=(-std=c++17 -O3 -Icsrc/include -Icsrc/cuda -Werror all-warnings
 SOURCES=(csrc/cuda/*.cu)
 PY="${PY:-python3}"
 
-key=$( { "$NVCC" --version; echo "$ARCHS ${FLAGS[*]}"; cat csrc/cuda/* csrc/include/* csrc/bindings/register_cuda.cpp "$0"; } | sha256sum | cut -c1-16)
+key=$( { "$NVCC" --version; echo "$ARCHS ${FLAGS[*]}"; cat csrc/cuda/* csrc/include/* csrc/bindings/register_cuda.cpp csrc/bindings/native_checks.h "$0"; } | sha256sum | cut -c1-16)
 cache=build/cuda_check
 if [[ -f "$cache/$key.ok" ]]; then
   echo "check_cuda: OK (cached $key): ${#SOURCES[@]} files x [$ARCHS], 0 spill stores"

@@ -3,7 +3,7 @@
     python bench/bench_gate.py --device cpu --T 16384 --E 128 --K 8 --runs 5
 
 Providers: reference (replay_ops.reference.gate), torch (eager backend through the op),
-native (through the op), native-raw (torch.ops.replay.native_gate_fwd directly),
+native (through the op), native-raw (torch.ops.replay_native.gate_fwd directly),
 eager-replay (the plain PyTorch replay path: softmax + gather + argsort + bincount + cumsum),
 triton (CUDA), torch.compile (with --compile), vllm-align (vLLM's moe_align_block_size, the
 plan only, when vLLM is installed on CUDA). Modes: fwd, bwd (the logits gradient from the
@@ -22,6 +22,7 @@ import harness  # noqa: E402
 
 import replay_ops  # noqa: E402
 from replay_ops import reference as ref  # noqa: E402
+from replay_ops import scores  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ISIZE = {torch.int16: 2, torch.int32: 4, torch.int64: 8}
@@ -68,8 +69,8 @@ def providers(args, logits, idx, device):
     }
     if harness.native_available(device):
         p["native"] = lambda x: replay_ops.gate(x, idx, validate=v, backend="native", **kw).weights
-        p["native-raw"] = lambda x: torch.ops.replay.native_gate_fwd(
-            x, idx, args.score_func, bool(args.normalize), 1.0, args.align)[0]
+        p["native-raw"] = lambda x: torch.ops.replay_native.gate_fwd(
+            x, idx, scores.get(args.score_func).id, bool(args.normalize), 1.0, args.align)[0]
     if args.score_func == "softmax":
         p["eager-replay"] = lambda x: eager_replay_path(x, idx, bool(args.normalize))[0]
     if harness.triton_available(device):

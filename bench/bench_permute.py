@@ -3,7 +3,7 @@
     python bench/bench_permute.py --device cpu --T 2048 --E 64 --K 8 --H 1024 --runs 5
 
 Providers: reference (replay_ops.reference.permute / unpermute), torch (eager backend
-through the ops), native (through the ops), native-raw (torch.ops.replay.native_* called
+through the ops), native (through the ops), native-raw (torch.ops.replay_native.* called
 directly), triton (CUDA), torch.compile (with --compile). Modes: fwd, bwd, full; in fwd
 mode permute and unpermute are also timed alone. GB/s counts the rows read and written.
 """
@@ -45,7 +45,7 @@ def op_bytes(op, T, K, H, R, el):
 
 
 def fwd_providers(plan, R, device, compile_):
-    ops = torch.ops.replay
+    ops = torch.ops.replay_native
     p = {
         "reference": (lambda h: ref.permute(h, plan, R), lambda x: ref.unpermute(x, plan)),
         "torch": (lambda h: replay_ops.permute(h, plan, R, validate=False, backend="torch"),
@@ -55,8 +55,8 @@ def fwd_providers(plan, R, device, compile_):
         p["native"] = (lambda h: replay_ops.permute(h, plan, R, validate=False, backend="native"),
                        lambda x: replay_ops.unpermute(x, plan, backend="native"))
         p["native-raw"] = (
-            lambda h: ops.native_permute_fwd(h, plan.sorted_slots, plan.row_id_map, R),
-            lambda x: ops.native_unpermute_fwd(x, plan.row_id_map, plan.weights))
+            lambda h: ops.permute_fwd(h, plan.sorted_slots, plan.row_id_map, R),
+            lambda x: ops.unpermute_fwd(x, plan.row_id_map, plan.weights))
     if harness.triton_available(device):
         p["triton"] = (lambda h: replay_ops.permute(h, plan, R, validate=False, backend="triton"),
                        lambda x: replay_ops.unpermute(x, plan, backend="triton"))

@@ -61,9 +61,9 @@ def device_name(device: str) -> str:
         pass
     isa = ""
     try:
-        from replay_ops import _native_backend
+        from replay_ops.backends import native
 
-        isa = f", native row kernels: {_native_backend.cpu_isa()}"
+        isa = f", native row kernels: {native.cpu_isa()}"
     except ImportError:
         pass
     return (f"{model} ({os.cpu_count()} logical CPUs, torch threads={torch.get_num_threads()}"
@@ -211,19 +211,17 @@ def median_of_runs(runs: list[dict[str, dict]]) -> dict[str, dict]:
 
 
 def native_available(device: str) -> bool:
-    from replay_ops import backend
+    from replay_ops import backends
 
-    mod = backend._load("native")
-    return mod is not None and mod.available("cuda" if device.startswith("cuda") else "cpu")
+    return bool(backends.available("native", "cuda" if device.startswith("cuda") else "cpu"))
 
 
 def triton_available(device: str) -> bool:
     if not device.startswith("cuda"):
         return False  # the interpreter on CPU is a correctness tool, not a provider to time
-    from replay_ops import backend
+    from replay_ops import backends
 
-    mod = backend._load("triton")
-    return mod is not None and mod.available("cuda")
+    return bool(backends.available("triton", "cuda"))
 
 
 def cli_main(parser: Callable, run: Callable, cols: list[str], argv=None):

@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import torch
 
-SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+from . import scores
+from .plan import plan_capacity
+
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 PLAN_DTYPE = torch.int32
-
-
-def check_score_func(score_func: str) -> None:
-    if score_func not in SCORE_FUNCS:
-        raise ValueError(
-            f"replay_ops.gate: unknown score_func={score_func!r}; expected one of {SCORE_FUNCS}"
-        )
 
 
 def check_gate_inputs(
@@ -31,7 +26,7 @@ def check_gate_inputs(
     score_func: str,
     align: int,
 ) -> None:
-    check_score_func(score_func)
+    scores.get(score_func)
     if not isinstance(align, int) or isinstance(align, bool) or align < 1:
         raise ValueError(f"replay_ops.gate: align must be an integer >= 1, got align={align!r}")
     if logits.dim() != 2:
@@ -79,6 +74,7 @@ def check_gate_inputs(
             f"replay_ops.gate: tensors on different devices: logits on {logits.device}, "
             f"expert_indices on {expert_indices.device}"
         )
+    plan_capacity(T, K, E, align)
     if replay_mask is not None:
         if replay_mask.dtype != torch.bool:
             raise TypeError(

@@ -439,9 +439,9 @@ def _r2_round_trip(cfg, model, patch, seqs, prompt_lens, batch, pad_id, device) 
 
 def _backend_name(device) -> str:
     try:
-        from .backend import select
+        from . import backends
 
-        return select(device.type, "auto").NAME
+        return backends()["active"][device.type]
     except Exception as e:  # pragma: no cover - report, do not fail the demo
         return f"unknown ({e})"
 

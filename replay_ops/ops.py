@@ -3,17 +3,17 @@
 Forward ops:   replay::gate, replay::permute, replay::unpermute
 Backward ops:  replay::gate_backward, replay::permute_backward, replay::unpermute_backward
 
-Each op runs the backend that `backend.select` picks for the input's device. The ops are
-opaque to `torch.compile` (their fake kernels give static output shapes), so a compiled
-graph holds them without breaks. Shape/dtype/device checks run in both the real and the
-fake kernels; data checks run in the real kernel when `validate` is True.
+Each op runs the backend that `backends.select` picks for the op, the input's device and
+sizes. The ops are opaque to `torch.compile` (their fake kernels give static output shapes),
+so a compiled graph holds them without breaks. Shape/dtype/device checks run in both the
+real and the fake kernels; data checks run in the real kernel when `validate` is True.
+The backward ops have no autograd of their own (no double backward).
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from . import reference as ref
 from ._validate import (
     PLAN_DTYPE,
     check_gate_inputs,
@@ -21,7 +21,9 @@ from ._validate import (
     check_index_values,
     check_plan_tensors,
 )
-from .backend import select
+from .backends import OpShape, select
+from .fallback import resolve_indices
+from .plan import plan_capacity
 
 LIB = "replay"
 
@@ -45,10 +47,11 @@ def gate(
     if validate:
         check_index_values(expert_indices, logits.shape[1], replay_mask)
     if replay_mask is not None:
-        expert_indices = ref.resolve_indices(
+        expert_indices = resolve_indices(
             logits.detach(), expert_indices, replay_mask, score_func, sync_free=not validate
         )
-    impl = select(logits.device.type, backend)
+    (T, E), K = logits.shape, expert_indices.shape[1]
+    impl = select("gate_fwd", logits.device.type, OpShape(T, E, K), logits.dtype, backend)
     return impl.gate_fwd(logits, expert_indices, score_func, normalize, scaling_factor, align)
 
 
@@ -65,7 +68,7 @@ def _(logits, expert_indices, replay_mask, score_func, normalize, scaling_factor
         torch.empty(E, **i32),
         torch.empty(E + 1, **i32),
         torch.empty(T, K, **i32),
-        torch.empty(T * K + E * (align - 1), **i32),
+        torch.empty(plan_capacity(T, K, E, align), **i32),
     )
 
 
@@ -100,7 +103,8 @@ def gate_backward(
     backend: str,
 ) -> Tensor:
     """Dense [T, E] gradient of the logits, given the gradient of the [T, K] weights."""
-    impl = select(logits.device.type, backend)
+    (T, E), K = logits.shape, expert_indices.shape[1]
+    impl = select("gate_bwd", logits.device.type, OpShape(T, E, K), logits.dtype, backend)
     return impl.gate_bwd(grad_weights, logits, expert_indices, score_func, normalize,
                          scaling_factor)
 
@@ -111,13 +115,19 @@ def _(grad_weights, logits, expert_indices, score_func, normalize, scaling_facto
 
 
 # -------------------------------------------------------------------------- permute
+def _row_shape(row_id_map: Tensor, rows: Tensor) -> OpShape:
+    return OpShape(row_id_map.shape[0], 0, row_id_map.shape[1], rows.shape[1])
+
+
+
 @torch.library.custom_op(f"{LIB}::permute", mutates_args=())
 def permute(
     hidden: Tensor, sorted_slots: Tensor, row_id_map: Tensor, num_rows: int, backend: str
 ) -> Tensor:
     """[num_rows, H]: row r = hidden[sorted_slots[r] // K], zero for padding rows."""
     _check_permute(hidden, sorted_slots, row_id_map, num_rows)
-    impl = select(hidden.device.type, backend)
+    impl = select("permute_fwd", hidden.device.type, _row_shape(row_id_map, hidden),
+                  hidden.dtype, backend)
     return impl.permute_fwd(hidden, sorted_slots, row_id_map, num_rows)
 
 
@@ -154,7 +164,8 @@ permute.register_autograd(_permute_backward, setup_context=_permute_setup)
 @torch.library.custom_op(f"{LIB}::permute_backward", mutates_args=())
 def permute_backward(grad_out: Tensor, row_id_map: Tensor, backend: str) -> Tensor:
     """[T, H]: grad_hidden[t] = sum_k grad_out[row_id_map[t, k]] (a gather-sum, no atomics)."""
-    impl = select(grad_out.device.type, backend)
+    impl = select("permute_bwd", grad_out.device.type, _row_shape(row_id_map, grad_out),
+                  grad_out.dtype, backend)
     return impl.permute_bwd(grad_out, row_id_map)
 
 
@@ -171,7 +182,8 @@ def unpermute(
     """[T, H]: out[t] = sum_k weights[t, k] * expert_out[row_id_map[t, k]] (fp32 accumulation,
     column order)."""
     _check_unpermute(expert_out, row_id_map, sorted_slots, weights)
-    impl = select(expert_out.device.type, backend)
+    impl = select("unpermute_fwd", expert_out.device.type, _row_shape(row_id_map, expert_out),
+                  expert_out.dtype, backend)
     return impl.unpermute_fwd(expert_out, row_id_map, weights)
 
 
@@ -229,7 +241,8 @@ def unpermute_backward(
     backend: str,
 ) -> tuple[Tensor, Tensor]:
     """(grad_expert_out [R, H], grad_weights [T, K]); both are gathers, no atomics."""
-    impl = select(grad_out.device.type, backend)
+    impl = select("unpermute_bwd", grad_out.device.type, _row_shape(row_id_map, expert_out),
+                  expert_out.dtype, backend)
     return impl.unpermute_bwd(grad_out, expert_out, row_id_map, sorted_slots, weights)
 
 

@@ -7,16 +7,34 @@ Layout of the permuted ("expert-major") buffer that `permute` fills:
   (`t*K + k`), so tokens are ascending and, for one token, columns are ascending. Then come
   padding rows, up to a multiple of `align`.
 * `expert_offsets[E]` is the number of used rows `R`. `sorted_slots` has a fixed
-  length `T*K + E*(align-1)` (an upper bound on `R` that does not depend on the data);
-  entries `>= R` are -1.
+  length, the plan's capacity `T*K + E*(align-1)` (`plan_capacity`: an upper bound on `R`
+  that does not depend on the data); entries `>= R` are -1.
 
-Empty slots (index -1) have `weights == 0`, `row_id_map == -1`, and take no row.
+Empty slots (index -1, and with `validate=False` any index outside `[0, E)`) have
+`weights == 0`, `expert_indices == -1`, `row_id_map == -1`, and take no row.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import torch
+
+# The plan's int32 tensors index rows and slots: the capacity must stay below 2**31.
+PLAN_INDEX_LIMIT = 2**31
+
+
+def plan_capacity(T, K, E, align, op: str = "gate"):
+    """Rows of the plan's `sorted_slots`: `T*K + E*(align-1)`, the most rows a plan can use.
+    Raises when it does not fit the int32 plan tensors. (The C++ kernels check the same
+    bound once, in csrc/bindings/native_checks.h.)"""
+    n = T * K + E * (align - 1)
+    if n >= PLAN_INDEX_LIMIT:
+        raise ValueError(
+            f"replay_ops.{op}: the plan needs T*K + E*(align-1) = {n} rows (T={T}, K={K}, "
+            f"E={E}, align={align}), which does not fit its int32 tensors (at most "
+            f"{PLAN_INDEX_LIMIT - 1}); split the batch or lower align"
+        )
+    return n
 
 
 class RoutingPlan(NamedTuple):
@@ -25,7 +43,7 @@ class RoutingPlan(NamedTuple):
     tokens_per_expert: torch.Tensor  # [E] int32, valid slots per expert
     expert_offsets: torch.Tensor  # [E+1] int32, exclusive prefix sum of aligned counts
     row_id_map: torch.Tensor  # [T, K] int32, destination row of slot (t, k); -1 = empty
-    sorted_slots: torch.Tensor  # [T*K + E*(align-1)] int32, flat slot per row; -1 = none
+    sorted_slots: torch.Tensor  # [plan_capacity] int32, flat slot per row; -1 = none
 
     @property
     def num_tokens(self) -> int:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ._validate import check_gate_inputs, check_index_values
-from .plan import RoutingPlan
+from .plan import RoutingPlan, plan_capacity
 
 NORM_EPS = 1e-20
 
@@ -54,24 +54,16 @@ def resolve_indices(
     expert_indices: torch.Tensor,
     replay_mask: torch.Tensor | None,
     score_func: str,
-    sync_free: bool = False,
 ) -> torch.Tensor:
-    """int32 [T, K] indices actually used: recorded rows, and top-k where replay_mask is False.
-
-    By default the top-k runs only on the fallback rows (finding them is a host sync).
-    With `sync_free=True` it runs on every row and a `where` keeps the recorded rows: the
-    same result (top-k is per row), with no host sync, for CUDA graphs.
-    """
-    idx = expert_indices.to(torch.int32)
-    if replay_mask is None:
-        return idx.contiguous()
-    if sync_free:
-        fallback = fallback_topk(logits, idx.shape[1], score_func)
-        return torch.where(replay_mask[:, None], idx, fallback).contiguous()
-    rows = (~replay_mask).nonzero().flatten()
-    out = idx.clone(memory_format=torch.contiguous_format)
-    if rows.numel():
-        out[rows] = fallback_topk(logits[rows], idx.shape[1], score_func)
+    """int32 [T, K] indices actually used: the recorded rows, with every value outside
+    [0, E) an empty slot (-1), and the top-k of the scores in each row where replay_mask
+    is False."""
+    E, K = logits.shape[1], expert_indices.shape[1]
+    wide = expert_indices.to(torch.int64)  # the range test sees the full value
+    out = torch.where((wide >= 0) & (wide < E), wide, -1).to(torch.int32)
+    if replay_mask is not None:
+        for t in (~replay_mask).nonzero().flatten().tolist():
+            out[t] = fallback_topk(logits[t:t + 1], K, score_func)[0]
     return out
 
 
@@ -85,8 +77,8 @@ def gate_weights(
     """Gate weights [T, K] from the dense logits at the given indices (differentiable)."""
     cdt = compute_dtype(logits.dtype)
     x = logits.to(cdt)
-    valid = idx >= 0
-    safe = idx.clamp_min(0).long()
+    valid = (idx >= 0) & (idx < logits.shape[1])
+    safe = torch.where(valid, idx, 0).long()
     if score_func == "softmax" and not normalize:
         # softmax over all E, then gather (Megatron pre-softmax, HF norm_topk_prob=False)
         w = torch.softmax(x, dim=-1).gather(1, safe)
@@ -112,40 +104,31 @@ def gate_weights(
 
 
 def build_plan(idx: torch.Tensor, num_experts: int, align: int):
-    """(tokens_per_expert, expert_offsets, row_id_map, sorted_slots) for int indices [T, K].
-
-    Built only from sort, gather and scatter (no bincount, no boolean indexing), so it
-    never reads device memory on the host."""
+    """(tokens_per_expert, expert_offsets, row_id_map, sorted_slots) for int indices [T, K]
+    (-1 or in [0, E)), straight from the definition: expert by expert, its slots in
+    ascending flat-slot order take the next rows, then padding rows up to a multiple of
+    `align`."""
     T, K = idx.shape
-    E = num_experts
-    N = T * K
-    n_sorted = N + E * (align - 1)
     dev = idx.device
     flat = idx.reshape(-1).long()
-    key = torch.where(flat >= 0, flat, E)  # empty slots sort after every expert
-    counts = torch.zeros(E + 1, dtype=torch.long, device=dev)
-    counts = counts.scatter_add(0, key, torch.ones_like(key))[:E]
-    padded = (counts + align - 1) // align * align
-    zero = torch.zeros(1, dtype=torch.long, device=dev)
-    offsets = torch.cat([zero, padded.cumsum(0)])
-    starts = torch.cat([zero, counts.cumsum(0)])  # unpadded segment starts in sorted order
-    # Stable sort by expert: within an expert, slots stay in ascending flat-slot order.
-    order = torch.sort(key, stable=True).indices
-    sorted_key = key[order]
-    keep = sorted_key < E
-    rank = torch.arange(N, device=dev) - starts[sorted_key]
-    rows = torch.where(keep, offsets[sorted_key] + rank, -1)
-    row_id_map = torch.empty(N, dtype=torch.long, device=dev).scatter(0, order, rows)
-    # empty slots all land on one extra scratch entry (every value there is -1), cut off
-    target = torch.where(keep, rows, n_sorted)
-    sorted_slots = torch.full((n_sorted + 1,), -1, dtype=torch.long, device=dev)
-    sorted_slots = sorted_slots.scatter(0, target, torch.where(keep, order, -1))[:n_sorted]
-    i32 = torch.int32
+    row_id_map = torch.full((T * K,), -1, dtype=torch.long, device=dev)
+    sorted_slots = torch.full((plan_capacity(T, K, num_experts, align),), -1,
+                              dtype=torch.long, device=dev)
+    counts, offsets = [], [0]
+    for e in range(num_experts):
+        slots = (flat == e).nonzero().flatten()  # ascending
+        first = offsets[-1]
+        rows = torch.arange(first, first + slots.numel(), device=dev)
+        row_id_map[slots] = rows
+        sorted_slots[rows] = slots
+        counts.append(slots.numel())
+        offsets.append(first + -(-slots.numel() // align) * align)
+    i32 = dict(dtype=torch.int32, device=dev)
     return (
-        counts.to(i32),
-        offsets.to(i32),
-        row_id_map.view(T, K).to(i32),
-        sorted_slots.to(i32),
+        torch.tensor(counts, **i32),
+        torch.tensor(offsets, **i32),
+        row_id_map.view(T, K).to(torch.int32),
+        sorted_slots.to(torch.int32),
     )
 
 
@@ -173,13 +156,11 @@ def permute_rows(
 ) -> torch.Tensor:
     """[num_rows, H]: row r is hidden[sorted_slots[r] // top_k], zero where the slot is -1
     or r is past the end of sorted_slots."""
-    src = torch.full((num_rows,), -1, dtype=torch.long, device=hidden.device)
-    n = min(num_rows, sorted_slots.shape[0])
-    src[:n] = sorted_slots[:n].long()
-    if hidden.shape[0] == 0:
-        return hidden.new_zeros(num_rows, hidden.shape[1])
-    token = src.clamp_min(0) // top_k
-    return torch.where((src >= 0)[:, None], hidden[token], 0.0)
+    out = hidden.new_zeros(num_rows, hidden.shape[1])
+    slots = sorted_slots[:num_rows].long()
+    rows = (slots >= 0).nonzero().flatten()
+    out[rows] = hidden[slots[rows] // top_k]
+    return out
 
 
 def combine(expert_out: torch.Tensor, row_id_map: torch.Tensor, weights: torch.Tensor):
@@ -189,14 +170,11 @@ def combine(expert_out: torch.Tensor, row_id_map: torch.Tensor, weights: torch.T
     R, H = expert_out.shape
     cdt = compute_dtype(expert_out.dtype)
     acc = torch.zeros(T, H, dtype=cdt, device=expert_out.device)
-    if R == 0:
-        return acc.to(expert_out.dtype)
     for k in range(K):
         row = row_id_map[:, k].long()
-        valid = ((row >= 0) & (row < R))[:, None]
-        x = expert_out[row.clamp(0, R - 1)].to(cdt)
-        w = weights[:, k].to(cdt)[:, None]
-        acc = acc + torch.where(valid, w * x, 0.0)
+        tokens = ((row >= 0) & (row < R)).nonzero().flatten()
+        term = weights[tokens, k].to(cdt)[:, None] * expert_out[row[tokens]].to(cdt)
+        acc = acc.index_put((tokens,), acc[tokens] + term)
     return acc.to(expert_out.dtype)
 
 

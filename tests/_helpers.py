@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replay_ops import backend as _backend
+from replay_ops import backends as _backend
 from replay_ops import reference as ref
+from replay_ops import scores
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
-SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+SCORE_FUNCS = scores.NAMES  # every function of the table, so a new one is tested too
 INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -26,16 +27,8 @@ FLOOR = {
 
 # ------------------------------------------------------------------------- backends
 def usable_backends(device_type: str) -> list[str]:
-    """Backends that `replay_ops.backend.select` accepts for this device, from the registry."""
-    out = []
-    for name in sorted(_backend.MODULES):
-        try:
-            mod = _backend.select(device_type, name)
-        except RuntimeError:
-            continue
-        if mod is not None:
-            out.append(name)
-    return out
+    """Backends of the registry that are available for this device."""
+    return [name for name in sorted(_backend.MODULES) if _backend.available(name, device_type)]
 
 
 def is_interpreted(device: str, backend: str) -> bool:

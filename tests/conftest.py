@@ -14,7 +14,7 @@ import torch  # noqa: E402  (torch does not import triton at import time)
 if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
     # Triton picks the interpreter when a kernel is decorated, so the kernel modules must
     # not be imported yet; fail loudly rather than let the Triton tests fail obscurely.
-    kernel_modules = ("replay_ops._triton_backend", "replay_ops.triton_kernels")
+    kernel_modules = ("replay_ops.backends.triton", "replay_ops.triton_kernels")
     early = [m for m in kernel_modules if m in sys.modules]
     if early:
         raise RuntimeError(

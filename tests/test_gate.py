@@ -453,12 +453,12 @@ def test_backends_cover_the_registry():
     import os
 
     from _helpers import HAS_CUDA, usable_backends
-    from replay_ops import backend as rb
+    from replay_ops import backends as rb
 
     info = rb.backends()["backends"]
     assert "torch" in usable_backends("cpu")
     checked = []
-    if importlib.util.find_spec("replay_ops._triton_backend") is not None:
+    if importlib.util.find_spec("replay_ops.backends.triton") is not None:
         if os.environ.get("TRITON_INTERPRET") == "1":
             assert "triton" in usable_backends("cpu"), info["triton"]
             checked.append("triton/cpu")
@@ -580,3 +580,35 @@ def test_gate_many_programs(device, backend, case):
     idx = make_indices(T, E, K, device=device, seed=21, empty=0.05 if K > 1 else 0.0)
     plan = check_gate(logits, idx, backend, align=align, score_func="sigmoid")
     check_plan_structure(plan, idx, E, align)
+
+
+# Values outside [0, E) with validate=False: E, E+3, int16's largest, a negative other than
+# -1, and an int64 that an int32 narrowing would turn into expert 3.
+OUT_OF_RANGE = [("E", torch.int32), ("E+3", torch.int32), (32767, torch.int16), (-5, torch.int32),
+                (2**32 + 3, torch.int64)]
+
+
+@pytest.mark.parametrize(
+    "device,backend,case",
+    case_params([(37, 7, 3), (1100, 16, 4)], ids=lambda c: "T{}E{}K{}".format(*c)),
+)
+def test_out_of_range_without_validation_is_an_empty_slot(device, backend, case):
+    """validate=False skips the index checks; every backend then treats a value outside
+    [0, E) as an empty slot (weight 0, expert_indices -1, row_id_map -1, no row, not
+    counted), on the single-program and the multi-program plan paths alike, and tests the
+    range on the full-width value."""
+    T, E, K = case
+    logits = make_logits(T, E, device=device, seed=5)
+    for bad, dtype in OUT_OF_RANGE:
+        value = {"E": E, "E+3": E + 3}.get(bad, bad)
+        idx = make_indices(T, E, K, dtype=torch.int64, seed=6)
+        idx[1, 0] = value
+        idx[T - 2, K - 1] = value
+        idx[T // 2] = value
+        cleaned = torch.where((idx >= 0) & (idx < E), idx, -1)
+        out = replay_ops.gate(logits, idx.to(dtype).to(device), validate=False, backend=backend,
+                              align=4)
+        want = ref.gate(logits, cleaned.to(device), align=4)
+        assert_plan_ints_equal(out, want)
+        assert (out.weights[cleaned.to(device) < 0] == 0).all(), bad
+        check_plan_structure(out, cleaned, E, 4)

@@ -236,13 +236,19 @@ def test_fallback_topk_and_scores():
 
 
 def test_resolve_indices_sync_free_matches():
+    """The production fallback (replay_ops.fallback), on its host-sync path and its
+    sync-free path, against the oracle's row-by-row fallback."""
+    from replay_ops import fallback
+
     logits = make_logits(12, 8)
     idx = make_indices(12, 8, 3, dtype=torch.int16)
     mask = torch.rand(12, generator=torch.Generator().manual_seed(4)) > 0.5
     for sf in SCORE_FUNCS:
         a = ref.resolve_indices(logits, idx, mask, sf)
-        b = ref.resolve_indices(logits, idx, mask, sf, sync_free=True)
+        b = fallback.resolve_indices(logits, idx, mask, sf, sync_free=True)
+        c = fallback.resolve_indices(logits, idx, mask, sf, sync_free=False)
         assert torch.equal(a, b)
+        assert torch.equal(a, c)
         assert torch.equal(a[mask], idx[mask].int())
         assert torch.equal(a[~mask], ref.fallback_topk(logits[~mask], 3, sf))
 

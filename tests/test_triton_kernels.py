@@ -19,7 +19,6 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
-from replay_ops import _triton_backend as TB  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from replay_ops.triton_kernels import gate as G  # noqa: E402
@@ -68,18 +67,18 @@ def _assert_plan_equal(out, exp):
 
 def test_gate_config_pins():
     small = G.gate_config(T=512, K=8, E=64, align=1)
-    assert small["single"] and small["num_chunks"] == 1
+    assert small.single and small.num_chunks == 1
     big = G.gate_config(T=16384, K=8, E=128, align=16)
-    assert not big["single"]
-    assert big["BLOCK_T"] == 128 and big["num_chunks"] == 128
-    assert big["E_HIST"] == 128 and big["K_PAD"] == 8
-    assert big["SLOT_BLOCK"] * big["E_HIST"] <= G.ONE_HOT_ELEMS
-    assert big["PAD_J"] == 16  # next_pow2(align - 1)
+    assert not big.single
+    assert big.BLOCK_T == 128 and big.num_chunks == 128
+    assert big.E_HIST == 128 and big.K_PAD == 8
+    assert big.SLOT_BLOCK * big.E_HIST <= G.ONE_HOT_ELEMS
+    assert big.PAD_J == 16  # next_pow2(align - 1)
     odd = G.gate_config(T=5000, K=3, E=7, align=1)
-    assert odd["K_PAD"] == 4 and odd["E_HIST"] == 8
-    assert odd["num_chunks"] == triton.cdiv(5000, odd["BLOCK_T"])
+    assert odd.K_PAD == 4 and odd.E_HIST == 8
+    assert odd.num_chunks == triton.cdiv(5000, odd.BLOCK_T)
     bwd = G.gate_bwd_config(T=4096, K=8, E=256)
-    assert bwd["BLOCK_T"] * bwd["K_PAD"] * bwd["E_BLOCK"] <= G.GRAD_TILE_ELEMS
+    assert bwd.BLOCK_T * bwd.K_PAD * bwd.E_BLOCK <= G.GRAD_TILE_ELEMS
 
 
 def test_one_launch_when_slots_fit_one_program(launches):
@@ -98,7 +97,7 @@ def test_three_launches_in_general(launches, monkeypatch):
     names = [name for name, _ in launches]
     assert names == ["_gate_fwd_kernel", "_plan_scan_kernel", "_plan_scatter_kernel"]
     cfg = G.gate_config(T, K, E, 1)
-    assert launches[0][1] == (cfg["num_chunks"],) and launches[1][1] == (1,)
+    assert launches[0][1] == (cfg.num_chunks,) and launches[1][1] == (1,)
 
 
 # chunked path: several chunks, a partial last chunk, padding, empty slots, strided int16
@@ -116,7 +115,7 @@ def test_chunked_path_matches_reference(monkeypatch, T, E, K, align, chunk_slots
                                         score_func, normalize):
     monkeypatch.setattr(G, "SINGLE_PROGRAM_MAX_SLOTS", 0)
     monkeypatch.setattr(G, "CHUNK_SLOTS", chunk_slots)
-    assert G.gate_config(T, K, E, align)["num_chunks"] > 1
+    assert G.gate_config(T, K, E, align).num_chunks > 1
     rec = torch.full((T, 3, K), 99, dtype=torch.int16, device=DEVICE)
     rec[:, 1] = _indices(T, E, K, T).to(torch.int16)
     logits = torch.randn(T, E, device=DEVICE)

@@ -1,5 +1,7 @@
 """Triton kernels for replay_ops, installed as `replay_ops.triton_kernels`.
 
-One file per op: `gate.py` (fused gate weights + dispatch plan, and the gate backward),
-`permute.py` (permute and its backward), `unpermute.py` (unpermute and its backward).
+One file per op, each with its public launchers next to its private kernels:
+`gate.py` (fused gate weights + dispatch plan, and the gate backward), `permute.py`
+(permute and its backward), `unpermute.py` (unpermute, its backward, and the gather-sum
+that the permute backward shares). `_common.py` holds the helpers they share.
 """

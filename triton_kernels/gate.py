@@ -1,12 +1,20 @@
 """Fused replayed gate + dispatch plan, and the gate backward, in Triton.
 
-Forward math, per token t (fp32, or fp64 for fp64 logits), with valid slots k (idx >= 0):
+Public launchers: `gate_fwd`, `gate_bwd` (and the block-size heuristics `gate_config`,
+`gate_bwd_config`). The kernels are private.
+
+Forward math, per token t (fp32, or fp64 for fp64 logits), with valid slots k (0 <= idx < E;
+any other value, -1 included, is an empty slot):
 
     softmax, normalize=False:  w[t,k] = s * softmax(x[t,:])[idx[t,k]]
     softmax, normalize=True:   w[t,k] = s * exp(x[t,idx[t,k]]) / sum_valid exp(x[t,idx[t,j]])
     sigmoid / sqrtsoftplus:    c[t,k] = f(x[t,idx[t,k]]);  w = s * c / (sum_valid c + 1e-20)
                                when normalize and more than one slot is valid, else s * c
-    empty slots:               w = 0
+    empty slots:               w = 0, expert_indices = -1, row_id_map = -1, no row
+
+Every sum over a row (the softmax denominators over E or K, the normalising sums) runs in
+a fixed pairwise order (`_common.row_sum`), so a token's results do not depend on the batch
+size or the block shape.
 
 Plan, over flat slots f = t*K + k (no atomics anywhere, so the order never depends on
 thread timing):
@@ -25,30 +33,64 @@ Launches:
 """
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
+import torch
 import triton
 import triton.language as tl
 
-from ._common import cast_rne
+from replay_ops import scores
+from replay_ops.plan import plan_capacity
 
-SCORE_IDS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+from ._common import cast_rne, compute_type, device_ctx, row_sum
+
+# Score function ids, from the one table (replay_ops/scores.py).
+_SOFTMAX: tl.constexpr = tl.constexpr(scores.SOFTMAX.id)
+_SIGMOID: tl.constexpr = tl.constexpr(scores.SIGMOID.id)
+_SQRTSOFTPLUS: tl.constexpr = tl.constexpr(scores.SQRTSOFTPLUS.id)
+_SOFTPLUS_THRESHOLD: tl.constexpr = tl.constexpr(scores.SOFTPLUS_THRESHOLD)
+_NORM_EPS: tl.constexpr = tl.constexpr(scores.NORM_EPS)
 
 # NOTE: above ~4K slots a single program serialises too much work; the 3-launch path keeps
 # every program's share to BLOCK_T*K ~ 1K slots.
 SINGLE_PROGRAM_MAX_SLOTS = 4096
 CHUNK_SLOTS = 1024
 ONE_HOT_ELEMS = 8192  # size of the [SLOT_BLOCK, E_HIST] one-hot tile
-GRAD_TILE_ELEMS = 8192  # size of the [BLOCK_T, K_PAD, E_BLOCK] tile in the backward
+GRAD_TILE_ELEMS = 8192  # BLOCK_T * K_PAD * E_BLOCK: the work of one column block of the backward
 
 
-def gate_config(T: int, K: int, E: int, align: int) -> dict:
-    """Block sizes for the gate kernels (pinned by the tests)."""
-    n = T * K
+@dataclasses.dataclass(frozen=True)
+class GateConfig:
+    """Block sizes of the forward kernels (`gate_config`; pinned by the tests)."""
+
+    single: bool  # one program for everything
+    BLOCK_T: int  # token rows per block
+    K_PAD: int  # next_pow2(K)
+    E_HIST: int  # next_pow2(E): width of the histograms
+    E_BLOCK: int  # experts per block of the softmax statistics
+    SLOT_BLOCK: int  # slots per block of the one-hot ranks
+    PAD_J: int  # padding rows written per step
+    TAIL_BLOCK: int  # -1 entries of the tail written per step
+    CHUNK_BLOCK: int  # chunks per step of the scan
+    num_chunks: int  # programs of launches (1) and (3)
+
+
+@dataclasses.dataclass(frozen=True)
+class GateBwdConfig:
+    BLOCK_T: int
+    K_PAD: int
+    E_BLOCK: int
+
+
+def gate_config(T: int, K: int, E: int, align: int) -> GateConfig:
+    """Block sizes for the forward kernels."""
     K_PAD = triton.next_power_of_2(K)
     E_HIST = triton.next_power_of_2(E)
-    single = n <= SINGLE_PROGRAM_MAX_SLOTS
+    single = T * K <= SINGLE_PROGRAM_MAX_SLOTS
     BLOCK_T = max(1, min(triton.next_power_of_2(max(1, CHUNK_SLOTS // K)), 256))
     BLOCK_T = min(BLOCK_T, triton.next_power_of_2(max(T, 1)))
-    return dict(
+    return GateConfig(
         single=single,
         BLOCK_T=BLOCK_T,
         K_PAD=K_PAD,
@@ -62,12 +104,20 @@ def gate_config(T: int, K: int, E: int, align: int) -> dict:
     )
 
 
-def gate_bwd_config(T: int, K: int, E: int) -> dict:
+def gate_bwd_config(T: int, K: int, E: int) -> GateBwdConfig:
     K_PAD = triton.next_power_of_2(K)
     E_BLOCK = min(triton.next_power_of_2(E), 128)
     BLOCK_T = max(1, min(64, GRAD_TILE_ELEMS // (K_PAD * E_BLOCK)))
     BLOCK_T = min(BLOCK_T, triton.next_power_of_2(max(T, 1)))
-    return dict(BLOCK_T=BLOCK_T, K_PAD=K_PAD, E_BLOCK=E_BLOCK)
+    return GateBwdConfig(BLOCK_T=BLOCK_T, K_PAD=K_PAD, E_BLOCK=E_BLOCK)
+
+
+def split_scale(scaling_factor: float) -> tuple[float, float]:
+    """scaling_factor as an fp32 pair (hi, lo) with hi + lo ~= scaling_factor to ~48 bits.
+    A Python float kernel argument is passed as fp32; the pair keeps fp64 gates exact
+    enough for gradcheck, and in fp32 hi + lo rounds back to hi = fp32(scaling_factor)."""
+    hi = float(np.float32(scaling_factor))
+    return hi, float(np.float32(scaling_factor - hi))
 
 
 # ----------------------------------------------------------------------------- math
@@ -78,29 +128,42 @@ def _log1p(u):
     return tl.where(w == 1.0, u, tl.log(w) * u / (w - 1.0))
 
 
-def split_scale(scaling_factor: float) -> tuple[float, float]:
-    """scaling_factor as an fp32 pair (hi, lo) with hi + lo ~= scaling_factor to ~48 bits.
-    A Python float kernel argument is passed as fp32; the pair keeps fp64 gates exact
-    enough for gradcheck, and in fp32 hi + lo rounds back to hi = fp32(scaling_factor)."""
-    import numpy as np
-
-    hi = float(np.float32(scaling_factor))
-    return hi, float(np.float32(scaling_factor - hi))
-
-
 @triton.jit
 def _scale(scale_hi, scale_lo, CDT: tl.constexpr):
     return tl.cast(scale_hi, CDT) + tl.cast(scale_lo, CDT)
 
 
 @triton.jit
+def _sigmoid(z):
+    # 1 / (1 + exp(-z)) with the denominator in [1, 2]: exp(-|z|) <= 1 never overflows
+    e = tl.exp(-tl.abs(z))
+    return tl.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+@triton.jit
 def _score(z, SCORE: tl.constexpr):
-    if SCORE == 1:
-        return 1.0 / (1.0 + tl.exp(-z))
-    else:
+    """The element-wise score functions of the table (softmax is row-wise, elsewhere)."""
+    if SCORE == _SIGMOID:
+        return _sigmoid(z)
+    elif SCORE == _SQRTSOFTPLUS:
         # sqrt(softplus(z)), softplus linear above 20 like torch.nn.functional.softplus
-        sp = tl.where(z > 20.0, z, _log1p(tl.exp(tl.minimum(z, 20.0))))
+        sp = tl.where(z > _SOFTPLUS_THRESHOLD, z,
+                      _log1p(tl.exp(tl.minimum(z, _SOFTPLUS_THRESHOLD))))
         return tl.sqrt(sp)
+    else:
+        tl.static_assert(False, "replay_ops gate: no element-wise score function of this id")
+
+
+@triton.jit
+def _score_grad(z, c, SCORE: tl.constexpr):
+    """d score / dz given the score c."""
+    if SCORE == _SIGMOID:
+        return c * (1.0 - c)
+    elif SCORE == _SQRTSOFTPLUS:
+        slope = tl.where(z > _SOFTPLUS_THRESHOLD, 1.0, _sigmoid(z))
+        return tl.where(c > 0.0, slope / (2.0 * tl.where(c > 0.0, c, 1.0)), 0.0)
+    else:
+        tl.static_assert(False, "replay_ops gate: no element-wise score function of this id")
 
 
 @triton.jit
@@ -116,20 +179,30 @@ def _row_softmax_stats(Logits_ptr, rows, rmask, stride_lt, stride_le, E,
                     mask=lmask, other=float("-inf")).to(CDT)
         m_new = tl.maximum(m, tl.max(x, axis=1))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift[:, None]), axis=1)
+        s = s * tl.exp(m - shift) + row_sum(tl.exp(x - shift[:, None]), BLOCK_T, E_BLOCK)
         m = m_new
     return tl.where(m == float("-inf"), 0.0, m), s
 
 
 @triton.jit
-def _masked_softmax(x, valid):
+def _masked_softmax(x, valid, BLOCK_T: tl.constexpr, K_PAD: tl.constexpr):
     """Softmax of each row over its valid entries (0 elsewhere; an all-empty row is 0)."""
     z = tl.where(valid, x, float("-inf"))
     m = tl.max(z, axis=1)
     m = tl.where(m == float("-inf"), 0.0, m)
     e = tl.where(valid, tl.exp(z - m[:, None]), 0.0)
-    s = tl.sum(e, axis=1)
+    s = row_sum(e, BLOCK_T, K_PAD)
     return e / tl.where(s > 0.0, s, 1.0)[:, None]
+
+
+@triton.jit
+def _load_slots(Idx_ptr, rows, cols, m2, stride_it, stride_ik, E):
+    """(int32 expert of each slot, -1 where empty; valid mask) for a [rows, cols] block. The
+    range is tested on the index's own width (int64 included) before the narrowing."""
+    raw = tl.load(Idx_ptr + rows[:, None] * stride_it + cols[None, :] * stride_ik,
+                  mask=m2, other=-1)
+    valid = m2 & (raw >= 0) & (raw < E)
+    return tl.where(valid, raw, -1).to(tl.int32), valid
 
 
 @triton.jit
@@ -143,14 +216,12 @@ def _gate_weights_block(
     cols = tl.arange(0, K_PAD)
     rmask = rows < T
     m2 = rmask[:, None] & (cols < K)[None, :]
-    idx = tl.load(Idx_ptr + rows[:, None] * stride_it + cols[None, :] * stride_ik,
-                  mask=m2, other=-1).to(tl.int32)
-    valid = m2 & (idx >= 0)
+    idx, valid = _load_slots(Idx_ptr, rows, cols, m2, stride_it, stride_ik, E)
     x = tl.load(Logits_ptr + rows[:, None] * stride_lt + idx.to(tl.int64) * stride_le,
                 mask=valid, other=0.0).to(CDT)
-    if SCORE == 0:
+    if SCORE == _SOFTMAX:
         if NORMALIZE:
-            w = _masked_softmax(x, valid)
+            w = _masked_softmax(x, valid, BLOCK_T, K_PAD)
         else:
             m, s = _row_softmax_stats(Logits_ptr, rows, rmask, stride_lt, stride_le, E,
                                       CDT, BLOCK_T, E_BLOCK)
@@ -159,7 +230,7 @@ def _gate_weights_block(
         c = tl.where(valid, _score(x, SCORE), 0.0)
         if NORMALIZE:
             nvalid = tl.sum(valid.to(tl.int32), axis=1)
-            denom = tl.sum(c, axis=1) + 1e-20
+            denom = row_sum(c, BLOCK_T, K_PAD) + _NORM_EPS
             w = tl.where((nvalid > 1)[:, None], c / denom[:, None], c)
         else:
             w = c
@@ -170,12 +241,13 @@ def _gate_weights_block(
 
 
 @triton.jit
-def _slot_experts(Idx_ptr, f, fmask, K, stride_it, stride_ik):
-    """Expert of flat slot f (-1 for empty or out-of-range slots)."""
+def _slot_experts(Idx_ptr, f, fmask, K, stride_it, stride_ik, E):
+    """Expert of flat slot f: -1 for empty slots (any value outside [0, E)) and past the end."""
     f = f.to(tl.int64)
     t = f // K
     k = f - t * K
-    return tl.load(Idx_ptr + t * stride_it + k * stride_ik, mask=fmask, other=-1).to(tl.int32)
+    raw = tl.load(Idx_ptr + t * stride_it + k * stride_ik, mask=fmask, other=-1)
+    return tl.where((raw >= 0) & (raw < E), raw, -1).to(tl.int32)
 
 
 @triton.jit
@@ -252,7 +324,7 @@ def _gate_fwd_kernel(
         # pass 1: histogram
         for f0 in range(f_begin, f_end, SLOT_BLOCK):
             f = f0 + tl.arange(0, SLOT_BLOCK)
-            e = _slot_experts(Idx_ptr, f, f < f_end, K, stride_it, stride_ik)
+            e = _slot_experts(Idx_ptr, f, f < f_end, K, stride_it, stride_ik, E)
             hit = (e[:, None] == tl.arange(0, E_HIST)[None, :]).to(tl.int32)
             running += tl.sum(hit, axis=0)
         offsets = _write_offsets_and_padding(running, Tpe_ptr, Offsets_ptr, Sorted_ptr, E,
@@ -262,7 +334,7 @@ def _gate_fwd_kernel(
         for f0 in range(f_begin, f_end, SLOT_BLOCK):
             f = f0 + tl.arange(0, SLOT_BLOCK)
             fmask = f < f_end
-            e = _slot_experts(Idx_ptr, f, fmask, K, stride_it, stride_ik)
+            e = _slot_experts(Idx_ptr, f, fmask, K, stride_it, stride_ik, E)
             rank, running = _one_hot_ranks(e, running, E_HIST)
             base = tl.sum(tl.where(e[:, None] == tl.arange(0, E_HIST)[None, :],
                                    offsets[None, :], 0), axis=1)
@@ -274,7 +346,7 @@ def _gate_fwd_kernel(
         for f0 in range(f_begin, f_end, SLOT_BLOCK):
             f = f0 + tl.arange(0, SLOT_BLOCK)
             fmask = f < f_end
-            e = _slot_experts(Idx_ptr, f, fmask, K, stride_it, stride_ik)
+            e = _slot_experts(Idx_ptr, f, fmask, K, stride_it, stride_ik, E)
             rank, running = _one_hot_ranks(e, running, E_HIST)
             tl.store(RowMap_ptr + f, tl.where(e >= 0, rank, -1), mask=fmask)
         ecols = tl.arange(0, E_HIST)
@@ -310,7 +382,8 @@ def _plan_scatter_kernel(
     T, E, K,
     BLOCK_T: tl.constexpr, SLOT_BLOCK: tl.constexpr,
 ):
-    """row = offsets[e] + chunk_base[chunk, e] + rank, for this chunk's slots."""
+    """row = offsets[e] + chunk_base[chunk, e] + rank, for this chunk's slots (the int32
+    experts written by launch (1): -1 or in [0, E))."""
     pid = tl.program_id(0).to(tl.int64)
     f_begin = pid * BLOCK_T * K
     f_end = tl.minimum(f_begin + BLOCK_T * K, T * K)
@@ -344,17 +417,18 @@ def _gate_bwd_kernel(
 
         softmax, no norm:  dx_j = sum_k a_k [j == i_k] - p_j * sum_k a_k,  a_k = s g_k p_{i_k}
         softmax, norm:     dz_k = s q_k (g_k - sum_j g_j q_j)
-        sigmoid/sqrtsp:    dz_k = f'(z_k) * s (g_k / S - sum_j g_j c_j / S^2)  (normalised)
-                           dz_k = f'(z_k) * s g_k                              (otherwise)
-    Each output element is written exactly once; no atomics."""
+        sigmoid/sqrtsp:    dz_k = f'(z_k) * s (g_k / S - (D / S) / S)   (normalised;
+                           D = sum_j g_j c_j)
+                           dz_k = f'(z_k) * s g_k                       (otherwise)
+    The slot gradients of a column are added in column order k = 0..K-1. Each output element
+    is written exactly once; no atomics."""
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, K_PAD)
     rmask = rows < T
     m2 = rmask[:, None] & (cols < K)[None, :]
     kk = rows[:, None] * K + cols[None, :]
-    idx = tl.load(Idx_ptr + kk, mask=m2, other=-1)
-    valid = m2 & (idx >= 0)
+    idx, valid = _load_slots(Idx_ptr, rows, cols, m2, K, 1, E)
     g = tl.load(G_ptr + kk, mask=valid, other=0.0).to(CDT) * _scale(scale_hi, scale_lo, CDT)
     x = tl.load(Logits_ptr + rows[:, None] * stride_lt + idx.to(tl.int64) * stride_le,
                 mask=valid, other=0.0).to(CDT)
@@ -363,33 +437,100 @@ def _gate_bwd_kernel(
                                   CDT, BLOCK_T, E_BLOCK)
         s = tl.where(s > 0.0, s, 1.0)
         dz = tl.where(valid, g * (tl.exp(x - m[:, None]) / s[:, None]), 0.0)
-        c = tl.sum(dz, axis=1)
+        c = row_sum(dz, BLOCK_T, K_PAD)
     else:
-        if SCORE == 0:
-            q = _masked_softmax(x, valid)
-            dz = q * (g - tl.sum(g * q, axis=1)[:, None])
+        if SCORE == _SOFTMAX:
+            q = _masked_softmax(x, valid, BLOCK_T, K_PAD)
+            dz = q * (g - row_sum(g * q, BLOCK_T, K_PAD)[:, None])
         else:
             c = tl.where(valid, _score(x, SCORE), 0.0)
-            if SCORE == 1:
-                dc = c * (1.0 - c)
-            else:
-                slope = tl.where(x > 20.0, 1.0, 1.0 / (1.0 + tl.exp(-x)))
-                dc = tl.where(c > 0.0, slope / (2.0 * tl.where(c > 0.0, c, 1.0)), 0.0)
+            dc = _score_grad(x, c, SCORE)
             if NORMALIZE:
                 nvalid = tl.sum(valid.to(tl.int32), axis=1)
-                S = tl.sum(c, axis=1) + 1e-20
-                gn = g / S[:, None] - (tl.sum(g * c, axis=1) / (S * S))[:, None]
+                S = row_sum(c, BLOCK_T, K_PAD) + _NORM_EPS
+                D = row_sum(g * c, BLOCK_T, K_PAD)
+                gn = g / S[:, None] - ((D / S) / S)[:, None]
                 g = tl.where((nvalid > 1)[:, None], gn, g)
             dz = g * dc
         dz = tl.where(valid, dz, 0.0)
     for e0 in range(0, E, E_BLOCK):
         ecols = e0 + tl.arange(0, E_BLOCK)
         emask = rmask[:, None] & (ecols < E)[None, :]
-        hit = idx[:, :, None] == ecols[None, None, :]
-        acc = tl.sum(tl.where(hit, dz[:, :, None], 0.0), axis=1)
+        acc = tl.zeros([BLOCK_T, E_BLOCK], CDT)
+        for k in tl.static_range(K_PAD):
+            # column k of idx and dz (a masked sum with one term is exact)
+            ik = tl.sum(tl.where(cols[None, :] == k, idx, 0), axis=1)
+            dk = tl.sum(tl.where(cols[None, :] == k, dz, 0.0), axis=1)
+            acc += tl.where(ik[:, None] == ecols[None, :], dk[:, None], 0.0)
         if DENSE:
             xl = tl.load(Logits_ptr + rows[:, None] * stride_lt + ecols[None, :] * stride_le,
                          mask=emask, other=float("-inf")).to(CDT)
             acc = acc - tl.exp(xl - m[:, None]) / s[:, None] * c[:, None]
         tl.store(DLogits_ptr + rows[:, None] * E + ecols[None, :],
                  cast_rne(acc, DLogits_ptr.dtype.element_ty), mask=emask)
+
+
+# -------------------------------------------------------------------------- launchers
+def gate_fwd(logits, expert_indices, score_func, normalize, scaling_factor, align,
+             config: GateConfig | None = None):
+    """Gate weights + dispatch plan (the backend contract's gate_fwd); `config` overrides
+    the block sizes."""
+    T, E = logits.shape
+    K = expert_indices.shape[1]
+    dev = logits.device
+    i32 = dict(dtype=torch.int32, device=dev)
+    n_sorted = plan_capacity(T, K, E, align)
+    weights = torch.empty(T, K, dtype=logits.dtype, device=dev)
+    idx_out = torch.empty(T, K, **i32)
+    row_id_map = torch.empty(T, K, **i32)
+    tpe = torch.empty(E, **i32)
+    offsets = torch.empty(E + 1, **i32)
+    sorted_slots = torch.empty(n_sorted, **i32)
+    if T == 0:
+        return (weights, idx_out, tpe.zero_(), offsets.zero_(), row_id_map,
+                sorted_slots.fill_(-1))
+    cfg = config or gate_config(T, K, E, align)
+    chunk_counts = torch.empty(1 if cfg.single else cfg.num_chunks, E, **i32)
+    with device_ctx(logits):
+        _gate_fwd_kernel[(cfg.num_chunks,)](
+            logits, expert_indices,
+            weights, idx_out, row_id_map, chunk_counts, tpe, offsets, sorted_slots,
+            T, E, K, logits.stride(0), logits.stride(1),
+            expert_indices.stride(0), expert_indices.stride(1),
+            *split_scale(scaling_factor), align, n_sorted,
+            SCORE=scores.get(score_func).id, NORMALIZE=bool(normalize),
+            CDT=compute_type(logits.dtype), SINGLE=cfg.single, BLOCK_T=cfg.BLOCK_T,
+            K_PAD=cfg.K_PAD, E_BLOCK=cfg.E_BLOCK, E_HIST=cfg.E_HIST, SLOT_BLOCK=cfg.SLOT_BLOCK,
+            PAD_J=cfg.PAD_J, TAIL_BLOCK=cfg.TAIL_BLOCK,
+        )
+        if not cfg.single:
+            _plan_scan_kernel[(1,)](
+                chunk_counts, tpe, offsets, sorted_slots, cfg.num_chunks, E, align, n_sorted,
+                E_HIST=cfg.E_HIST, CHUNK_BLOCK=cfg.CHUNK_BLOCK, PAD_J=cfg.PAD_J,
+                TAIL_BLOCK=cfg.TAIL_BLOCK,
+            )
+            _plan_scatter_kernel[(cfg.num_chunks,)](
+                idx_out, row_id_map, chunk_counts, offsets, sorted_slots, T, E, K,
+                BLOCK_T=cfg.BLOCK_T, SLOT_BLOCK=cfg.SLOT_BLOCK,
+            )
+    return weights, idx_out, tpe, offsets, row_id_map, sorted_slots
+
+
+def gate_bwd(grad_weights, logits, expert_indices, score_func, normalize, scaling_factor):
+    """Dense [T, E] logits gradient (the backend contract's gate_bwd)."""
+    T, E = logits.shape
+    K = expert_indices.shape[1]
+    grad = torch.empty(T, E, dtype=logits.dtype, device=logits.device)
+    if T == 0:
+        return grad
+    sf = scores.get(score_func)
+    cfg = gate_bwd_config(T, K, E)
+    with device_ctx(logits):
+        _gate_bwd_kernel[(triton.cdiv(T, cfg.BLOCK_T),)](
+            grad_weights.contiguous(), logits, expert_indices.contiguous(), grad,
+            T, E, K, logits.stride(0), logits.stride(1), *split_scale(scaling_factor),
+            SCORE=sf.id, NORMALIZE=bool(normalize),
+            DENSE=(sf is scores.SOFTMAX and not normalize), CDT=compute_type(logits.dtype),
+            BLOCK_T=cfg.BLOCK_T, K_PAD=cfg.K_PAD, E_BLOCK=cfg.E_BLOCK,
+        )
+    return grad

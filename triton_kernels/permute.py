@@ -1,23 +1,22 @@
 """Permute (token-major -> expert-major rows) and its backward, in Triton.
 
+Public launchers: `permute_fwd`, `permute_bwd` (block sizes: `_common.row_config`).
+
     forward:   out[r] = hidden[sorted_slots[r] // K]       (0 where sorted_slots[r] == -1,
-                                                            or r >= len(sorted_slots))
+                                                            r >= len(sorted_slots), or the
+                                                            token is outside [0, T))
     backward:  dh[t]  = sum_{k valid} dout[row_id_map[t, k]]  in column order, fp32
-               (`_gather_sum_kernel`, unweighted: a gather-sum per token, no atomics)
+               (the unweighted gather-sum of unpermute.py: one program per token row, no
+               atomics)
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from ._common import cast_rne
-
-TILE_ELEMS = 4096
-
-
-def permute_config(H: int) -> dict:
-    BLOCK_H = min(triton.next_power_of_2(max(H, 1)), 256)
-    return dict(BLOCK_H=BLOCK_H, BLOCK_R=max(1, min(64, TILE_ELEMS // BLOCK_H)))
+from ._common import device_ctx, row_config
+from .unpermute import gather_sum
 
 
 @triton.jit
@@ -27,7 +26,7 @@ def _permute_fwd_kernel(
     # outputs
     Out_ptr,
     # sizes and strides
-    num_rows, n_sorted, H, K, stride_xt, stride_xh,
+    num_rows, n_sorted, T, H, K, stride_xt, stride_xh,
     # constexprs
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
@@ -35,8 +34,8 @@ def _permute_fwd_kernel(
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < num_rows
     slot = tl.load(Sorted_ptr + r, mask=rmask & (r < n_sorted), other=-1).to(tl.int64)
-    has = slot >= 0
-    tok = tl.where(has, slot // K, 0)
+    tok = tl.where(slot >= 0, slot // K, 0)
+    has = (slot >= 0) & (tok < T)
     for h0 in range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         hm = (h < H)[None, :]
@@ -45,35 +44,23 @@ def _permute_fwd_kernel(
         tl.store(Out_ptr + r[:, None] * H + h[None, :], v, mask=rmask[:, None] & hm)
 
 
-@triton.jit
-def _gather_sum_kernel(
-    # inputs
-    Src_ptr, RowMap_ptr, W_ptr,
-    # outputs
-    Out_ptr,
-    # sizes and strides
-    T, H, K, R, stride_sr, stride_sh,
-    # constexprs
-    WEIGHTED: tl.constexpr, CDT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    """out[t] = sum_{k valid} [w[t,k] *] src[row_id_map[t,k]], in column order k = 0..K-1,
-    accumulated in fp32 (fp64 for fp64). Unweighted it is the permute backward; weighted it
-    is the unpermute forward. One program owns each output row: no atomics."""
-    pid = tl.program_id(0).to(tl.int64)
-    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    tmask = t < T
-    for h0 in range(0, H, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        hm = (h < H)[None, :]
-        acc = tl.zeros([BLOCK_T, BLOCK_H], CDT)
-        for k in range(0, K):
-            row = tl.load(RowMap_ptr + t * K + k, mask=tmask, other=-1).to(tl.int64)
-            ok = (row >= 0) & (row < R)
-            v = tl.load(Src_ptr + row[:, None] * stride_sr + h[None, :] * stride_sh,
-                        mask=ok[:, None] & hm, other=0.0).to(CDT)
-            if WEIGHTED:
-                w = tl.load(W_ptr + t * K + k, mask=ok, other=0.0).to(CDT)
-                v = v * w[:, None]
-            acc += v
-        tl.store(Out_ptr + t[:, None] * H + h[None, :], cast_rne(acc, Out_ptr.dtype.element_ty),
-                 mask=tmask[:, None] & hm)
+def permute_fwd(hidden, sorted_slots, row_id_map, num_rows):
+    T, H = hidden.shape
+    K = row_id_map.shape[1]
+    out = torch.empty(num_rows, H, dtype=hidden.dtype, device=hidden.device)
+    if num_rows == 0 or H == 0:
+        return out
+    if T == 0:
+        return out.zero_()
+    sorted_slots = sorted_slots.contiguous()
+    cfg = row_config(H)
+    with device_ctx(hidden):
+        _permute_fwd_kernel[(triton.cdiv(num_rows, cfg.BLOCK_R),)](
+            hidden, sorted_slots, out, num_rows, sorted_slots.shape[0], T, H, K,
+            hidden.stride(0), hidden.stride(1), BLOCK_R=cfg.BLOCK_R, BLOCK_H=cfg.BLOCK_H,
+        )
+    return out
+
+
+def permute_bwd(grad_out, row_id_map):
+    return gather_sum(grad_out, row_id_map, None)

@@ -1,18 +1,57 @@
 """Unpermute (weighted combine back to tokens) and its backward, in Triton.
 
+Public launchers: `unpermute_fwd`, `unpermute_bwd`, and `gather_sum` (which also serves
+the permute backward).
+
     forward:   out[t] = sum_{k valid} w[t,k] * x[row_id_map[t,k]]   column order, fp32
-               (`permute._gather_sum_kernel`, weighted)
-    backward:  dx[r]  = w[s] * dout[s // K]  for s = sorted_slots[r]  (0 for padding)
+    backward:  dx[r]  = w[s] * dout[s // K]  for s = sorted_slots[r]  (0 for padding, and
+                                                                       for tokens past T)
                dw[t,k] = <dout[t], x[row_id_map[t,k]]>                fp32, 0 for empty
-Every output element is produced by exactly one program: no atomics.
+A row id outside [0, R) is an empty slot. The dot products of dw add their terms in a fixed
+pairwise order (`_common.row_sum`). Every output element is produced by exactly one
+program: no atomics.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from ._common import cast_rne
+from ._common import cast_rne, compute_type, device_ctx, row_config, row_sum
 
+
+@triton.jit
+def _gather_sum_kernel(
+    # inputs
+    Src_ptr, RowMap_ptr, W_ptr,
+    # outputs
+    Out_ptr,
+    # sizes and strides
+    T, H, K, R, stride_sr, stride_sh,
+    # constexprs
+    WEIGHTED: tl.constexpr, CDT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """out[t] = sum_{k valid} [w[t,k] *] src[row_id_map[t,k]], in column order k = 0..K-1,
+    accumulated in fp32 (fp64 for fp64). Weighted it is the unpermute forward; unweighted it
+    is the permute backward."""
+    pid = tl.program_id(0).to(tl.int64)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < T
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        hm = (h < H)[None, :]
+        acc = tl.zeros([BLOCK_T, BLOCK_H], CDT)
+        for k in range(0, K):
+            row = tl.load(RowMap_ptr + t * K + k, mask=tmask, other=-1).to(tl.int64)
+            ok = (row >= 0) & (row < R)
+            v = tl.load(Src_ptr + row[:, None] * stride_sr + h[None, :] * stride_sh,
+                        mask=ok[:, None] & hm, other=0.0).to(CDT)
+            if WEIGHTED:
+                w = tl.load(W_ptr + t * K + k, mask=ok, other=0.0).to(CDT)
+                v = v * w[:, None]
+            acc += v
+        tl.store(Out_ptr + t[:, None] * H + h[None, :], cast_rne(acc, Out_ptr.dtype.element_ty),
+                 mask=tmask[:, None] & hm)
 
 
 @triton.jit
@@ -22,7 +61,7 @@ def _unpermute_bwd_dx_kernel(
     # outputs
     DX_ptr,
     # sizes
-    R, n_sorted, H, K,
+    R, n_sorted, T, H, K,
     # constexprs
     CDT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
@@ -30,10 +69,10 @@ def _unpermute_bwd_dx_kernel(
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < R
     slot = tl.load(Sorted_ptr + r, mask=rmask & (r < n_sorted), other=-1).to(tl.int64)
-    has = slot >= 0
-    s = tl.where(has, slot, 0)
-    w = tl.load(W_ptr + s, mask=has, other=0.0).to(CDT)
+    s = tl.where(slot >= 0, slot, 0)
     tok = s // K
+    has = (slot >= 0) & (tok < T)
+    w = tl.load(W_ptr + s, mask=has, other=0.0).to(CDT)
     for h0 in range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         hm = (h < H)[None, :]
@@ -68,5 +107,56 @@ def _unpermute_bwd_dw_kernel(
                         other=0.0).to(CDT)
             x = tl.load(X_ptr + row[:, None] * stride_xr + h[None, :] * stride_xh,
                         mask=ok[:, None] & hm, other=0.0).to(CDT)
-            acc += tl.sum(g * x, axis=1)
+            acc += row_sum(g * x, BLOCK_T, BLOCK_H)
         tl.store(DW_ptr + t * K + k, cast_rne(acc, DW_ptr.dtype.element_ty), mask=tmask)
+
+
+def gather_sum(src, row_id_map, weights):
+    """[T, H] = sum_k [weights[t,k] *] src[row_id_map[t,k]] (see _gather_sum_kernel)."""
+    R, H = src.shape
+    T, K = row_id_map.shape
+    out = torch.empty(T, H, dtype=src.dtype, device=src.device)
+    if T == 0 or H == 0:
+        return out
+    row_id_map = row_id_map.contiguous()
+    cfg = row_config(H)
+    with device_ctx(src):
+        _gather_sum_kernel[(triton.cdiv(T, cfg.BLOCK_R),)](
+            src, row_id_map, src if weights is None else weights.contiguous(), out,
+            T, H, K, R, src.stride(0), src.stride(1),
+            WEIGHTED=weights is not None, CDT=compute_type(src.dtype),
+            BLOCK_T=cfg.BLOCK_R, BLOCK_H=cfg.BLOCK_H,
+        )
+    return out
+
+
+def unpermute_fwd(expert_out, row_id_map, weights):
+    return gather_sum(expert_out, row_id_map, weights)
+
+
+def unpermute_bwd(grad_out, expert_out, row_id_map, sorted_slots, weights):
+    R, H = expert_out.shape
+    T, K = row_id_map.shape
+    grad_out = grad_out.contiguous()
+    weights = weights.contiguous()
+    row_id_map = row_id_map.contiguous()
+    sorted_slots = sorted_slots.contiguous()
+    grad_x = torch.empty(R, H, dtype=expert_out.dtype, device=expert_out.device)
+    grad_w = torch.empty(T, K, dtype=weights.dtype, device=weights.device)
+    if T > 0 and H == 0:
+        grad_w.zero_()
+    cdt = compute_type(expert_out.dtype)
+    cfg = row_config(H)
+    with device_ctx(expert_out):
+        if R > 0 and H > 0:
+            _unpermute_bwd_dx_kernel[(triton.cdiv(R, cfg.BLOCK_R),)](
+                grad_out, sorted_slots, weights, grad_x, R, sorted_slots.shape[0], T, H, K,
+                CDT=cdt, BLOCK_R=cfg.BLOCK_R, BLOCK_H=cfg.BLOCK_H,
+            )
+        if T > 0 and H > 0:
+            _unpermute_bwd_dw_kernel[(triton.cdiv(T, cfg.BLOCK_R),)](
+                grad_out, expert_out, row_id_map, grad_w, T, H, K, R,
+                expert_out.stride(0), expert_out.stride(1), CDT=cdt,
+                BLOCK_T=cfg.BLOCK_R, BLOCK_H=cfg.BLOCK_H,
+            )
+    return grad_x, grad_w

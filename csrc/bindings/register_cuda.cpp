@@ -1,7 +1,8 @@
-// CUDA implementations of the internal replay::native_* ops: thin wrappers that check
-// shapes, allocate outputs with the caching allocator, and call the framework-free launchers
-// of csrc/cuda/ on the current stream under a device guard. Nothing here synchronises with
-// the host, so the ops are CUDA-graph capturable (validation happens earlier, in Python,
+// CUDA implementations of the internal replay_native::* ops: thin wrappers that check
+// shapes, dtypes and devices (every tensor on the device of the first; native_checks.h),
+// allocate outputs with the caching allocator, and call the framework-free launchers of
+// csrc/cuda/ on the current stream under a device guard. Nothing here synchronises with the
+// host, so the ops are CUDA-graph capturable (data validation happens earlier, in Python,
 // and only when validate=True).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -12,21 +13,13 @@
 #include <string>
 
 #include "../cuda/replay_cuda.h"
+#include "native_checks.h"
 #include "replay_math.h"
 
 namespace {
 
 using replay_cuda::DType;
 using replay_cuda::IType;
-
-int score_func_code(c10::string_view name) {
-  if (name == "softmax") return replay_math::kSoftmax;
-  if (name == "sigmoid") return replay_math::kSigmoid;
-  if (name == "sqrtsoftplus") return replay_math::kSqrtSoftplus;
-  TORCH_CHECK(false, "replay_ops native: unknown score_func='", std::string(name),
-              "'; expected softmax, sigmoid or sqrtsoftplus");
-  return -1;
-}
 
 DType dtype_of(const at::Tensor& t, const char* arg) {
   switch (t.scalar_type()) {
@@ -56,7 +49,7 @@ IType itype_of(const at::Tensor& t) {
 at::ScalarType acc_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
 // The launch path of the CUDA gate (replay_cuda::GatePath); "auto" unless a test or a
-// benchmark picks one with replay::native_cuda_gate_path.
+// benchmark picks one with replay_native::cuda_gate_path.
 std::atomic<int> g_gate_path{static_cast<int>(replay_cuda::GatePath::kAuto)};
 std::atomic<int64_t> g_gate_max_ctas{0};
 
@@ -69,9 +62,9 @@ const char* gate_path_name(int p) {
   }
 }
 
-// replay::native_cuda_gate_path(str name) -> str: "" returns the current path; a name sets
+// replay_native::cuda_gate_path(str name) -> str: "" returns the current path; a name sets
 // it and returns the previous one.
-std::string native_cuda_gate_path(c10::string_view name_view) {
+std::string cuda_gate_path(c10::string_view name_view) {
   const std::string name(name_view);
   const int prev = g_gate_path.load();
   if (name.empty()) return gate_path_name(prev);
@@ -84,9 +77,9 @@ std::string native_cuda_gate_path(c10::string_view name_view) {
   return gate_path_name(prev);
 }
 
-// replay::native_cuda_gate_max_ctas(int n) -> int: caps the CTAs of the cooperative gate
+// replay_native::cuda_gate_max_ctas(int n) -> int: caps the CTAs of the cooperative gate
 // (0: no cap; a negative n only queries) and returns the previous cap.
-int64_t native_cuda_gate_max_ctas(int64_t n) {
+int64_t cuda_gate_max_ctas(int64_t n) {
   if (n < 0) return g_gate_max_ctas.load();
   return g_gate_max_ctas.exchange(n);
 }
@@ -97,20 +90,16 @@ void check_launch(cudaError_t err, const char* op) {
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gate_fwd(
-    const at::Tensor& logits_in, const at::Tensor& idx, c10::string_view score_func,
-    bool normalize, double scaling_factor, int64_t align) {
-  TORCH_CHECK(logits_in.dim() == 2 && idx.dim() == 2 && idx.size(0) == logits_in.size(0),
-              "replay_ops native gate: expected logits [T, E] and expert_indices [T, K], got ",
-              logits_in.sizes(), " and ", idx.sizes());
+    const at::Tensor& logits_in, const at::Tensor& idx, int64_t score_func, bool normalize,
+    double scaling_factor, int64_t align) {
+  replay_native::check_gate_fwd(logits_in, idx, logits_in.device());
   const c10::cuda::CUDAGuard guard(logits_in.device());
-  const int sf = score_func_code(score_func);
+  const int sf = replay_native::checked_score_func(score_func);
   const at::Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
   const int64_t T = logits.size(0), E = logits.size(1), K = idx.size(1);
-  TORCH_CHECK(E <= replay_cuda::kMaxExperts, "replay_ops native CUDA gate supports E <= ",
-              replay_cuda::kMaxExperts, " experts, got E=", E);
-  const int64_t n_sorted = T * K + E * (align - 1);
-  TORCH_CHECK(n_sorted < (int64_t(1) << 31), "replay_ops native gate: T*K + E*(align-1) = ",
-              n_sorted, " does not fit the int32 plan tensors");
+  TORCH_CHECK_VALUE(E <= replay_cuda::kMaxExperts, "replay_ops native CUDA gate supports E <= ",
+                    replay_cuda::kMaxExperts, " experts, got E=", E);
+  const int64_t n_sorted = replay_native::checked_plan_capacity(T, K, E, align);
   auto i32 = logits.options().dtype(at::kInt);
   at::Tensor weights = at::empty({T, K}, logits.options());
   at::Tensor idx32 = at::empty({T, K}, i32);
@@ -153,17 +142,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 }
 
 at::Tensor gate_bwd(const at::Tensor& grad_weights, const at::Tensor& logits_in,
-                    const at::Tensor& idx, c10::string_view score_func, bool normalize,
+                    const at::Tensor& idx, int64_t score_func, bool normalize,
                     double scaling_factor) {
-  TORCH_CHECK(logits_in.dim() == 2 && idx.dim() == 2 && grad_weights.sizes() == idx.sizes(),
-              "replay_ops native gate_backward: bad shapes ", logits_in.sizes(), ", ",
-              grad_weights.sizes(), ", ", idx.sizes());
+  replay_native::check_gate_bwd(grad_weights, logits_in, idx, logits_in.device());
   const c10::cuda::CUDAGuard guard(logits_in.device());
-  const int sf = score_func_code(score_func);
-  TORCH_CHECK(idx.size(1) <= replay_cuda::kMaxTopK, "replay_ops native CUDA gate_backward "
-              "supports K <= ", replay_cuda::kMaxTopK, ", got K=", idx.size(1));
+  const int sf = replay_native::checked_score_func(score_func);
+  TORCH_CHECK_VALUE(idx.size(1) <= replay_cuda::kMaxTopK, "replay_ops native CUDA "
+                    "gate_backward supports K <= ", replay_cuda::kMaxTopK, ", got K=", idx.size(1));
   const at::Tensor logits = logits_in.contiguous();
-  const at::Tensor i32 = idx.to(at::kInt).contiguous();
+  const at::Tensor i32 = idx.contiguous();
   const at::Tensor g = grad_weights.to(acc_dtype(logits.scalar_type())).contiguous();
   at::Tensor grad = at::empty_like(logits);
   check_launch(replay_cuda::gate_bwd(g.data_ptr(), logits.data_ptr(), dtype_of(logits, "logits"),
@@ -176,11 +163,11 @@ at::Tensor gate_bwd(const at::Tensor& grad_weights, const at::Tensor& logits_in,
 
 at::Tensor permute_fwd(const at::Tensor& hidden_in, const at::Tensor& sorted_slots,
                        const at::Tensor& row_id_map, int64_t num_rows) {
-  TORCH_CHECK(hidden_in.dim() == 2 && num_rows >= 0, "replay_ops native permute: hidden must be "
-              "2-D and num_rows >= 0, got ", hidden_in.sizes(), ", num_rows=", num_rows);
+  replay_native::check_permute_fwd(hidden_in, sorted_slots, row_id_map, num_rows,
+                                   hidden_in.device());
   const c10::cuda::CUDAGuard guard(hidden_in.device());
   const at::Tensor hidden = hidden_in.contiguous();
-  const at::Tensor ss = sorted_slots.to(at::kInt).contiguous();
+  const at::Tensor ss = sorted_slots.contiguous();
   at::Tensor out = at::empty({num_rows, hidden.size(1)}, hidden.options());
   check_launch(replay_cuda::permute_fwd(hidden.data_ptr(), hidden.element_size(), hidden.size(0),
                                         hidden.size(1), ss.data_ptr<int32_t>(), ss.numel(),
@@ -192,9 +179,10 @@ at::Tensor permute_fwd(const at::Tensor& hidden_in, const at::Tensor& sorted_slo
 
 at::Tensor gather(const at::Tensor& x_in, const at::Tensor& row_id_map, const at::Tensor* w,
                   const char* op) {
+  replay_native::check_gather_sum(x_in, row_id_map, w, op, x_in.device());
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();
-  const at::Tensor rid = row_id_map.to(at::kInt).contiguous();
+  const at::Tensor rid = row_id_map.contiguous();
   at::Tensor wa;
   if (w) wa = w->to(acc_dtype(x.scalar_type())).contiguous();
   at::Tensor out = at::empty({rid.size(0), x.size(1)}, x.options());
@@ -207,18 +195,11 @@ at::Tensor gather(const at::Tensor& x_in, const at::Tensor& row_id_map, const at
 }
 
 at::Tensor permute_bwd(const at::Tensor& grad_out, const at::Tensor& row_id_map) {
-  TORCH_CHECK(grad_out.dim() == 2 && row_id_map.dim() == 2,
-              "replay_ops native permute_backward: bad shapes ", grad_out.sizes(), ", ",
-              row_id_map.sizes());
   return gather(grad_out, row_id_map, nullptr, "permute_backward");
 }
 
 at::Tensor unpermute_fwd(const at::Tensor& expert_out, const at::Tensor& row_id_map,
                          const at::Tensor& weights) {
-  TORCH_CHECK(expert_out.dim() == 2 && row_id_map.dim() == 2 &&
-                  weights.sizes() == row_id_map.sizes(),
-              "replay_ops native unpermute: bad shapes ", expert_out.sizes(), ", ",
-              row_id_map.sizes(), ", ", weights.sizes());
   return gather(expert_out, row_id_map, &weights, "unpermute");
 }
 
@@ -227,17 +208,13 @@ std::tuple<at::Tensor, at::Tensor> unpermute_bwd(const at::Tensor& grad_out_in,
                                                  const at::Tensor& row_id_map,
                                                  const at::Tensor& sorted_slots,
                                                  const at::Tensor& weights) {
-  TORCH_CHECK(grad_out_in.dim() == 2 && expert_out_in.dim() == 2 &&
-                  weights.sizes() == row_id_map.sizes() &&
-                  grad_out_in.size(0) == row_id_map.size(0) &&
-                  grad_out_in.size(1) == expert_out_in.size(1),
-              "replay_ops native unpermute_backward: bad shapes ", grad_out_in.sizes(), ", ",
-              expert_out_in.sizes(), ", ", row_id_map.sizes(), ", ", weights.sizes());
+  replay_native::check_unpermute_bwd(grad_out_in, expert_out_in, row_id_map, sorted_slots,
+                                     weights, expert_out_in.device());
   const c10::cuda::CUDAGuard guard(expert_out_in.device());
   const at::Tensor x = expert_out_in.contiguous();
   const at::Tensor go = grad_out_in.to(x.scalar_type()).contiguous();
-  const at::Tensor rid = row_id_map.to(at::kInt).contiguous();
-  const at::Tensor ss = sorted_slots.to(at::kInt).contiguous();
+  const at::Tensor rid = row_id_map.contiguous();
+  const at::Tensor ss = sorted_slots.contiguous();
   const auto adt = acc_dtype(x.scalar_type());
   const at::Tensor w = weights.to(adt).contiguous();
   at::Tensor grad_x = at::empty_like(x);
@@ -253,16 +230,17 @@ std::tuple<at::Tensor, at::Tensor> unpermute_bwd(const at::Tensor& grad_out_in,
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(replay, m) {
-  m.def("native_cuda_gate_path(str name) -> str", &native_cuda_gate_path);
-  m.def("native_cuda_gate_max_ctas(int n) -> int", &native_cuda_gate_max_ctas);
+// Process-wide knobs for tests and benchmarks (not part of the public API).
+TORCH_LIBRARY_FRAGMENT(replay_native, m) {
+  m.def("cuda_gate_path(str name) -> str", &cuda_gate_path);
+  m.def("cuda_gate_max_ctas(int n) -> int", &cuda_gate_max_ctas);
 }
 
-TORCH_LIBRARY_IMPL(replay, CUDA, m) {
-  m.impl("native_gate_fwd", &gate_fwd);
-  m.impl("native_gate_bwd", &gate_bwd);
-  m.impl("native_permute_fwd", &permute_fwd);
-  m.impl("native_permute_bwd", &permute_bwd);
-  m.impl("native_unpermute_fwd", &unpermute_fwd);
-  m.impl("native_unpermute_bwd", &unpermute_bwd);
+TORCH_LIBRARY_IMPL(replay_native, CUDA, m) {
+  m.impl("gate_fwd", &gate_fwd);
+  m.impl("gate_bwd", &gate_bwd);
+  m.impl("permute_fwd", &permute_fwd);
+  m.impl("permute_bwd", &permute_bwd);
+  m.impl("unpermute_fwd", &unpermute_fwd);
+  m.impl("unpermute_bwd", &unpermute_bwd);
 }

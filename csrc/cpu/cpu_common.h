@@ -4,21 +4,11 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include <string>
 #include <type_traits>
 
 #include "replay_math.h"
 
 namespace replay_cpu {
-
-inline int score_func_code(const std::string& name) {
-  if (name == "softmax") return replay_math::kSoftmax;
-  if (name == "sigmoid") return replay_math::kSigmoid;
-  if (name == "sqrtsoftplus") return replay_math::kSqrtSoftplus;
-  TORCH_CHECK(false, "replay_ops native: unknown score_func='", name,
-              "'; expected softmax, sigmoid or sqrtsoftplus");
-  return -1;
-}
 
 template <typename scalar_t>
 using acc_type_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;

@@ -1,15 +1,19 @@
-// CPU kernels of replay::native_gate_fwd and replay::native_gate_bwd.
+// CPU kernels of replay_native::gate_fwd and replay_native::gate_bwd.
 //
-// Forward, in two parallel passes over fixed token chunks:
-//   1. per chunk: copy the indices to int32, compute the gate weights, count the chunk's
-//      slots per expert (a private histogram row);
-//   2. a serial scan over (chunk, expert) gives each chunk its first row per expert, then
-//      per chunk: scatter the slots in ascending flat-slot order.
+// Forward, in the three phases of the CUDA gate (csrc/cuda/gate_kernels.cu), over fixed
+// token chunks:
+//   1. per chunk, in parallel (hist_chunk): the int32 indices (-1 for any value outside
+//      [0, E)), the gate weights (gate_row), the chunk's slot count per expert;
+//   2. a serial scan over (chunk, expert) (scan_chunks): each chunk's first row per expert,
+//      the counts, the aligned offsets, -1 in the padding rows and the tail;
+//   3. per chunk, in parallel (scatter_chunk): the slots take their rows in ascending
+//      flat-slot order.
 // The result (expert-major, ascending flat slot t*K+k within an expert, padding rows at the
 // end of each expert segment, -1 in padding and tail) never depends on thread timing: the
 // chunks are fixed by the sizes, every write has exactly one owner, and there are no atomics.
 #include <vector>
 
+#include "../bindings/native_checks.h"
 #include "cpu_common.h"
 #include "ops_cpu.h"
 #include "row_kernels.h"
@@ -23,125 +27,156 @@ namespace {
 // 64 chunks at T=16384, K=8, enough to balance two to a few dozen threads.
 constexpr int64_t kSlotsPerChunk = 2048;
 
+// The tensors of one gate call, as raw pointers (the CPU counterpart of GateFwdArgs).
+template <typename scalar_t, typename index_t>
+struct GateFwd {
+  using acc_t = acc_type_t<scalar_t>;
+  const scalar_t* X;  // logits [T, E], contiguous
+  const index_t* I;   // indices [T, K], strides (st, sk)
+  int64_t st, sk, T, E, K, align, n_sorted;
+  int sf;
+  bool normalize;
+  acc_t scale;
+  RowKernels<scalar_t> rk;
+  scalar_t* W;   // weights [T, K]
+  int32_t* I32;  // indices used [T, K]: -1 for empty slots (any value outside [0, E))
+  int32_t* CNT;  // tokens_per_expert [E]
+  int32_t* OFF;  // expert_offsets [E + 1]
+  int32_t* RID;  // row_id_map [T, K]
+  int32_t* SS;   // sorted_slots [n_sorted]
+  int64_t tok_per_chunk, nch;
+  std::vector<int32_t> hist;  // [nch][E]: the chunk's count, then its first row, per expert
+
+  // Gate weights and int32 indices of token row t; counts its slots into h[E].
+  void gate_row(int64_t t, int32_t* h, acc_t* z, char* valid) const {
+    const scalar_t* x = X + t * E;
+    int nvalid = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      // The range test sees the full-width index; a value outside [0, E) is an empty slot.
+      const int64_t e = static_cast<int64_t>(I[t * st + k * sk]);
+      valid[k] = rm::takes_row(e, E);
+      I32[t * K + k] = valid[k] ? static_cast<int32_t>(e) : -1;
+      z[k] = valid[k] ? static_cast<acc_t>(x[e]) : acc_t(0);
+      if (valid[k]) {
+        ++nvalid;
+        ++h[e];
+      }
+    }
+    acc_t m = acc_t(0), s = acc_t(0);
+    switch (sf) {
+      case rm::kSoftmax:
+        if (normalize) {
+          rm::selected_softmax_stats(z, valid, K, m, s);
+        } else {
+          rk.softmax_stats(x, E, m, s);
+        }
+        break;
+      case rm::kSigmoid:
+      case rm::kSqrtsoftplus:
+        if (rm::divides_by_sum(normalize, nvalid))
+          for (int64_t k = 0; k < K; ++k)
+            if (valid[k]) s += rm::score(sf, z[k]);
+        break;
+      default: TORCH_CHECK(false, "replay_ops native gate: unknown score function id ", sf);
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      const acc_t w = valid[k] ? rm::gate_weight(sf, normalize, z[k], m, s, nvalid, scale)
+                               : acc_t(0);
+      W[t * K + k] = static_cast<scalar_t>(w);
+    }
+  }
+
+  // Phase 1 for chunk c: weights, indices and the chunk's slot count per expert.
+  void hist_chunk(int64_t c, acc_t* z, char* valid) {
+    int32_t* h = hist.data() + c * E;
+    const int64_t t_end = std::min(T, (c + 1) * tok_per_chunk);
+    for (int64_t t = c * tok_per_chunk; t < t_end; ++t) gate_row(t, h, z, valid);
+  }
+
+  // Phase 2: hist[c][e] becomes the first row of chunk c within expert e's segment (before
+  // the expert's offset); the counts, the aligned offsets, and -1 in padding and tail.
+  void scan_chunks() {
+    std::vector<int64_t> running(static_cast<size_t>(E), 0);
+    for (int64_t c = 0; c < nch; ++c) {
+      int32_t* h = hist.data() + c * E;
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t v = h[e];
+        h[e] = static_cast<int32_t>(running[e]);
+        running[e] += v;
+      }
+    }
+    int64_t off = 0;
+    OFF[0] = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      CNT[e] = static_cast<int32_t>(running[e]);
+      const int64_t seg_end = off + rm::padded_count(running[e], align);
+      for (int64_t r = off + running[e]; r < seg_end; ++r) SS[r] = -1;  // padding rows
+      off = seg_end;
+      OFF[e + 1] = static_cast<int32_t>(off);
+    }
+    for (int64_t r = off; r < n_sorted; ++r) SS[r] = -1;  // tail past the used rows
+  }
+
+  // Phase 3 for chunk c: its slots take their rows in ascending flat-slot order.
+  void scatter_chunk(int64_t c, int32_t* cursor) const {
+    const int32_t* h = hist.data() + c * E;
+    for (int64_t e = 0; e < E; ++e) cursor[e] = OFF[e] + h[e];
+    const int64_t s_end = std::min(T, (c + 1) * tok_per_chunk) * K;
+    for (int64_t s = c * tok_per_chunk * K; s < s_end; ++s) {
+      const int32_t e = I32[s];
+      if (e >= 0) {
+        const int32_t r = cursor[e]++;
+        RID[s] = r;
+        SS[r] = static_cast<int32_t>(s);
+      } else {
+        RID[s] = -1;
+      }
+    }
+  }
+
+  void run() {
+    at::parallel_for(0, nch, 1, [&](int64_t c0, int64_t c1) {
+      std::vector<acc_t> z(static_cast<size_t>(K));
+      std::vector<char> valid(static_cast<size_t>(K));
+      for (int64_t c = c0; c < c1; ++c) hist_chunk(c, z.data(), valid.data());
+    });
+    scan_chunks();
+    at::parallel_for(0, nch, 1, [&](int64_t c0, int64_t c1) {
+      std::vector<int32_t> cursor(static_cast<size_t>(E));
+      for (int64_t c = c0; c < c1; ++c) scatter_chunk(c, cursor.data());
+    });
+  }
+};
+
 template <typename scalar_t, typename index_t>
 void gate_fwd_impl(const at::Tensor& logits, const at::Tensor& idx, int sf, bool normalize,
                    double scaling, int64_t align, at::Tensor& weights, at::Tensor& idx32,
                    at::Tensor& counts, at::Tensor& offsets, at::Tensor& row_id_map,
                    at::Tensor& sorted_slots) {
-  using acc_t = acc_type_t<scalar_t>;
-  const int64_t T = logits.size(0), E = logits.size(1), K = idx.size(1);
-  const int64_t st = idx.stride(0), sk = idx.stride(1);
-  const scalar_t* X = logits.data_ptr<scalar_t>();
-  const index_t* I = idx.data_ptr<index_t>();
-  scalar_t* W = weights.data_ptr<scalar_t>();
-  int32_t* I32 = idx32.data_ptr<int32_t>();
-  int32_t* CNT = counts.data_ptr<int32_t>();
-  int32_t* OFF = offsets.data_ptr<int32_t>();
-  int32_t* RID = row_id_map.data_ptr<int32_t>();
-  int32_t* SS = sorted_slots.data_ptr<int32_t>();
-  const int64_t n_sorted = sorted_slots.numel();
-  const acc_t scale = static_cast<acc_t>(scaling);
-
-  const int64_t tok_per_chunk = std::max<int64_t>(1, kSlotsPerChunk / K);
-  const int64_t nch = num_chunks(T, tok_per_chunk);
-  std::vector<int32_t> hist(static_cast<size_t>(nch * E), 0);
-  std::vector<int64_t> first_bad(static_cast<size_t>(nch), -1);
-  const RowKernels<scalar_t> rk = row_kernels<scalar_t>();
-
-  // Pass 1: indices, weights, per-chunk histograms.
-  at::parallel_for(0, nch, 1, [&](int64_t c0, int64_t c1) {
-    std::vector<acc_t> z(static_cast<size_t>(K));
-    std::vector<char> valid(static_cast<size_t>(K));
-    for (int64_t c = c0; c < c1; ++c) {
-      int32_t* h = hist.data() + c * E;
-      const int64_t t_end = std::min(T, (c + 1) * tok_per_chunk);
-      for (int64_t t = c * tok_per_chunk; t < t_end; ++t) {
-        const scalar_t* x = X + t * E;
-        int nvalid = 0;
-        for (int64_t k = 0; k < K; ++k) {
-          const int64_t e = static_cast<int64_t>(I[t * st + k * sk]);
-          if (e < -1 || e >= E) {
-            if (first_bad[c] < 0) first_bad[c] = t * K + k;
-            I32[t * K + k] = static_cast<int32_t>(e);
-            valid[k] = 0;
-            z[k] = acc_t(0);
-            continue;
-          }
-          I32[t * K + k] = static_cast<int32_t>(e);
-          valid[k] = e >= 0;
-          z[k] = e >= 0 ? static_cast<acc_t>(x[e]) : acc_t(0);
-          if (e >= 0) {
-            ++nvalid;
-            ++h[e];
-          }
-        }
-        acc_t m = acc_t(0), s = acc_t(0);
-        if (sf == rm::kSoftmax && !normalize) {
-          rk.softmax_stats(x, E, m, s);
-        } else if (sf == rm::kSoftmax) {
-          rm::selected_softmax_stats(z.data(), valid.data(), K, m, s);
-        } else if (rm::divides_by_sum(normalize, nvalid)) {
-          for (int64_t k = 0; k < K; ++k)
-            if (valid[k]) s += rm::score(sf, z[k]);
-        }
-        for (int64_t k = 0; k < K; ++k) {
-          acc_t w = valid[k] ? rm::gate_weight(sf, normalize, z[k], m, s, nvalid, scale)
-                             : acc_t(0);
-          W[t * K + k] = static_cast<scalar_t>(w);
-        }
-      }
-    }
-  });
-  for (int64_t c = 0; c < nch; ++c) {
-    if (first_bad[c] >= 0) {
-      const int64_t t = first_bad[c] / K, k = first_bad[c] % K;
-      TORCH_CHECK_VALUE(false, "replay_ops.gate: expert_indices[", t, ", ", k, "] = ",
-                        static_cast<int64_t>(I[t * st + k * sk]),
-                        " is out of range for num_experts E=", E, " (row ", t,
-                        "); valid values are 0..", E - 1, ", or -1 for an empty slot");
-    }
-  }
-
-  // Scan: hist[c][e] becomes the first row of chunk c in expert e's segment.
-  std::vector<int64_t> running(static_cast<size_t>(E), 0);
-  for (int64_t c = 0; c < nch; ++c) {
-    int32_t* h = hist.data() + c * E;
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t v = h[e];
-      h[e] = static_cast<int32_t>(running[e]);
-      running[e] += v;
-    }
-  }
-  int64_t off = 0;
-  OFF[0] = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    CNT[e] = static_cast<int32_t>(running[e]);
-    const int64_t seg_end = off + rm::padded_count(running[e], align);
-    for (int64_t r = off + running[e]; r < seg_end; ++r) SS[r] = -1;  // padding rows
-    off = seg_end;
-    OFF[e + 1] = static_cast<int32_t>(off);
-  }
-  for (int64_t r = off; r < n_sorted; ++r) SS[r] = -1;  // tail past the used rows
-
-  // Pass 2: scatter, ascending flat slot within each chunk, chunks in order.
-  at::parallel_for(0, nch, 1, [&](int64_t c0, int64_t c1) {
-    std::vector<int32_t> cursor(static_cast<size_t>(E));
-    for (int64_t c = c0; c < c1; ++c) {
-      const int32_t* h = hist.data() + c * E;
-      for (int64_t e = 0; e < E; ++e) cursor[e] = OFF[e] + h[e];
-      const int64_t s_end = std::min(T, (c + 1) * tok_per_chunk) * K;
-      for (int64_t s = c * tok_per_chunk * K; s < s_end; ++s) {
-        const int32_t e = I32[s];
-        if (e >= 0) {
-          const int32_t r = cursor[e]++;
-          RID[s] = r;
-          SS[r] = static_cast<int32_t>(s);
-        } else {
-          RID[s] = -1;
-        }
-      }
-    }
-  });
+  GateFwd<scalar_t, index_t> g;
+  g.X = logits.data_ptr<scalar_t>();
+  g.I = idx.data_ptr<index_t>();
+  g.st = idx.stride(0);
+  g.sk = idx.stride(1);
+  g.T = logits.size(0);
+  g.E = logits.size(1);
+  g.K = idx.size(1);
+  g.align = align;
+  g.n_sorted = sorted_slots.numel();
+  g.sf = sf;
+  g.normalize = normalize;
+  g.scale = static_cast<acc_type_t<scalar_t>>(scaling);
+  g.rk = row_kernels<scalar_t>();
+  g.W = weights.data_ptr<scalar_t>();
+  g.I32 = idx32.data_ptr<int32_t>();
+  g.CNT = counts.data_ptr<int32_t>();
+  g.OFF = offsets.data_ptr<int32_t>();
+  g.RID = row_id_map.data_ptr<int32_t>();
+  g.SS = sorted_slots.data_ptr<int32_t>();
+  g.tok_per_chunk = std::max<int64_t>(1, kSlotsPerChunk / g.K);
+  g.nch = num_chunks(g.T, g.tok_per_chunk);
+  g.hist.assign(static_cast<size_t>(g.nch * g.E), 0);
+  g.run();
 }
 
 template <typename scalar_t>
@@ -185,7 +220,7 @@ void gate_bwd_impl(const at::Tensor& g_acc, const at::Tensor& logits, const at::
           if (valid[k]) row[I[t * K + k]] += z[k];
       } else {
         std::fill(row.begin(), row.end(), acc_t(0));
-        if (sf == rm::kSoftmax) {
+        if (sf == rm::kSoftmax) {  // normalize=True: softmax over the selected logits
           acc_t m, s;
           rm::selected_softmax_stats(z.data(), valid.data(), K, m, s);
           const acc_t sd = s > acc_t(0) ? s : acc_t(1);
@@ -195,7 +230,7 @@ void gate_bwd_impl(const at::Tensor& g_acc, const at::Tensor& logits, const at::
           for (int64_t k = 0; k < K; ++k)
             if (valid[k])
               row[I[t * K + k]] += rm::softmax_sel_dz(rm::ro_exp(z[k] - m) / sd, g[k], Gs);
-        } else {
+        } else if (sf == rm::kSigmoid || sf == rm::kSqrtsoftplus) {
           acc_t S = acc_t(0), D = acc_t(0);
           for (int64_t k = 0; k < K; ++k) {
             if (!valid[k]) continue;
@@ -207,6 +242,8 @@ void gate_bwd_impl(const at::Tensor& g_acc, const at::Tensor& logits, const at::
           for (int64_t k = 0; k < K; ++k)
             if (valid[k])
               row[I[t * K + k]] += rm::elementwise_dz(sf, normalize, nvalid, z[k], g[k], S, D);
+        } else {
+          TORCH_CHECK(false, "replay_ops native gate_backward: unknown score function id ", sf);
         }
       }
       scalar_t* out = GR + t * E;
@@ -218,21 +255,13 @@ void gate_bwd_impl(const at::Tensor& g_acc, const at::Tensor& logits, const at::
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gate_fwd(
-    const at::Tensor& logits_in, const at::Tensor& expert_indices,
-    c10::string_view score_func, bool normalize, double scaling_factor, int64_t align) {
-  TORCH_CHECK(logits_in.dim() == 2, "replay_ops native gate: logits must be 2-D [T, E], got ",
-              logits_in.sizes());
-  TORCH_CHECK(expert_indices.dim() == 2 && expert_indices.size(0) == logits_in.size(0),
-              "replay_ops native gate: expert_indices must be [T, K] with T=", logits_in.size(0),
-              ", got ", expert_indices.sizes());
-  TORCH_CHECK(align >= 1, "replay_ops native gate: align must be >= 1, got ", align);
-  const int sf = score_func_code(std::string(score_func));
+    const at::Tensor& logits_in, const at::Tensor& expert_indices, int64_t score_func,
+    bool normalize, double scaling_factor, int64_t align) {
+  replay_native::check_gate_fwd(logits_in, expert_indices, c10::Device(c10::kCPU));
+  const int sf = replay_native::checked_score_func(score_func);
   const at::Tensor logits = logits_in.contiguous();
   const int64_t T = logits.size(0), E = logits.size(1), K = expert_indices.size(1);
-  const int64_t n_sorted = T * K + E * (align - 1);
-  TORCH_CHECK(n_sorted < (int64_t(1) << 31),
-              "replay_ops native gate: T*K + E*(align-1) = ", n_sorted,
-              " does not fit the int32 plan tensors");
+  const int64_t n_sorted = replay_native::checked_plan_capacity(T, K, E, align);
   auto i32 = logits.options().dtype(at::kInt);
   at::Tensor weights = at::empty({T, K}, logits.options());
   at::Tensor idx32 = at::empty({T, K}, i32);
@@ -253,17 +282,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 }
 
 at::Tensor gate_bwd(const at::Tensor& grad_weights, const at::Tensor& logits_in,
-                    const at::Tensor& expert_indices, c10::string_view score_func,
-                    bool normalize, double scaling_factor) {
-  TORCH_CHECK(logits_in.dim() == 2 && expert_indices.dim() == 2 &&
-                  expert_indices.size(0) == logits_in.size(0) &&
-                  grad_weights.sizes() == expert_indices.sizes(),
-              "replay_ops native gate_backward: expected logits [T, E] and grad_weights, "
-              "expert_indices [T, K]; got ",
-              logits_in.sizes(), ", ", grad_weights.sizes(), ", ", expert_indices.sizes());
-  const int sf = score_func_code(std::string(score_func));
+                    const at::Tensor& expert_indices, int64_t score_func, bool normalize,
+                    double scaling_factor) {
+  replay_native::check_gate_bwd(grad_weights, logits_in, expert_indices, c10::Device(c10::kCPU));
+  const int sf = replay_native::checked_score_func(score_func);
   const at::Tensor logits = logits_in.contiguous();
-  const at::Tensor idx32 = expert_indices.to(at::kInt).contiguous();
+  const at::Tensor idx32 = expert_indices.contiguous();
   const auto acc_dtype = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const at::Tensor g_acc = grad_weights.to(acc_dtype).contiguous();
   at::Tensor grad = at::empty_like(logits);

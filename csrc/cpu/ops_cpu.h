@@ -1,20 +1,19 @@
-// Declarations of the CPU implementations of the internal replay::native_* ops.
+// Declarations of the CPU implementations of the internal replay_native::* ops.
 #pragma once
 
 #include <ATen/ATen.h>
-#include <c10/util/string_view.h>
 
 #include <tuple>
 
 namespace replay_cpu {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gate_fwd(
-    const at::Tensor& logits, const at::Tensor& expert_indices, c10::string_view score_func,
+    const at::Tensor& logits, const at::Tensor& expert_indices, int64_t score_func,
     bool normalize, double scaling_factor, int64_t align);
 
 at::Tensor gate_bwd(const at::Tensor& grad_weights, const at::Tensor& logits,
-                    const at::Tensor& expert_indices, c10::string_view score_func,
-                    bool normalize, double scaling_factor);
+                    const at::Tensor& expert_indices, int64_t score_func, bool normalize,
+                    double scaling_factor);
 
 at::Tensor permute_fwd(const at::Tensor& hidden, const at::Tensor& sorted_slots,
                        const at::Tensor& row_id_map, int64_t num_rows);

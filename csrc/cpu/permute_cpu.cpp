@@ -1,4 +1,4 @@
-// CPU kernels of replay::native_{permute,unpermute}_{fwd,bwd}.
+// CPU kernels of replay_native::{permute,unpermute}_{fwd,bwd}.
 //
 // permute_fwd   out[r]      = hidden[sorted_slots[r] / K], zero for padding and tail rows
 // permute_bwd   grad[t]     = sum_k grad_out[row_id_map[t, k]]              (gather-sum)
@@ -6,11 +6,13 @@
 // unpermute_bwd grad_x[r]   = weights[s] * grad_out[s / K] for the slot s of row r
 //               grad_w[t,k] = <grad_out[t], expert_out[row_id_map[t, k]]>
 // Sums over k run in column order k = 0..K-1 in fp32 (fp64 for fp64), like the reference;
-// a row id outside [0, rows) contributes nothing and is never read. Every output element has
-// one owner, so the results are the same for any thread count.
+// a row id outside [0, rows), and a slot whose token is outside [0, T), contributes nothing
+// and is never read. Every output element has one owner, so the results are the same for
+// any thread count.
 #include <cstring>
 #include <vector>
 
+#include "../bindings/native_checks.h"
 #include "cpu_common.h"
 #include "ops_cpu.h"
 
@@ -26,6 +28,8 @@ inline int64_t row_grain(int64_t H, int64_t elem) {
 
 at::ScalarType acc_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
+const c10::Device kCpu(c10::kCPU);
+
 #define RO_DISPATCH_FLOAT(TYPE, NAME, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)
 
@@ -33,12 +37,9 @@ at::ScalarType acc_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDoub
 
 at::Tensor permute_fwd(const at::Tensor& hidden_in, const at::Tensor& sorted_slots_in,
                        const at::Tensor& row_id_map, int64_t num_rows) {
-  TORCH_CHECK(hidden_in.dim() == 2, "replay_ops native permute: hidden must be 2-D, got ",
-              hidden_in.sizes());
-  TORCH_CHECK(num_rows >= 0, "replay_ops native permute: num_rows must be >= 0, got ",
-              num_rows);
+  replay_native::check_permute_fwd(hidden_in, sorted_slots_in, row_id_map, num_rows, kCpu);
   const at::Tensor hidden = hidden_in.contiguous();
-  const at::Tensor ss = sorted_slots_in.to(at::kInt).contiguous();
+  const at::Tensor ss = sorted_slots_in.contiguous();
   const int64_t T = hidden.size(0), H = hidden.size(1), K = row_id_map.size(1);
   const int64_t n_ss = ss.numel();
   at::Tensor out = at::empty({num_rows, H}, hidden.options());
@@ -117,11 +118,9 @@ acc_t dot(const scalar_t* a, const scalar_t* b, int64_t H) {
 }  // namespace
 
 at::Tensor permute_bwd(const at::Tensor& grad_out_in, const at::Tensor& row_id_map_in) {
-  TORCH_CHECK(grad_out_in.dim() == 2 && row_id_map_in.dim() == 2,
-              "replay_ops native permute_backward: expected grad_out [R, H] and row_id_map "
-              "[T, K], got ", grad_out_in.sizes(), " and ", row_id_map_in.sizes());
+  replay_native::check_gather_sum(grad_out_in, row_id_map_in, nullptr, "permute_backward", kCpu);
   const at::Tensor g = grad_out_in.contiguous();
-  const at::Tensor rid = row_id_map_in.to(at::kInt).contiguous();
+  const at::Tensor rid = row_id_map_in.contiguous();
   at::Tensor out = at::empty({rid.size(0), g.size(1)}, g.options());
   if (out.numel() == 0) return out;
   RO_DISPATCH_FLOAT(g.scalar_type(), "replay_native_permute_bwd", [&] {
@@ -132,13 +131,9 @@ at::Tensor permute_bwd(const at::Tensor& grad_out_in, const at::Tensor& row_id_m
 
 at::Tensor unpermute_fwd(const at::Tensor& expert_out_in, const at::Tensor& row_id_map_in,
                          const at::Tensor& weights) {
-  TORCH_CHECK(expert_out_in.dim() == 2 && row_id_map_in.dim() == 2 &&
-                  weights.sizes() == row_id_map_in.sizes(),
-              "replay_ops native unpermute: expected expert_out [R, H], row_id_map and weights "
-              "[T, K], got ", expert_out_in.sizes(), ", ", row_id_map_in.sizes(), ", ",
-              weights.sizes());
+  replay_native::check_gather_sum(expert_out_in, row_id_map_in, &weights, "unpermute", kCpu);
   const at::Tensor x = expert_out_in.contiguous();
-  const at::Tensor rid = row_id_map_in.to(at::kInt).contiguous();
+  const at::Tensor rid = row_id_map_in.contiguous();
   const at::Tensor w = weights.to(acc_dtype(x.scalar_type())).contiguous();
   at::Tensor out = at::empty({rid.size(0), x.size(1)}, x.options());
   if (out.numel() == 0) return out;
@@ -153,17 +148,12 @@ std::tuple<at::Tensor, at::Tensor> unpermute_bwd(const at::Tensor& grad_out_in,
                                                  const at::Tensor& row_id_map_in,
                                                  const at::Tensor& sorted_slots_in,
                                                  const at::Tensor& weights) {
-  TORCH_CHECK(grad_out_in.dim() == 2 && expert_out_in.dim() == 2 && row_id_map_in.dim() == 2 &&
-                  weights.sizes() == row_id_map_in.sizes() &&
-                  grad_out_in.size(0) == row_id_map_in.size(0) &&
-                  grad_out_in.size(1) == expert_out_in.size(1),
-              "replay_ops native unpermute_backward: expected grad_out [T, H], expert_out "
-              "[R, H], row_id_map and weights [T, K], got ", grad_out_in.sizes(), ", ",
-              expert_out_in.sizes(), ", ", row_id_map_in.sizes(), ", ", weights.sizes());
+  replay_native::check_unpermute_bwd(grad_out_in, expert_out_in, row_id_map_in, sorted_slots_in,
+                                     weights, kCpu);
   const at::Tensor x = expert_out_in.contiguous();
   const at::Tensor go = grad_out_in.to(x.scalar_type()).contiguous();
-  const at::Tensor rid = row_id_map_in.to(at::kInt).contiguous();
-  const at::Tensor ss = sorted_slots_in.to(at::kInt).contiguous();
+  const at::Tensor rid = row_id_map_in.contiguous();
+  const at::Tensor ss = sorted_slots_in.contiguous();
   const auto adt = acc_dtype(x.scalar_type());
   const at::Tensor w = weights.to(adt).contiguous();
   const int64_t R = x.size(0), H = x.size(1), T = rid.size(0), K = rid.size(1);

@@ -327,7 +327,7 @@ CpuIsa active_cpu_isa() {
   return static_cast<CpuIsa>(isa_slot().load());
 }
 
-std::string native_cpu_isa(c10::string_view name_view) {
+std::string cpu_isa(c10::string_view name_view) {
   const CpuIsa prev = active_cpu_isa();
   const std::string name(name_view);
   if (name.empty()) return cpu_isa_name(prev);

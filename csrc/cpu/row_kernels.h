@@ -23,11 +23,11 @@ enum class CpuIsa : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
 CpuIsa active_cpu_isa();
 const char* cpu_isa_name(CpuIsa isa);
 
-// replay::native_cpu_isa(str name) -> str. With name "" it returns the active ISA; with
+// replay_native::cpu_isa(str name) -> str. With name "" it returns the active ISA; with
 // "baseline", "avx2" or "avx512" it makes that ISA active (it must be supported) and
 // returns the previous one. The environment variable REPLAY_OPS_CPU_ISA (same names) caps
 // the initial choice: the active ISA is the lower of it and the best supported one.
-std::string native_cpu_isa(c10::string_view name);
+std::string cpu_isa(c10::string_view name);
 
 template <typename scalar_t>
 using row_acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;

@@ -43,8 +43,10 @@ __device__ __forceinline__ void gate_row(const GateFwdArgs& a, int64_t t) {
   bool any = false;
   A m = A(0), s = A(0);
   for (int64_t k = 0; k < K; ++k) {
+    // The range test sees the full-width index (an int64 2^32 + 3 is not expert 3); a value
+    // outside [0, E) is an empty slot, stored as -1.
     const int64_t e = static_cast<int64_t>(ip[k * a.stride_ik]);
-    i32[k] = static_cast<int32_t>(e);
+    i32[k] = rm::takes_row(e, E) ? static_cast<int32_t>(e) : -1;
     if (!rm::takes_row(e, E)) continue;
     ++nvalid;
     const A z = to_acc(x[e]);
@@ -201,7 +203,7 @@ __global__ void __launch_bounds__(kRowsPerCta) _gate_plan_small_kernel(GateFwdAr
     for (int64_t e = tid; e < E; e += blockDim.x) wh[w * E + e] += off[e];
   __syncthreads();
   warp_scatter(a.indices32, s0, s1, E, wh + warp * E, a.row_id_map, a.sorted_slots);
-  fill_unused(off, cnt, E, T * K + E * (a.align - 1), a.sorted_slots);
+  fill_unused(off, cnt, E, rm::plan_capacity(T, K, E, a.align), a.sorted_slots);
 }
 
 // ---------------------------------------------------------------- multi-CTA path
@@ -312,7 +314,8 @@ __global__ void __launch_bounds__(kRowsPerCta) _gate_scatter_kernel(GateFwdArgs 
   if (blockIdx.x == 0)
     for (int64_t e = threadIdx.x; e <= E; e += blockDim.x) a.expert_offsets[e] = off[e];
   scatter_chunk(a, hist, off, wh, blockIdx.x);
-  fill_unused(off, a.tokens_per_expert, E, a.T * a.K + E * (a.align - 1), a.sorted_slots);
+  fill_unused(off, a.tokens_per_expert, E, rm::plan_capacity(a.T, a.K, E, a.align),
+              a.sorted_slots);
 }
 
 // ---------------------------------------------------------------- cooperative path
@@ -339,7 +342,8 @@ __global__ void __launch_bounds__(kRowsPerCta) _gate_plan_coop_kernel(GateFwdArg
   if (blockIdx.x == 0)
     for (int64_t e = threadIdx.x; e <= E; e += blockDim.x) a.expert_offsets[e] = off[e];
   for (int64_t c = blockIdx.x; c < nch; c += gridDim.x) scatter_chunk(a, hist, off, wh, c);
-  fill_unused(off, a.tokens_per_expert, E, a.T * a.K + E * (a.align - 1), a.sorted_slots);
+  fill_unused(off, a.tokens_per_expert, E, rm::plan_capacity(a.T, a.K, E, a.align),
+              a.sorted_slots);
 }
 
 // ---------------------------------------------------------------- backward

@@ -14,15 +14,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "replay_limits.h"
+
 namespace replay_cuda {
 
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
 enum class IType : int { kInt16 = 0, kInt32 = 1, kInt64 = 2 };
 
-// Limits of the CUDA gate kernels (shared-memory histograms, one lane per slot in the
-// backward). The PyTorch binding routes larger problems to another backend.
-constexpr int64_t kMaxExperts = 1024;
-constexpr int64_t kMaxTopK = 32;
 // Problems with T*K up to this many slots take the single-launch path.
 constexpr int64_t kSmallSlots = 8192;
 
@@ -35,7 +33,7 @@ struct GateFwdArgs {
   IType index_dtype;
   int64_t stride_it, stride_ik;
   int64_t T, E, K, align;
-  int score_func;          // replay_math::ScoreFunc
+  int score_func;          // replay_math::ScoreFunc (ids of replay_ops/scores.py)
   bool normalize;
   double scaling_factor;
   // outputs (contiguous)
@@ -44,7 +42,7 @@ struct GateFwdArgs {
   int32_t* tokens_per_expert;  // [E]
   int32_t* expert_offsets;     // [E + 1]
   int32_t* row_id_map;         // [T, K]
-  int32_t* sorted_slots;       // [T*K + E*(align-1)]
+  int32_t* sorted_slots;       // [replay_math::plan_capacity(T, K, E, align)]
   // Upper bound on the CTAs of the cooperative path (0: as many as fit on the device), e.g.
   // to leave SMs to a concurrent communication kernel. The result does not depend on it.
   int64_t max_ctas = 0;

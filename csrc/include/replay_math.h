@@ -13,10 +13,16 @@
 //   sigmoid / sqrtsoftplus   : w_k = f(z_k), divided by (sum_valid f + 1e-20) when
 //                              normalize and more than one slot is valid
 //   then w_k *= scaling_factor, and w_k = 0 for empty slots.
+//
+// Score functions are numbered by the one table of replay_ops/scores.py (generated into
+// replay_score_funcs.h). Every function here branches on each id explicitly; an id it does
+// not know gives NaN (the bindings refuse unknown ids before any kernel runs).
 #pragma once
 
 #include <math.h>
 #include <stdint.h>
+
+#include "replay_score_funcs.h"
 
 #if defined(__CUDACC__)
 #define RO_HD __host__ __device__
@@ -25,8 +31,6 @@
 #endif
 
 namespace replay_math {
-
-enum ScoreFunc : int { kSoftmax = 0, kSigmoid = 1, kSqrtSoftplus = 2 };
 
 // Threshold above which softplus(x) is x, as in torch.nn.functional.softplus.
 constexpr double kSoftplusThreshold = 20.0;
@@ -110,9 +114,14 @@ RO_HD inline acc_t ro_max(acc_t a, acc_t b) {
   return a > b ? a : b;
 }
 
+// 1 / (1 + exp(-x)), computed so that the denominator stays in [1, 2]: exp(-|x|) <= 1
+// never overflows, so the reciprocal of ro_div never sees an infinite denominator (which
+// gives NaN on the device) and sigmoid(x) underflows to 0 for very negative x, as it should.
 template <typename acc_t>
 RO_HD inline acc_t sigmoid(acc_t x) {
-  return ro_div(acc_t(1), acc_t(1) + ro_exp(-x));
+  const acc_t e = ro_exp(x < acc_t(0) ? x : -x);
+  const acc_t r = ro_div(acc_t(1), acc_t(1) + e);
+  return x < acc_t(0) ? e * r : r;
 }
 
 template <typename acc_t>
@@ -121,20 +130,34 @@ RO_HD inline acc_t sqrt_softplus(acc_t x) {
   return ro_sqrt(sp);
 }
 
+template <typename acc_t>
+RO_HD inline acc_t unknown_score() {
+  return acc_t(NAN);
+}
+
 // Score of one gathered logit for the element-wise score functions.
 template <typename acc_t>
 RO_HD inline acc_t score(int score_func, acc_t x) {
-  return score_func == kSigmoid ? sigmoid(x) : sqrt_softplus(x);
+  switch (score_func) {
+    case kSigmoid: return sigmoid(x);
+    case kSqrtsoftplus: return sqrt_softplus(x);
+    default: return unknown_score<acc_t>();  // kSoftmax is row-wise, never element-wise
+  }
 }
 
 // d score / dx, given the score value sc = score(x).
 template <typename acc_t>
 RO_HD inline acc_t score_grad(int score_func, acc_t x, acc_t sc) {
-  if (score_func == kSigmoid) return sc * (acc_t(1) - sc);
-  // d sqrt(softplus(x)) / dx = sigmoid(x) / (2 sqrt(softplus(x))); softplus is linear
-  // above its threshold, so its slope is 1 there.
-  acc_t slope = x > acc_t(kSoftplusThreshold) ? acc_t(1) : sigmoid(x);
-  return sc > acc_t(0) ? ro_div(slope, acc_t(2) * sc) : acc_t(0);
+  switch (score_func) {
+    case kSigmoid: return sc * (acc_t(1) - sc);
+    case kSqrtsoftplus: {
+      // d sqrt(softplus(x)) / dx = sigmoid(x) / (2 sqrt(softplus(x))); softplus is linear
+      // above its threshold, so its slope is 1 there.
+      const acc_t slope = x > acc_t(kSoftplusThreshold) ? acc_t(1) : sigmoid(x);
+      return sc > acc_t(0) ? ro_div(slope, acc_t(2) * sc) : acc_t(0);
+    }
+    default: return unknown_score<acc_t>();
+  }
 }
 
 // True when the weights of a row are normalised by their sum (element-wise score funcs).
@@ -147,11 +170,16 @@ template <typename acc_t>
 RO_HD inline acc_t gate_weight(int score_func, bool normalize, acc_t z, acc_t stat_m,
                                acc_t stat_s, int nvalid, acc_t scale) {
   acc_t w;
-  if (score_func == kSoftmax) {
-    w = ro_div(ro_exp(z - stat_m), stat_s > acc_t(0) ? stat_s : acc_t(1));
-  } else {
-    w = score(score_func, z);
-    if (divides_by_sum(normalize, nvalid)) w = ro_div(w, stat_s + acc_t(kNormEps));
+  switch (score_func) {
+    case kSoftmax:
+      w = ro_div(ro_exp(z - stat_m), stat_s > acc_t(0) ? stat_s : acc_t(1));
+      break;
+    case kSigmoid:
+    case kSqrtsoftplus:
+      w = score(score_func, z);
+      if (divides_by_sum(normalize, nvalid)) w = ro_div(w, stat_s + acc_t(kNormEps));
+      break;
+    default: return unknown_score<acc_t>();
   }
   return w * scale;
 }
@@ -187,8 +215,9 @@ RO_HD inline void selected_softmax_stats(const acc_t* z, const flag_t* valid, in
 // Per-slot gradient dz_k of the loss with respect to the gathered logit z_k, for the
 // selected-range formulations (everything except softmax with normalize=False):
 //   softmax, normalize=True: q_k = exp(z_k - m)/s, dz_k = q_k (g_k - G), G = sum_k g_k q_k
-//   element-wise:            dz_k = dsc_k * (normalize && nvalid>1 ? g_k/S - D/S^2 : g_k),
-//                            S = sum sc + 1e-20, D = sum g_k sc_k
+//   element-wise:            dz_k = dsc_k * (normalize && nvalid>1 ? g_k/S - (D/S)/S : g_k),
+//                            S = sum sc + 1e-20, D = sum g_k sc_k  ((D/S)/S, not D/(S*S):
+//                            S*S underflows to 0 for S below ~1e-19)
 // g_k = grad_weights[t, k] * scaling_factor for valid slots and 0 for empty ones.
 template <typename acc_t>
 RO_HD inline acc_t softmax_sel_dz(acc_t q, acc_t g, acc_t G) {
@@ -200,7 +229,7 @@ RO_HD inline acc_t elementwise_dz(int score_func, bool normalize, int nvalid, ac
                                   acc_t S_plus_eps, acc_t D) {
   acc_t sc = score(score_func, z);
   acc_t gn = divides_by_sum(normalize, nvalid)
-                 ? ro_div(g, S_plus_eps) - ro_div(D, S_plus_eps * S_plus_eps)
+                 ? ro_div(g, S_plus_eps) - ro_div(ro_div(D, S_plus_eps), S_plus_eps)
                  : g;
   return gn * score_grad(score_func, z, sc);
 }
@@ -213,6 +242,12 @@ RO_HD inline acc_t softmax_full_base(acc_t e, acc_t s, acc_t A) {
 }
 
 // ---------------------------------------------------------------------------- plan
+// Rows of the plan's sorted_slots, T*K + E*(align-1): the most rows a plan can use. It must
+// stay below 2^31 (the int32 plan tensors); csrc/bindings/native_checks.h checks that.
+RO_HD inline int64_t plan_capacity(int64_t T, int64_t K, int64_t E, int64_t align) {
+  return T * K + E * (align - 1);
+}
+
 // Rows used by an expert with `count` valid slots, padded to a multiple of `align`.
 RO_HD inline int64_t padded_count(int64_t count, int64_t align) {
   return (count + align - 1) / align * align;

@@ -1,0 +1,142 @@
+// Checks shared by the CPU and CUDA implementations of the internal replay_native::* ops.
+//
+// The public ops (replay_ops/ops.py) check every input before a backend runs; these checks
+// guard the internal ops against direct calls: every tensor on the expected device with the
+// expected dtype (a host pointer must never reach a CUDA kernel), a known score function id,
+// and a plan that fits its int32 tensors (the one C++ copy of the plan's capacity rule; the
+// Python one is replay_ops.plan.plan_capacity).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "replay_math.h"
+#include "replay_score_funcs.h"
+
+namespace replay_native {
+
+inline int64_t checked_plan_capacity(int64_t T, int64_t K, int64_t E, int64_t align) {
+  TORCH_CHECK_VALUE(align >= 1, "replay_ops native gate: align must be >= 1, got ", align);
+  const int64_t n = replay_math::plan_capacity(T, K, E, align);
+  TORCH_CHECK_VALUE(n < (int64_t(1) << 31), "replay_ops native gate: the plan needs "
+                    "T*K + E*(align-1) = ", n, " rows (T=", T, ", K=", K, ", E=", E, ", align=",
+                    align, "), which does not fit its int32 tensors");
+  return n;
+}
+
+inline int checked_score_func(int64_t id) {
+  TORCH_CHECK_VALUE(replay_math::score_func_name(static_cast<int>(id)) != nullptr &&
+                        id >= 0 && id < replay_math::kNumScoreFuncs,
+                    "replay_ops native: unknown score function id ", id, " (the ids come from "
+                    "replay_ops/scores.py)");
+  return static_cast<int>(id);
+}
+
+// `t` is on `device`.
+inline void check_device(const at::Tensor& t, const char* op, const char* arg,
+                         const c10::Device& device) {
+  TORCH_CHECK_VALUE(t.device() == device, "replay_ops native ", op, ": ", arg, " is on ",
+                    t.device(), " but the op runs on ", device);
+}
+
+// `t` is an int32 tensor on `device` (a plan tensor).
+inline void check_plan_tensor(const at::Tensor& t, const char* op, const char* arg,
+                              const c10::Device& device) {
+  check_device(t, op, arg, device);
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kInt, "replay_ops native ", op, ": ", arg,
+                    " must be int32, got ", t.scalar_type());
+}
+
+// `t` is a float16/bfloat16/float32/float64 tensor on `device`.
+inline void check_float_tensor(const at::Tensor& t, const char* op, const char* arg,
+                               const c10::Device& device) {
+  check_device(t, op, arg, device);
+  const auto s = t.scalar_type();
+  TORCH_CHECK_VALUE(s == at::kFloat || s == at::kDouble || s == at::kHalf || s == at::kBFloat16,
+                    "replay_ops native ", op, ": ", arg, " must be float16, bfloat16, float32 "
+                    "or float64, got ", s);
+}
+
+// `t` is an int16/int32/int64 tensor on `device` (recorded expert indices).
+inline void check_index_tensor(const at::Tensor& t, const char* op, const char* arg,
+                               const c10::Device& device) {
+  check_device(t, op, arg, device);
+  const auto s = t.scalar_type();
+  TORCH_CHECK_VALUE(s == at::kShort || s == at::kInt || s == at::kLong, "replay_ops native ",
+                    op, ": ", arg, " must be int16, int32 or int64, got ", s);
+}
+
+// ------------------------------------------------------------------ per-op input checks
+// The shapes, dtypes and devices each internal op takes; `device` is where the
+// implementation runs (the CPU, or the CUDA device of the first tensor).
+
+inline void check_gate_fwd(const at::Tensor& logits, const at::Tensor& expert_indices,
+                           const c10::Device& device) {
+  TORCH_CHECK_VALUE(logits.dim() == 2, "replay_ops native gate: logits must be 2-D [T, E], "
+                    "got ", logits.sizes());
+  TORCH_CHECK_VALUE(expert_indices.dim() == 2 && expert_indices.size(0) == logits.size(0),
+                    "replay_ops native gate: expert_indices must be [T, K] with T=",
+                    logits.size(0), ", got ", expert_indices.sizes());
+  check_float_tensor(logits, "gate", "logits", device);
+  check_index_tensor(expert_indices, "gate", "expert_indices", device);
+}
+
+inline void check_gate_bwd(const at::Tensor& grad_weights, const at::Tensor& logits,
+                           const at::Tensor& expert_indices, const c10::Device& device) {
+  TORCH_CHECK_VALUE(logits.dim() == 2 && expert_indices.dim() == 2 &&
+                        expert_indices.size(0) == logits.size(0) &&
+                        grad_weights.sizes() == expert_indices.sizes(),
+                    "replay_ops native gate_backward: expected logits [T, E] and grad_weights, "
+                    "expert_indices [T, K]; got ", logits.sizes(), ", ", grad_weights.sizes(),
+                    ", ", expert_indices.sizes());
+  check_float_tensor(logits, "gate_backward", "logits", device);
+  check_float_tensor(grad_weights, "gate_backward", "grad_weights", device);
+  check_plan_tensor(expert_indices, "gate_backward", "expert_indices", device);
+}
+
+inline void check_permute_fwd(const at::Tensor& hidden, const at::Tensor& sorted_slots,
+                              const at::Tensor& row_id_map, int64_t num_rows,
+                              const c10::Device& device) {
+  TORCH_CHECK_VALUE(hidden.dim() == 2 && row_id_map.dim() == 2 && sorted_slots.dim() == 1 &&
+                        num_rows >= 0,
+                    "replay_ops native permute: expected hidden [T, H], sorted_slots [N], "
+                    "row_id_map [T, K] and num_rows >= 0; got ", hidden.sizes(), ", ",
+                    sorted_slots.sizes(), ", ", row_id_map.sizes(), ", num_rows=", num_rows);
+  check_float_tensor(hidden, "permute", "hidden", device);
+  check_plan_tensor(sorted_slots, "permute", "sorted_slots", device);
+  check_plan_tensor(row_id_map, "permute", "row_id_map", device);
+}
+
+// permute_bwd (weights == nullptr) and unpermute_fwd: a gather-sum of x's rows per token.
+inline void check_gather_sum(const at::Tensor& x, const at::Tensor& row_id_map,
+                             const at::Tensor* weights, const char* op,
+                             const c10::Device& device) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && row_id_map.dim() == 2, "replay_ops native ", op,
+                    ": expected rows [R, H] and row_id_map [T, K]; got ", x.sizes(), " and ",
+                    row_id_map.sizes());
+  TORCH_CHECK_VALUE(weights == nullptr || weights->sizes() == row_id_map.sizes(),
+                    "replay_ops native ", op, ": weights must be [T, K] like row_id_map ",
+                    row_id_map.sizes(), ", got ", weights ? weights->sizes() : row_id_map.sizes());
+  check_float_tensor(x, op, "rows", device);
+  check_plan_tensor(row_id_map, op, "row_id_map", device);
+  if (weights) check_float_tensor(*weights, op, "weights", device);
+}
+
+inline void check_unpermute_bwd(const at::Tensor& grad_out, const at::Tensor& expert_out,
+                                const at::Tensor& row_id_map, const at::Tensor& sorted_slots,
+                                const at::Tensor& weights, const c10::Device& device) {
+  TORCH_CHECK_VALUE(grad_out.dim() == 2 && expert_out.dim() == 2 && row_id_map.dim() == 2 &&
+                        sorted_slots.dim() == 1 && weights.sizes() == row_id_map.sizes() &&
+                        grad_out.size(0) == row_id_map.size(0) &&
+                        grad_out.size(1) == expert_out.size(1),
+                    "replay_ops native unpermute_backward: expected grad_out [T, H], expert_out "
+                    "[R, H], row_id_map and weights [T, K], sorted_slots [N]; got ",
+                    grad_out.sizes(), ", ", expert_out.sizes(), ", ", row_id_map.sizes(), ", ",
+                    weights.sizes(), ", ", sorted_slots.sizes());
+  check_float_tensor(grad_out, "unpermute_backward", "grad_out", device);
+  check_float_tensor(expert_out, "unpermute_backward", "expert_out", device);
+  check_plan_tensor(row_id_map, "unpermute_backward", "row_id_map", device);
+  check_plan_tensor(sorted_slots, "unpermute_backward", "sorted_slots", device);
+  check_float_tensor(weights, "unpermute_backward", "weights", device);
+}
+
+}  // namespace replay_native

@@ -1,0 +1,89 @@
+"""The `native` backend: the C++ CPU kernels and, when compiled in, the CUDA kernels of
+`replay_ops._C` (sources in csrc/, see docs/native.md).
+
+The extension registers its kernels as internal ops in the namespace `replay_native`
+(`torch.ops.replay_native.gate_fwd`, ...), apart from the public `torch.ops.replay`. This
+module adapts them to the backend contract. Importing it raises ImportError when the
+extension was not built, and the registry then moves on to the next backend.
+
+Limits of the CUDA gate kernels (shared-memory histograms; one lane per slot in the
+backward) are read from the extension: `_C.MAX_EXPERTS` and `_C.MAX_TOPK`.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import _C  # registers torch.ops.replay_native.*
+from .. import scores
+from .protocol import YES, Support
+
+NAME = "native"
+WITH_CUDA = bool(_C.WITH_CUDA)
+MAX_EXPERTS = int(_C.MAX_EXPERTS)
+MAX_TOPK = int(_C.MAX_TOPK)
+_ops = torch.ops.replay_native
+
+
+def cpu_isa() -> str:
+    """The x86 vector ISA of the CPU row kernels ("baseline", "avx2" or "avx512"): the best
+    the CPU supports, or the cap set by REPLAY_OPS_CPU_ISA. Every ISA gives the same bits."""
+    return _ops.cpu_isa("")
+
+
+def available(device_type: str) -> Support:
+    if device_type == "cpu":
+        return YES
+    if device_type == "cuda":
+        if not WITH_CUDA:
+            return Support(False, "replay_ops._C was built without the CUDA kernels")
+        if not torch.cuda.is_available():
+            return Support(False, "no CUDA device is present")
+        return YES
+    return Support(False, f"no native kernels for {device_type} tensors")
+
+
+def supports(op, device_type, shape, dtype) -> Support:
+    if device_type != "cuda":
+        return YES
+    if op in ("gate_fwd", "gate_bwd") and shape.E > MAX_EXPERTS:
+        return Support(False, f"E={shape.E} experts is above the CUDA gate kernels' limit "
+                              f"kMaxExperts={MAX_EXPERTS}")
+    if op == "gate_bwd" and shape.K > MAX_TOPK:
+        return Support(False, f"K={shape.K} slots is above the CUDA gate backward's limit "
+                              f"kMaxTopK={MAX_TOPK}")
+    return YES
+
+
+def describe() -> dict:
+    info: dict = {"limits": {"cuda_max_experts": MAX_EXPERTS, "cuda_max_top_k": MAX_TOPK}}
+    try:
+        info["cpu_isa"] = cpu_isa()
+    except ValueError as e:  # a bad REPLAY_OPS_CPU_ISA: report it, the ops raise it
+        info["cpu_isa"] = f"error: {e}"
+    return info
+
+
+def gate_fwd(logits, expert_indices, score_func, normalize, scaling_factor, align):
+    return tuple(_ops.gate_fwd(logits, expert_indices, scores.get(score_func).id,
+                               bool(normalize), float(scaling_factor), int(align)))
+
+
+def gate_bwd(grad_weights, logits, idx, score_func, normalize, scaling_factor):
+    return _ops.gate_bwd(grad_weights, logits, idx, scores.get(score_func).id, bool(normalize),
+                         float(scaling_factor))
+
+
+def permute_fwd(hidden, sorted_slots, row_id_map, num_rows):
+    return _ops.permute_fwd(hidden, sorted_slots, row_id_map, int(num_rows))
+
+
+def permute_bwd(grad_out, row_id_map):
+    return _ops.permute_bwd(grad_out, row_id_map)
+
+
+def unpermute_fwd(expert_out, row_id_map, weights):
+    return _ops.unpermute_fwd(expert_out, row_id_map, weights)
+
+
+def unpermute_bwd(grad_out, expert_out, row_id_map, sorted_slots, weights):
+    return tuple(_ops.unpermute_bwd(grad_out, expert_out, row_id_map, sorted_slots, weights))

@@ -1,0 +1,187 @@
+"""The `torch` backend: vectorised eager PyTorch on any device, the last resort of every
+device's order (and the backend of CPU tensors when the native extension is not built).
+
+It is written for speed and independence from the oracle (`replay_ops.reference`, which
+the tests compare it with): the weights come from per-row statistics and the score table
+(`replay_ops.scores`), the plan from one stable sort, the backward ops from the closed-form
+vector-Jacobian products of the table. Nothing here reads device memory on the host.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import scores
+from ..fallback import in_range_or_empty
+from ..plan import plan_capacity
+from .protocol import YES, Support
+
+NAME = "torch"
+
+
+def available(device_type: str) -> Support:
+    return YES
+
+
+def supports(op, device_type, shape, dtype) -> Support:
+    return YES
+
+
+def describe() -> dict:
+    return {}
+
+
+# ------------------------------------------------------------------------------- gate
+def _slot_logits(x: torch.Tensor, idx: torch.Tensor):
+    """(z [T,K] the logits at the slots, valid [T,K], safe int64 indices) for int32 indices
+    that are -1 or in [0, E)."""
+    valid = idx >= 0
+    safe = idx.clamp_min(0).long()
+    return x.gather(1, safe), valid, safe
+
+
+def _weights(x, idx, sf, normalize: bool) -> torch.Tensor:
+    """Unscaled gate weights [T, K] in the compute dtype (0 for empty slots)."""
+    z, valid, safe = _slot_logits(x, idx)
+    if sf is scores.SOFTMAX and not normalize:
+        w = sf.forward(x).gather(1, safe)  # softmax over all E, then gather
+    elif sf is scores.SOFTMAX:
+        w = sf.forward(torch.where(valid, z, float("-inf")))  # softmax over the selection
+    elif sf.elementwise:
+        w = torch.where(valid, sf.forward(z), 0.0)
+        if normalize:
+            many = valid.sum(dim=1, keepdim=True) > 1
+            w = torch.where(many, w / (w.sum(dim=1, keepdim=True) + scores.NORM_EPS), w)
+    else:
+        raise NotImplementedError(f"torch backend: no gate weights for score function {sf}")
+    return torch.where(valid, w, 0.0)
+
+
+def build_plan(idx: torch.Tensor, num_experts: int, align: int):
+    """(tokens_per_expert, expert_offsets, row_id_map, sorted_slots) for int32 indices
+    [T, K] that are -1 or in [0, E), from one stable sort by expert (empty slots sort
+    last). Only sort, gather, scatter and cumsum: no host read."""
+    T, K = idx.shape
+    E, N, dev = num_experts, idx.numel(), idx.device
+    n_sorted = plan_capacity(T, K, E, align)
+    key = torch.where(idx.reshape(-1) >= 0, idx.reshape(-1).long(), E)
+    counts = torch.zeros(E + 1, dtype=torch.long, device=dev).scatter_add(
+        0, key, torch.ones_like(key))[:E]
+    zero = torch.zeros(1, dtype=torch.long, device=dev)
+    offsets = torch.cat([zero, ((counts + align - 1) // align * align).cumsum(0)])
+    first = torch.cat([zero, counts.cumsum(0)])  # unpadded start of each key in sort order
+    order = torch.sort(key, stable=True).indices  # ascending flat slot within an expert
+    key_sorted = key[order]
+    taken = key_sorted < E
+    rows = torch.where(taken, offsets[key_sorted] + torch.arange(N, device=dev)
+                       - first[key_sorted], -1)
+    row_id_map = torch.empty(N, dtype=torch.long, device=dev).scatter(0, order, rows)
+    # every empty slot writes -1 to one extra entry past the end, which is cut off
+    sorted_slots = torch.full((n_sorted + 1,), -1, dtype=torch.long, device=dev).scatter(
+        0, torch.where(taken, rows, n_sorted), torch.where(taken, order, -1))[:n_sorted]
+    i32 = torch.int32
+    return counts.to(i32), offsets.to(i32), row_id_map.view(T, K).to(i32), sorted_slots.to(i32)
+
+
+def gate_fwd(logits, expert_indices, score_func, normalize, scaling_factor, align):
+    sf = scores.get(score_func)
+    idx = in_range_or_empty(expert_indices, logits.shape[1]).contiguous()
+    x = logits.to(scores.compute_dtype(logits.dtype))
+    weights = (_weights(x, idx, sf, normalize) * scaling_factor).to(logits.dtype)
+    return (weights, idx, *build_plan(idx, logits.shape[1], align))
+
+
+def gate_bwd(grad_weights, logits, idx, score_func, normalize, scaling_factor):
+    sf = scores.get(score_func)
+    x = logits.to(scores.compute_dtype(logits.dtype))
+    idx = in_range_or_empty(idx, x.shape[1])
+    z, valid, safe = _slot_logits(x, idx)
+    g = torch.where(valid, grad_weights.to(x.dtype), 0.0) * scaling_factor
+    if sf is scores.SOFTMAX and not normalize:
+        # w_k = p[idx_k] with p = softmax over all E: scatter dL/dp, then the softmax vjp
+        dp = torch.zeros_like(x).scatter_add(1, safe, g)
+        return sf.vjp(x, sf.forward(x), dp).to(logits.dtype)
+    if sf is scores.SOFTMAX:
+        q = torch.where(valid, sf.forward(torch.where(valid, z, float("-inf"))), 0.0)
+        dz = sf.vjp(z, q, g)
+    elif sf.elementwise:
+        c = torch.where(valid, sf.forward(z), 0.0)
+        if normalize:  # w = c / S with S = sum c + eps: dL/dc_k = g_k / S - (sum_j g_j c_j) / S^2
+            many = valid.sum(dim=1, keepdim=True) > 1
+            S = c.sum(dim=1, keepdim=True) + scores.NORM_EPS
+            D = (g * c).sum(dim=1, keepdim=True)
+            g = torch.where(many, g / S - (D / S) / S, g)
+        dz = sf.vjp(z, c, g)
+    else:
+        raise NotImplementedError(f"torch backend: no gate backward for score function {sf}")
+    dz = torch.where(valid, dz, 0.0)
+    return torch.zeros_like(x).scatter_add(1, safe, dz).to(logits.dtype)
+
+
+# ---------------------------------------------------------------- permute / unpermute
+def _rows_of_slots(sorted_slots, num_rows: int, K: int, T: int):
+    """(token [num_rows] int64 clamped into [0, T), has [num_rows] bool) of the rows of a
+    plan: row r holds token sorted_slots[r] // K, or nothing (-1, past the end, or a token
+    outside [0, T))."""
+    slot = torch.full((num_rows,), -1, dtype=torch.long, device=sorted_slots.device)
+    n = min(num_rows, sorted_slots.shape[0])
+    slot[:n] = sorted_slots[:n]
+    tok = torch.div(slot, K, rounding_mode="floor")
+    has = (slot >= 0) & (tok < T)
+    return tok.clamp(0, max(T - 1, 0)), has, slot.clamp_min(0)
+
+
+def _gather_rows(x, row_id_map):
+    """(x rows [T, K, H] at row_id_map, valid [T, K]); rows outside [0, R) are invalid."""
+    R = x.shape[0]
+    row = row_id_map.long()
+    valid = (row >= 0) & (row < R)
+    if R == 0:
+        return x.new_zeros(*row.shape, x.shape[1]), valid
+    return x[row.clamp(0, R - 1)], valid
+
+
+def _sum_slots(rows, valid, w=None):
+    """sum over k = 0..K-1, in that order, of [w[:, k] *] rows[:, k] (compute dtype)."""
+    cdt = scores.compute_dtype(rows.dtype)
+    acc = torch.zeros(rows.shape[0], rows.shape[2], dtype=cdt, device=rows.device)
+    for k in range(rows.shape[1]):
+        v = rows[:, k].to(cdt)
+        if w is not None:
+            v = w[:, k, None].to(cdt) * v
+        acc = acc + torch.where(valid[:, k, None], v, 0.0)
+    return acc
+
+
+def permute_fwd(hidden, sorted_slots, row_id_map, num_rows):
+    T, H = hidden.shape
+    tok, has, _ = _rows_of_slots(sorted_slots, num_rows, row_id_map.shape[1], T)
+    if T == 0:
+        return hidden.new_zeros(num_rows, H)
+    return torch.where(has[:, None], hidden[tok], 0.0)
+
+
+def permute_bwd(grad_out, row_id_map):
+    rows, valid = _gather_rows(grad_out, row_id_map)
+    return _sum_slots(rows, valid).to(grad_out.dtype)
+
+
+def unpermute_fwd(expert_out, row_id_map, weights):
+    rows, valid = _gather_rows(expert_out, row_id_map)
+    return _sum_slots(rows, valid, weights).to(expert_out.dtype)
+
+
+def unpermute_bwd(grad_out, expert_out, row_id_map, sorted_slots, weights):
+    T, K = row_id_map.shape
+    cdt = scores.compute_dtype(expert_out.dtype)
+    go = grad_out.to(cdt)
+    # grad_expert_out[r] = weights[s] * grad_out[s // K] for the slot s of row r
+    tok, has, slot = _rows_of_slots(sorted_slots, expert_out.shape[0], K, T)
+    if T == 0:
+        grad_x = torch.zeros_like(expert_out)
+    else:
+        w = weights.to(cdt).reshape(-1)[slot.clamp(0, T * K - 1)]
+        grad_x = torch.where(has[:, None], w[:, None] * go[tok], 0.0).to(expert_out.dtype)
+    # grad_weights[t, k] = <grad_out[t], expert_out[row_id_map[t, k]]>, 0 for empty slots
+    rows, valid = _gather_rows(expert_out, row_id_map)
+    grad_w = torch.where(valid, (go[:, None, :] * rows.to(cdt)).sum(dim=-1), 0.0)
+    return grad_x, grad_w.to(weights.dtype)

@@ -1,0 +1,42 @@
+"""The `triton` backend: the launchers of `replay_ops.triton_kernels` (gate.py, permute.py,
+unpermute.py), which live next to their kernels.
+
+CUDA tensors run compiled kernels. CPU tensors run only under TRITON_INTERPRET=1 (Triton's
+numpy interpreter), which is how CI checks these kernels on a machine without a GPU.
+No launcher reads device memory on the host: the whole path is sync-free.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..triton_kernels.gate import gate_bwd, gate_fwd
+from ..triton_kernels.permute import permute_bwd, permute_fwd
+from ..triton_kernels.unpermute import unpermute_bwd, unpermute_fwd
+from .protocol import YES, Support
+
+NAME = "triton"
+__all__ = ["NAME", "available", "supports", "describe", "gate_fwd", "gate_bwd", "permute_fwd",
+           "permute_bwd", "unpermute_fwd", "unpermute_bwd"]
+
+
+def available(device_type: str) -> Support:
+    if device_type == "cuda":
+        return YES if torch.cuda.is_available() else Support(False, "no CUDA device is present")
+    if device_type == "cpu":
+        if os.environ.get("TRITON_INTERPRET", "0") == "1":
+            return YES
+        return Support(False, "Triton runs on CPU tensors only under TRITON_INTERPRET=1")
+    return Support(False, f"no Triton kernels for {device_type} tensors")
+
+
+def supports(op, device_type, shape, dtype) -> Support:
+    return YES
+
+
+def describe() -> dict:
+    import triton
+
+    return {"version": triton.__version__,
+            "interpreter": os.environ.get("TRITON_INTERPRET", "0") == "1"}
