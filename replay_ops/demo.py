@@ -174,7 +174,8 @@ def run(cfg: DemoConfig) -> dict:
 
 
 def _run(cfg: DemoConfig) -> dict:
-    from .integrations import hf, tiny
+    from .integrations import hf
+    from .testing import tiny
     from .router_replay import ReplayAction, RouterReplayConfig
 
     t_start = time.perf_counter()
@@ -560,7 +561,7 @@ def format_report(s: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from .integrations.tiny import ARCHS
+    from .testing.tiny import ARCHS
 
     p = argparse.ArgumentParser(
         prog="python -m replay_ops demo",

@@ -15,7 +15,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from replay_ops.integrations import hf, tiny  # noqa: E402
+from replay_ops.integrations import hf  # noqa: E402
+from replay_ops.testing import tiny  # noqa: E402
 from replay_ops.router_replay import (  # noqa: E402
     ReplayAction,
     RouterReplay,

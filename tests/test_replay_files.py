@@ -84,7 +84,7 @@ def test_readable_by_safetensors_and_documented_layout(tmp_path):
         assert f.get_tensor("indices").dtype == torch.uint8
         assert torch.equal(f.get_tensor("indices").to(torch.int32), idx)
         assert f.get_tensor("cu_seqlens").tolist() == [0, 2, 5]
-    assert md["format"] == "replay_ops.router_replay" and md["format_version"] == "1"
+    assert md["format"] == "replay_ops.router_replay" and md["format_version"] == "2"
     assert json.loads(md["moe_layer_ids"]) == MOE_IDS
     assert (md["num_experts"], md["top_k"], md["layer_index"], md["empty_value"]) == (
         "8", "2", "moe", "255")
@@ -94,6 +94,12 @@ def test_readable_by_safetensors_and_documented_layout(tmp_path):
     import hashlib
 
     assert md["checksum"] == "sha256:" + hashlib.sha256(raw[8 + n:]).hexdigest()
+    # the header checksum is the sha256 of the header's JSON (sorted keys, no spaces)
+    # without the header_checksum entry itself
+    header = json.loads(raw[8:8 + n])
+    del header["__metadata__"]["header_checksum"]
+    canon = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    assert md["header_checksum"] == "sha256:" + hashlib.sha256(canon).hexdigest()
 
 
 def test_int16_read_is_a_view_of_the_memory_map(tmp_path):
@@ -280,11 +286,11 @@ def test_wrong_checksum(good, tmp_path):
 
 def test_version_mismatch(good, tmp_path):
     data = good.read_bytes()
-    assert data.count(b'"format_version":"1"') == 1
-    p = tmp_path / "v2.safetensors"
-    p.write_bytes(data.replace(b'"format_version":"1"', b'"format_version":"2"'))
-    with pytest.raises(RoutingFileError, match=r"v2.safetensors.*format_version '2' is not "
-                                               r"supported; this reader reads version 1"):
+    assert data.count(b'"format_version":"2"') == 1
+    p = tmp_path / "v3.safetensors"
+    p.write_bytes(data.replace(b'"format_version":"2"', b'"format_version":"3"'))
+    with pytest.raises(RoutingFileError, match=r"v3.safetensors.*format_version '3' is not "
+                                               r"supported; this reader reads versions 1, 2"):
         open_routing(p)
 
 
@@ -348,19 +354,19 @@ def test_written_file_gets_the_umask_mode_not_0600(tmp_path):
     import os
     import stat
 
-    from replay_ops.router_replay import files as rfiles
+    from replay_ops._atomic import atomic_target
 
     target = tmp_path / "routing.bin"
     old = os.umask(0o022)
     try:
-        with rfiles._atomic_target(target) as tmp:
+        with atomic_target(target) as tmp:
             with open(tmp, "wb") as f:
                 f.write(b"x")
     finally:
         os.umask(old)
     assert stat.S_IMODE(os.stat(target).st_mode) == 0o644
     os.chmod(target, 0o640)  # a replaced file keeps the mode it had
-    with rfiles._atomic_target(target) as tmp:
+    with atomic_target(target) as tmp:
         with open(tmp, "wb") as f:
             f.write(b"y")
     assert stat.S_IMODE(os.stat(target).st_mode) == 0o640

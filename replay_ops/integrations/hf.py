@@ -47,9 +47,14 @@ same), the others cast them to the model dtype, as the unpatched models do.
 
 Activation recompute (`model.gradient_checkpointing_enable()`): a block that runs while
 autograd is executing a backward pass is a recompute, so a REPLAY_FORWARD action is served
-as REPLAY_BACKWARD for that call (it pops the layer's queue), and a RECORD action gates with
+as REPLAY_BACKWARD for that call (`route(..., action=REPLAY_BACKWARD)`: it pops the layer's
+queue, and the replay object's own action is left alone), and a RECORD action gates with
 the native choice again without recording it twice. Turn this off with
 `patch_model(..., auto_recompute=False)` and set the action yourself.
+
+Host syncs: one per MoE block per forward, the read of the plan's expert offsets that
+sizes each expert's rows. The routing's values are checked once, when it is set, loaded or
+recorded (`RouterReplayConfig.validate`), not in the layers.
 """
 from __future__ import annotations
 
@@ -64,6 +69,7 @@ import torch.nn.functional as F
 import replay_ops
 from replay_ops.plan import RoutingPlan
 from replay_ops.router_replay import (
+    ModelShape,
     ReplayAction,
     RouterReplay,
     RouterReplayConfig,
@@ -200,14 +206,16 @@ class MoELayout:
 
     model_type: str
     spec: ArchSpec
-    moe_layer_ids: list[int]
-    num_hidden_layers: int
-    num_experts: int
-    top_k: int
+    shape: ModelShape  # experts, top-k, MoE layer ids, hidden layers
     blocks: dict[int, torch.nn.Module]  # absolute layer id -> MoE block
     score_func: str
     normalize: bool
     scaling_factor: float
+
+    num_experts = property(lambda self: self.shape.num_experts)
+    top_k = property(lambda self: self.shape.top_k)
+    moe_layer_ids = property(lambda self: list(self.shape.moe_layer_ids))
+    num_hidden_layers = property(lambda self: self.shape.num_hidden_layers)
 
 
 def moe_layout(model: torch.nn.Module) -> MoELayout:
@@ -258,10 +266,7 @@ def moe_layout(model: torch.nn.Module) -> MoELayout:
     return MoELayout(
         model_type=model_type,
         spec=spec,
-        moe_layer_ids=ids,
-        num_hidden_layers=n_layers,
-        num_experts=E,
-        top_k=K,
+        shape=ModelShape(E, K, tuple(ids), n_layers),
         blocks=blocks,
         score_func=spec.score_func,
         normalize=spec.normalize(first.gate),
@@ -303,13 +308,7 @@ def make_router_replay(
     lay = moe_layout(model)
     if config is None or isinstance(config, str):
         config = RouterReplayConfig(mode=config or "disabled", fallback=lay.spec.fallback)
-    return RouterReplay(
-        config,
-        num_experts=lay.num_experts,
-        top_k=lay.top_k,
-        moe_layer_ids=lay.moe_layer_ids,
-        num_hidden_layers=lay.num_hidden_layers,
-    )
+    return RouterReplay(config, shape=lay.shape)
 
 
 # ----------------------------------------------------------------------------- the patch
@@ -397,14 +396,13 @@ def patch_model(
     if not isinstance(replay, RouterReplay):
         replay = make_router_replay(model, replay)
     else:
-        want = (lay.num_experts, lay.top_k, lay.moe_layer_ids, lay.num_hidden_layers)
-        got = (replay.num_experts, replay.top_k, list(replay.moe_layer_ids),
-               replay.num_hidden_layers)
-        if want != got:
+        if replay.shape != lay.shape:
+            fields = lambda m: (m.num_experts, m.top_k, list(m.moe_layer_ids),  # noqa: E731
+                                m.num_hidden_layers)
             raise ValueError(
                 f"replay_ops.integrations.hf.patch_model: the RouterReplay was built for "
-                f"(num_experts, top_k, moe_layer_ids, num_hidden_layers)={got}, but the model "
-                f"has {want}"
+                f"(num_experts, top_k, moe_layer_ids, num_hidden_layers)="
+                f"{fields(replay.shape)}, but the model has {fields(lay.shape)}"
             )
     patch = ReplayPatch(model, lay, replay, auto_recompute)
     for lid, block in lay.blocks.items():
@@ -455,15 +453,14 @@ def _patched_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> tor
         # do not record it a second time.
         with torch.no_grad():
             idx = topk_fn(logits.detach())
-        plan = replay_ops.gate(logits, idx, validate=replay.config.validate, **opts)
+        plan = replay_ops.gate(logits, idx, validate=False, **opts)
     elif recompute:
-        replay.set_action(ReplayAction.REPLAY_BACKWARD)
-        try:
-            plan = replay.route(lid, logits, topk_fn=topk_fn, **opts)
-        finally:
-            replay.set_action(action)
+        # the recompute of a replayed forward pops the layer's queue; the replay object's
+        # own action stays REPLAY_FORWARD (other layers may still run forwards)
+        plan = replay.route(lid, logits, action=ReplayAction.REPLAY_BACKWARD, topk_fn=topk_fn,
+                            **opts)
     else:
-        plan = replay.route(lid, logits, topk_fn=topk_fn, **opts)
+        plan = replay.route(lid, logits, action=action, topk_fn=topk_fn, **opts)
     if plan is None:  # the replay object chose the native path
         return original(block, hidden_states)
     if not recompute:
@@ -477,16 +474,19 @@ def _patched_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> tor
 
 
 def _experts_forward(experts: torch.nn.Module, x: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
-    """sum_k w[t,k] * MLP_{e[t,k]}(x[t]) through permute -> per-expert SwiGLU -> unpermute."""
-    rows = replay_ops.permute(x, plan)
-    counts = plan.tokens_per_expert.tolist()
+    """sum_k w[t,k] * MLP_{e[t,k]}(x[t]) through permute -> per-expert SwiGLU -> unpermute.
+
+    One host read per MoE layer: the plan's expert offsets, which size each expert's
+    segment. permute gets the row count from them and unpermute gets exactly those rows,
+    so neither reads the device again."""
     offsets = plan.expert_offsets.tolist()
+    rows = replay_ops.permute(x, plan, offsets[-1], validate=False)
     apply_gate = getattr(experts, "_apply_gate", None)
     outs = []
-    for e, n in enumerate(counts):
-        if n == 0:
+    for e in range(len(offsets) - 1):
+        if offsets[e + 1] == offsets[e]:
             continue
-        seg = rows[offsets[e]: offsets[e] + n]
+        seg = rows[offsets[e]: offsets[e + 1]]
         gate_up = F.linear(seg, experts.gate_up_proj[e])
         if apply_gate is not None:
             h = apply_gate(gate_up)
@@ -496,4 +496,4 @@ def _experts_forward(experts: torch.nn.Module, x: torch.Tensor, plan: RoutingPla
         outs.append(F.linear(h, experts.down_proj[e]))
     # align=1: the expert segments tile rows [0, R) with no padding rows between them.
     expert_out = torch.cat(outs, dim=0) if outs else rows.new_zeros(0, x.shape[1])
-    return replay_ops.unpermute(expert_out, plan)
+    return replay_ops.unpermute(expert_out, plan, validate=False)

@@ -9,8 +9,9 @@
     rr.set_action(ReplayAction.REPLAY_FORWARD)   # update pass: replay what was recorded
     rr.set_action(ReplayAction.REPLAY_BACKWARD)  # activation recompute: same indices, FIFO
 
-Modes (`RouterReplayConfig.mode`): "disabled", "R2", "R3". Record files: `files`.
-Rollout engines' routing (vLLM, SGLang) to training layouts: `adapters`.
+Modes (`RouterReplayConfig.mode`, a `ReplayMode`): disabled, R2, R3. The model's expert
+and layer shape: `ModelShape`. Record files: `files`. Rollout engines' routing (vLLM,
+SGLang, verl) to training layouts: `adapters` (one module per engine).
 See docs/router_replay.md.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .config import (
     load_config,
 )
 from .replay import RouterReplay, RouterReplayError
+from .shape import ModelShape
 from . import adapters, files
 from .adapters import ModelLayout, ReplayBatch, RoutingMismatchError
 from .files import RecordMeta, RoutingFileError, RoutingShapeError, open_routing
@@ -32,6 +34,7 @@ from .files import RecordMeta, RoutingFileError, RoutingShapeError, open_routing
 __all__ = [
     "ConfigError",
     "ModelLayout",
+    "ModelShape",
     "RecordMeta",
     "ReplayBatch",
     "RoutingFileError",

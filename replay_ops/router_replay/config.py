@@ -88,7 +88,7 @@ class ReplayAction(enum.Enum):
 class RouterReplayConfig:
     """Options of one model's router replay (`actor_rollout_ref.actor.router_replay`).
 
-    mode: disabled | R2 | R3.
+    mode: a ReplayMode (disabled | R2 | R3); a string is parsed when the config is built.
     record_file: where `RouterReplay.save()` writes by default (R2 recordings).
     replay_file: a recording that `RouterReplay` loads at construction and replays.
     recompute: push the indices of every grad-enabled REPLAY_FORWARD onto the layer's
@@ -96,8 +96,10 @@ class RouterReplayConfig:
         not recompute activations, so the queue does not grow.
     max_queue: a queue longer than this raises (a forward was never matched by a
         recompute: the caller forgot REPLAY_BACKWARD or `clear()`).
-    validate: check recorded indices (range, duplicates) in every gate call (one host
-        sync per layer). Turn off only for CUDA-graph capture of trusted data.
+    validate: check the routing to replay (range, duplicates) once, when it is set, loaded
+        or taken from a recording (one host sync each, and none in the MoE layers); the
+        gate then runs sync-free. Turn off only for trusted data (e.g. static buffers
+        refilled for CUDA-graph replay).
     fallback: rows whose replay mask is False (padding, the final token with no route)
         use "gate" (replay_ops.gate's torch.topk of the scores) or "topk_fn" (the layer's
         own top-k function, e.g. with expert bias or group limits).
@@ -106,7 +108,7 @@ class RouterReplayConfig:
     model_name: stored in files written by `save()`, and compared by `load()` if set.
     """
 
-    mode: str = "disabled"
+    mode: ReplayMode = ReplayMode.DISABLED
     record_file: Optional[str] = None
     replay_file: Optional[str] = None
     recompute: bool = True
@@ -116,16 +118,20 @@ class RouterReplayConfig:
     enable_rollout_routing_replay: Optional[bool] = None
     model_name: Optional[str] = None
 
-    def __post_init__(self) -> None:
-        self.mode = ReplayMode.parse(self.mode).value
+    def __setattr__(self, name, value) -> None:
+        # a string ("R3", "r3", "disabled") is parsed once, when it is set; the field
+        # always holds the enum
+        if name == "mode":
+            value = ReplayMode.parse(value)
+        super().__setattr__(name, value)
 
     @property
     def replay_mode(self) -> ReplayMode:
-        return ReplayMode.parse(self.mode)
+        return self.mode
 
     @property
     def enabled(self) -> bool:
-        return self.replay_mode is not ReplayMode.DISABLED
+        return self.mode is not ReplayMode.DISABLED
 
     def check(self) -> "RouterReplayConfig":
         check_combination(self)
@@ -137,7 +143,7 @@ FALLBACKS = ("gate", "topk_fn")
 
 def check_combination(cfg: RouterReplayConfig) -> None:
     """Raise ConfigError on a bad value or an invalid combination of options."""
-    mode = ReplayMode.parse(cfg.mode)
+    mode = cfg.mode
     flag = cfg.enable_rollout_routing_replay
     if mode is ReplayMode.R2 and flag:
         raise ConfigError(
@@ -232,6 +238,10 @@ def config_from_omegaconf(cfg) -> RouterReplayConfig:
                 raise ConfigError(
                     f"router_replay: {ROUTER_REPLAY_KEY} must be a mapping, got {node!r}"
                 )
+            if "mode" in node and node.mode is not None:
+                # the schema's enum node takes member names; accept the values users type
+                # ("disabled", "r3") by parsing them first
+                node = OmegaConf.merge(node, {"mode": ReplayMode.parse(node.mode).name})
             merged = OmegaConf.merge(schema, node)
         else:
             merged = schema

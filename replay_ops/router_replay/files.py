@@ -13,7 +13,7 @@ tensors and string metadata:
 
     __metadata__ (all strings):
       format          "replay_ops.router_replay"
-      format_version  "1"
+      format_version  "2" (this writer; the reader also reads "1")
       num_experts, top_k, num_hidden_layers, num_tokens, num_sequences
       moe_layer_ids   JSON list of the absolute ids of the MoE layers
       layer_index     "moe" (L = number of MoE layers, in moe_layer_ids order) or
@@ -21,15 +21,22 @@ tensors and string metadata:
       model_name      free text ("" if unknown)
       empty_value     "255" or "-1"
       checksum        "sha256:<hex>" of every byte after the header (the data buffer)
+      header_checksum "sha256:<hex>" of the header itself: its JSON with sorted keys and no
+                      spaces, header_checksum left out (format_version 2)
 
-Writes go to a temporary file in the same directory, are fsynced, then renamed over the
-target (`os.replace`), so a reader sees the old file or the new one, never a partial
+Version 1 files (no header_checksum) stay readable: every metadata key the version 1 writer
+wrote must then be present, but a changed value in their header cannot be detected.
+
+Writes go through `replay_ops._atomic` (a temporary file in the same directory, fsynced,
+renamed over the target), so a reader sees the old file or the new one, never a partial
 one; a writer killed mid-write leaves the previous file intact. Appending copies the old
 data into the new temporary file in chunks (the old file is memory-mapped, never loaded
-whole) under an advisory lock, after verifying the old file's checksum.
+whole) under an advisory lock, after verifying the old file's checksums.
 
-Reading memory-maps the data: `open_routing` parses the header, checks sizes and (by
-default) the checksum by streaming over the map, and returns tensors that view the map.
+Reading opens the file once: the size, the header, the memory maps and the checksum all
+come from that one descriptor, so a writer replacing the file during a read cannot mix two
+files in one result. `open_routing` parses the header, checks sizes and (by default) the
+checksum by streaming over the maps, and returns tensors that view the maps.
 """
 from __future__ import annotations
 
@@ -38,21 +45,28 @@ import errno
 import hashlib
 import json
 import os
-import stat
 import struct
-import tempfile
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 
+from .._atomic import atomic_target
+from .shape import ModelShape, first_bad_route
+
 FORMAT = "replay_ops.router_replay"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = ("1", "2")
+# every key the version 1 writer wrote (besides RecordMeta.extra)
+V1_KEYS = ("format", "format_version", "num_experts", "top_k", "num_hidden_layers",
+           "moe_layer_ids", "layer_index", "model_name", "empty_value", "num_tokens",
+           "num_sequences", "checksum")
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 UINT8_EMPTY = 255
 _CHUNK_BYTES = 1 << 20  # copy/hash granularity
 _chunk_hook = None  # called after each data chunk is written (tests: kill mid-write)
+_DIGEST_PLACEHOLDER = "sha256:" + "0" * 64
 
 _ST_DTYPES = {"U8": np.uint8, "I16": np.int16, "I64": np.int64}
 _ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
@@ -72,32 +86,43 @@ class RoutingShapeError(RoutingFileError):
     """The file was recorded for a different model shape (experts, top-k, layers)."""
 
 
-@dataclass
 class RecordMeta:
-    num_experts: int
-    top_k: int
-    moe_layer_ids: list[int]
-    num_hidden_layers: int
-    layer_index: str = "moe"
-    model_name: str = ""
-    extra: dict[str, str] = field(default_factory=dict)
+    """The metadata of a record file: the model shape (`shape`, a ModelShape), the layer
+    mapping of the stored indices, the model name and free extra strings. Built from the
+    four shape fields (`RecordMeta(num_experts=..., top_k=..., moe_layer_ids=...,
+    num_hidden_layers=...)`) or from a shape (`RecordMeta(shape=...)`)."""
+
+    def __init__(self, num_experts: int | None = None, top_k: int | None = None,
+                 moe_layer_ids: Sequence[int] | None = None,
+                 num_hidden_layers: int | None = None, layer_index: str = "moe",
+                 model_name: str = "", extra: dict[str, str] | None = None, *,
+                 shape: ModelShape | None = None) -> None:
+        if shape is None:
+            shape = ModelShape(num_experts, top_k, tuple(moe_layer_ids or ()), num_hidden_layers)
+        self.shape = shape
+        self.layer_index = layer_index
+        self.model_name = model_name or ""
+        self.extra = dict(extra or {})
+        self.check()
+
+    num_experts = property(lambda self: self.shape.num_experts)
+    top_k = property(lambda self: self.shape.top_k)
+    moe_layer_ids = property(lambda self: list(self.shape.moe_layer_ids))
+    num_hidden_layers = property(lambda self: self.shape.num_hidden_layers)
 
     @property
     def num_layers(self) -> int:
         """L of the stored [N, L, K] indices."""
-        return len(self.moe_layer_ids) if self.layer_index == "moe" else self.num_hidden_layers
+        return len(self.shape.layer_ids(self.layer_index))
 
     def check(self) -> None:
         if self.layer_index not in ("moe", "absolute"):
             raise ValueError(f"RecordMeta: layer_index must be 'moe' or 'absolute', got "
                              f"{self.layer_index!r}")
-        if self.num_experts < 1 or self.top_k < 1 or self.top_k > self.num_experts:
-            raise ValueError(f"RecordMeta: bad num_experts={self.num_experts} / "
-                             f"top_k={self.top_k}")
-        ids = list(self.moe_layer_ids)
-        if not ids or ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= self.num_hidden_layers:
-            raise ValueError(f"RecordMeta: moe_layer_ids={ids} must be ascending distinct ids "
-                             f"below num_hidden_layers={self.num_hidden_layers}")
+
+    def __repr__(self) -> str:
+        return (f"RecordMeta({self.shape}, layer_index={self.layer_index!r}, "
+                f"model_name={self.model_name!r})")
 
 
 def index_dtype(num_experts: int) -> np.dtype:
@@ -128,23 +153,16 @@ def _encode(indices: torch.Tensor, meta: RecordMeta, path, offset: int = 0) -> n
         raise TypeError(f"record file {os.fspath(path)!r}: indices must be integers, got "
                         f"{indices.dtype}")
     idx = indices.detach().to("cpu", torch.int64)
-    bad = (idx < -1) | (idx >= meta.num_experts)
-    if bool(bad.any()):
-        n, l, k = (int(v) for v in bad.nonzero()[0])
+    bad = first_bad_route(idx, meta.num_experts)
+    if bad is not None and bad.kind == "range":
         raise ValueError(
-            f"record file {os.fspath(path)!r}: indices[{n}, {l}, {k}] (token {n + offset}) = "
-            f"{int(idx[n, l, k])} is out of range for num_experts={meta.num_experts} "
-            f"(valid: 0..{meta.num_experts - 1}, -1 = empty)"
+            f"record file {os.fspath(path)!r}: indices[{bad.token}, {bad.layer}, {bad.slot}] "
+            f"(token {bad.token + offset}) = {bad.value} is out of range for num_experts="
+            f"{meta.num_experts} (valid: 0..{meta.num_experts - 1}, -1 = empty)"
         )
-    if K > 1 and N:
-        s = idx.sort(dim=2).values
-        dup = ((s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)).any(dim=2)
-        if bool(dup.any()):
-            n, l = (int(v) for v in dup.nonzero()[0])
-            raise ValueError(
-                f"record file {os.fspath(path)!r}: token {n + offset}, layer {l} repeats an "
-                f"expert: {idx[n, l].tolist()}"
-            )
+    if bad is not None:
+        raise ValueError(f"record file {os.fspath(path)!r}: token {bad.token + offset}, layer "
+                         f"{bad.layer} repeats an expert: {bad.row}")
     dt = index_dtype(meta.num_experts)
     if dt == np.uint8:
         idx = torch.where(idx < 0, UINT8_EMPTY, idx)
@@ -166,7 +184,7 @@ def _check_cu_seqlens(cu, n_tokens: int, path) -> np.ndarray:
     return cu
 
 
-def _meta_dict(meta: RecordMeta, dt: np.dtype, n_tokens: int, n_seq: int, checksum: str):
+def _meta_dict(meta: RecordMeta, dt: np.dtype, n_tokens: int, n_seq: int) -> dict:
     d = {str(k): str(v) for k, v in meta.extra.items()}
     d.update(
         format=FORMAT,
@@ -180,20 +198,32 @@ def _meta_dict(meta: RecordMeta, dt: np.dtype, n_tokens: int, n_seq: int, checks
         empty_value=str(UINT8_EMPTY if dt == np.uint8 else -1),
         num_tokens=str(n_tokens),
         num_sequences=str(n_seq),
-        checksum=checksum,
+        checksum=_DIGEST_PLACEHOLDER,
+        header_checksum=_DIGEST_PLACEHOLDER,
     )
     return d
 
 
-def _header_bytes(meta_d: dict, dt: np.dtype, n_tokens: int, L: int, K: int, n_cu: int) -> bytes:
+def _header(meta_d: dict, dt: np.dtype, n_tokens: int, L: int, K: int, n_cu: int) -> dict:
     cu_bytes = 8 * n_cu
     idx_bytes = n_tokens * L * K * dt.itemsize
-    header = {
+    return {
         "__metadata__": meta_d,
         "cu_seqlens": {"dtype": "I64", "shape": [n_cu], "data_offsets": [0, cu_bytes]},
         "indices": {"dtype": _ST_NAMES[dt], "shape": [n_tokens, L, K],
                     "data_offsets": [cu_bytes, cu_bytes + idx_bytes]},
     }
+
+
+def header_digest(header: dict) -> str:
+    """The sha256 of a header (its JSON with sorted keys and no spaces), header_checksum
+    itself left out."""
+    md = {k: v for k, v in header["__metadata__"].items() if k != "header_checksum"}
+    canon = json.dumps(dict(header, __metadata__=md), sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(canon.encode()).hexdigest()
+
+
+def _header_bytes(header: dict) -> bytes:
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(len(raw) + 8) % 8)  # data starts 8-byte aligned
     return struct.pack("<Q", len(raw)) + raw
@@ -202,63 +232,6 @@ def _header_bytes(meta_d: dict, dt: np.dtype, n_tokens: int, L: int, K: int, n_c
 def _chunks(buf: memoryview) -> Iterator[memoryview]:
     for i in range(0, len(buf), _CHUNK_BYTES):
         yield buf[i:i + _CHUNK_BYTES]
-
-
-@contextlib.contextmanager
-def _atomic_target(path) -> Iterator[str]:
-    """A temporary file next to `path`, renamed over it on success, removed on error."""
-    path = os.fspath(path)
-    d = os.path.dirname(os.path.abspath(path))
-    base = os.path.basename(path)
-    _remove_stale_temps(d, base)
-    fd, tmp = tempfile.mkstemp(prefix=f".{base}.tmp-{os.getpid()}-", dir=d)
-    os.close(fd)
-    # mkstemp creates 0600; give the file the mode a plain open() would (0666 & ~umask),
-    # or the existing file's mode when it is replaced
-    try:
-        mode = stat.S_IMODE(os.stat(path).st_mode)
-    except FileNotFoundError:
-        umask = os.umask(0)
-        os.umask(umask)
-        mode = 0o666 & ~umask
-    os.chmod(tmp, mode)
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):  # make the rename durable
-        dfd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-
-
-def _remove_stale_temps(d: str, base: str) -> None:
-    """Temporaries left by writers that were killed (their pid no longer exists)."""
-    prefix = f".{base}.tmp-"
-    with contextlib.suppress(OSError):
-        for name in os.listdir(d):
-            if not name.startswith(prefix):
-                continue
-            try:
-                pid = int(name[len(prefix):].split("-", 1)[0])
-            except ValueError:
-                continue
-            if pid != os.getpid() and not _pid_alive(pid):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(d, name))
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError as e:
-        return e.errno == errno.EPERM
-    return True
 
 
 @contextlib.contextmanager
@@ -278,44 +251,40 @@ def _locked(path) -> Iterator[None]:
 
 
 def _write(path, meta: RecordMeta, cu: np.ndarray, parts: Sequence[np.ndarray], L: int) -> None:
-    """Stream the header, cu_seqlens and the index parts into an atomic temp file."""
-    meta.check()
+    """Stream the header, cu_seqlens and the index parts into an atomic temp file; the
+    checksums (fixed width) are filled into the header at the end."""
     dt = index_dtype(meta.num_experts)
     n_tokens = int(sum(p.shape[0] for p in parts))
-    placeholder = "sha256:" + "0" * 64
-    md = _meta_dict(meta, dt, n_tokens, cu.size - 1, placeholder)
-    header = _header_bytes(md, dt, n_tokens, L, meta.top_k, cu.size)
+    md = _meta_dict(meta, dt, n_tokens, cu.size - 1)
+    header = _header(md, dt, n_tokens, L, meta.top_k, cu.size)
+    size = len(_header_bytes(header))
     h = hashlib.sha256()
-    with _atomic_target(path) as tmp:
+    with atomic_target(path) as tmp:
         with open(tmp, "r+b") as f:
-            f.write(header)
+            f.write(_header_bytes(header))
             cu_b = memoryview(np.ascontiguousarray(cu, dtype="<i8")).cast("B")
             h.update(cu_b)
             f.write(cu_b)
             for p in parts:
                 if p.dtype != dt:
                     raise RuntimeError(f"record file part has dtype {p.dtype}, expected {dt}")
-                buf = memoryview(np.ascontiguousarray(p)).cast("B")
-                for c in _chunks(buf):
+                for c in _chunks(memoryview(np.ascontiguousarray(p)).cast("B")):
                     h.update(c)
                     f.write(c)
                     if _chunk_hook is not None:
                         _chunk_hook()
-            final = "sha256:" + h.hexdigest()
-            md["checksum"] = final
-            header2 = _header_bytes(md, dt, n_tokens, L, meta.top_k, cu.size)
-            if len(header2) != len(header):  # the checksum has a fixed width
+            md["checksum"] = "sha256:" + h.hexdigest()
+            md["header_checksum"] = header_digest(header)
+            final = _header_bytes(header)
+            if len(final) != size:  # the checksums have a fixed width
                 raise RuntimeError("record file header changed size while writing")
             f.seek(0)
-            f.write(header2)
-            f.flush()
-            os.fsync(f.fileno())
+            f.write(final)
 
 
 def write_routing(path, indices: torch.Tensor, meta: RecordMeta, *, cu_seqlens=None) -> None:
     """Write [N, L, K] routing (-1 = empty) with its sequence boundaries, atomically,
     replacing any existing file."""
-    meta.check()
     arr = _encode(indices, meta, path)
     cu = _check_cu_seqlens(cu_seqlens, arr.shape[0], path)
     _write(path, meta, cu, [arr], meta.num_layers)
@@ -325,7 +294,6 @@ def append_routing(path, indices: torch.Tensor, meta: RecordMeta, *, cu_seqlens=
     """Add a batch of sequences after those already in `path` (created if missing).
     The existing file is verified and must have the same model metadata; it is copied,
     never modified in place, so a crash leaves it as it was."""
-    meta.check()
     with _locked(path):
         if not os.path.exists(path):
             write_routing(path, indices, meta, cu_seqlens=cu_seqlens)
@@ -343,34 +311,159 @@ def append_routing(path, indices: torch.Tensor, meta: RecordMeta, *, cu_seqlens=
 
 
 # ---------------------------------------------------------------------------- reading
-class RoutingFile:
-    """An opened record file. The arrays view a memory map of the file; nothing is
-    read until used (except by the checksum verification)."""
+class _Snapshot:
+    """One open descriptor of a record file. Every step of a read (the size, the header,
+    the maps, the checksum) takes its bytes from it, so a concurrent `os.replace` of the
+    path is invisible: the descriptor keeps the file it opened."""
 
-    def __init__(self, path, header: dict, data_start: int, file_size: int) -> None:
-        self.path = os.fspath(path)
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            self.file = open(path, "rb", buffering=0)
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, "router replay file does not exist",
+                                    path) from None
+        self.size = os.fstat(self.file.fileno()).st_size
+
+    def read(self, offset: int, n: int) -> bytes:
+        return os.pread(self.file.fileno(), n, offset)
+
+    def map(self, offset: int, dtype: np.dtype, shape: tuple) -> np.ndarray:
+        # mode "c": a private (copy-on-write) map, so torch gets a writable array and
+        # nothing can ever write back to the file
+        return np.memmap(self.file, mode="c", dtype=dtype, offset=offset, shape=shape)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _read_header(snap: _Snapshot) -> tuple[dict, int]:
+    """(the parsed header, the offset where the data starts)."""
+    path, size = snap.path, snap.size
+    head = snap.read(0, 8)
+    if len(head) < 8:
+        raise RoutingFileError(path, f"truncated: {size} bytes, shorter than the 8-byte "
+                                     f"header length field")
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER_BYTES:
+        raise RoutingFileError(path, f"corrupt: header length field says {n} bytes; not a "
+                                     f"safetensors record file")
+    if 8 + n > size:
+        raise RoutingFileError(path, f"truncated: the header needs {n} bytes but the file "
+                                     f"has only {size - 8} after the length field")
+    try:
+        header = json.loads(snap.read(8, n).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RoutingFileError(path, f"corrupt header (not valid JSON): {e}") from None
+    if not isinstance(header, dict):
+        raise RoutingFileError(path, "corrupt header: not a JSON object")
+    return header, 8 + n
+
+
+def _check_header(path: str, header: dict) -> dict:
+    """The metadata of a record file header, after the format, the version and (version 2)
+    the header's own checksum are checked."""
+    md = header.get("__metadata__")
+    if not isinstance(md, dict):
+        raise RoutingFileError(path, "not a router replay record file (a safetensors header "
+                                     "with no __metadata__)")
+    if md.get("format") != FORMAT:
+        raise RoutingFileError(path, f"not a router replay record file (format="
+                                     f"{md.get('format')!r}, expected {FORMAT!r})")
+    version = md.get("format_version")
+    if version not in READABLE_VERSIONS:
+        raise RoutingFileError(path, f"format_version {version!r} is not supported; this "
+                                     f"reader reads versions {', '.join(READABLE_VERSIONS)}")
+    if version == "1":
+        missing = [k for k in V1_KEYS if k not in md]
+        if missing:
+            raise RoutingFileError(path, f"corrupt header: format_version 1 metadata keys "
+                                         f"{missing} are missing (version 1 headers carry no "
+                                         f"checksum of their own, so a damaged one shows only "
+                                         f"as missing keys)")
+    else:
+        stored, got = md.get("header_checksum"), header_digest(header)
+        if stored != got:
+            raise RoutingFileError(path, f"header checksum mismatch: the header says "
+                                         f"{stored!r} but hashes to {got!r}; the header is "
+                                         f"corrupt")
+    return md
+
+
+def _check_layout(path: str, header: dict, data_len: int) -> None:
+    """The two tensors are described consistently and fill the data buffer exactly."""
+    for name, dts in (("cu_seqlens", ("I64",)), ("indices", ("U8", "I16"))):
+        info = header.get(name)
+        if not isinstance(info, dict) or info.get("dtype") not in dts:
+            raise RoutingFileError(path, f"corrupt header: tensor {name!r} missing or not of "
+                                         f"dtype {dts}")
+    end = 0
+    for name in ("cu_seqlens", "indices"):
+        info = header[name]
+        shape, offs = info.get("shape"), info.get("data_offsets")
+        if (not isinstance(shape, list) or not isinstance(offs, list) or len(offs) != 2
+                or any(not isinstance(v, int) or v < 0 for v in shape + offs)):
+            raise RoutingFileError(path, f"corrupt header: bad shape/offsets for {name!r}")
+        itemsize = np.dtype(_ST_DTYPES[info["dtype"]]).itemsize
+        if offs[0] != end or offs[1] - offs[0] != int(np.prod(shape, dtype=np.int64)) * itemsize:
+            raise RoutingFileError(path, f"corrupt header: offsets {offs} of {name!r} do not "
+                                         f"match its shape {shape}")
+        end = offs[1]
+    if data_len < end:
+        raise RoutingFileError(path, f"truncated: the header describes {end} data bytes but "
+                                     f"only {data_len} are present")
+    if data_len > end:
+        raise RoutingFileError(path, f"corrupt: {data_len - end} unexpected bytes after the "
+                                     f"data")
+
+
+def _parse_meta(path: str, md: dict) -> RecordMeta:
+    def get(key):
+        if key not in md:
+            raise RoutingFileError(path, f"corrupt header: metadata key {key!r} is missing")
+        return md[key]
+
+    try:
+        return RecordMeta(
+            num_experts=int(get("num_experts")),
+            top_k=int(get("top_k")),
+            moe_layer_ids=[int(i) for i in json.loads(get("moe_layer_ids"))],
+            num_hidden_layers=int(get("num_hidden_layers")),
+            layer_index=get("layer_index"),
+            model_name=get("model_name"),
+        )
+    except RoutingFileError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise RoutingFileError(path, f"corrupt header metadata: {e}") from e
+
+
+class RoutingFile:
+    """An opened record file. The arrays view memory maps of the file taken from the one
+    descriptor `open_routing` opened; nothing is read until used (except by the checksum
+    verification)."""
+
+    def __init__(self, snap: _Snapshot, header: dict, data_start: int) -> None:
+        self.path = snap.path
         md = header["__metadata__"]
         self.metadata = dict(md)
+        self.format_version = int(md["format_version"])
         self.meta = _parse_meta(self.path, md)
         self.data_start = data_start
-        self.file_size = file_size
+        self.file_size = snap.size
         self._header = header
-        cu_info, idx_info = header["cu_seqlens"], header["indices"]
-        self.cu_seqlens_np = self._map(cu_info)
-        self.raw_np = self._map(idx_info)
+        self.cu_seqlens_np = self._map(snap, header["cu_seqlens"])
+        self.raw_np = self._map(snap, header["indices"])
         self.dtype = self.raw_np.dtype
         self.empty_value = UINT8_EMPTY if self.dtype == np.uint8 else -1
 
-    def _map(self, info) -> np.ndarray:
+    def _map(self, snap: _Snapshot, info) -> np.ndarray:
         dt = np.dtype(_ST_DTYPES[info["dtype"]]).newbyteorder("<")
         shape = tuple(info["shape"])
         begin, end = info["data_offsets"]
         if end == begin:
             return np.zeros(shape, dtype=dt)
-        # mode "c": a private (copy-on-write) map, so torch gets a writable array and
-        # nothing can ever write back to the file.
-        return np.memmap(self.path, mode="c", dtype=dt, offset=self.data_start + begin,
-                         shape=shape)
+        return snap.map(self.data_start + begin, dt, shape)
 
     # -- views
     @property
@@ -416,22 +509,37 @@ class RoutingFile:
 
     # -- checks
     def verify(self) -> None:
-        """Recompute the sha256 of the data buffer (streaming over the map)."""
+        """Recompute the sha256 of the data buffer, streaming over the maps (the bytes of
+        the file as it was opened)."""
         stored = self.metadata.get("checksum", "")
         h = hashlib.sha256()
-        with open(self.path, "rb") as f:
-            f.seek(self.data_start)
-            while True:
-                chunk = f.read(_CHUNK_BYTES * 8)
-                if not chunk:
-                    break
-                h.update(chunk)
+        for arr in (self.cu_seqlens_np, self.raw_np):
+            for c in _chunks(memoryview(np.ascontiguousarray(arr)).cast("B")):
+                h.update(c)
         got = "sha256:" + h.hexdigest()
         if got != stored:
             raise RoutingFileError(
                 self.path, f"checksum mismatch: the header says {stored!r} but the data hashes "
                 f"to {got!r}; the file is corrupt"
             )
+
+    def check_consistency(self) -> None:
+        """The tensors agree with the metadata: shapes, dtype, sequence boundaries, counts."""
+        shape, m, md = list(self.raw_np.shape), self.meta, self.metadata
+        if len(shape) != 3 or shape[1] != m.num_layers or shape[2] != m.top_k:
+            raise RoutingFileError(self.path, f"corrupt: indices shape {shape} does not match "
+                                              f"the metadata (L={m.num_layers}, K={m.top_k})")
+        if self.dtype != index_dtype(m.num_experts):
+            raise RoutingFileError(self.path, f"corrupt: indices dtype {self.dtype} does not "
+                                              f"match num_experts={m.num_experts}")
+        cu = self.cu_seqlens_np
+        if cu.shape[0] < 1 or cu[0] != 0 or cu[-1] != shape[0] or np.any(np.diff(cu) < 0):
+            raise RoutingFileError(self.path, f"corrupt: cu_seqlens {cu.tolist()[:8]} do not "
+                                              f"run from 0 to N={shape[0]}")
+        for key, want in (("num_tokens", shape[0]), ("num_sequences", cu.shape[0] - 1)):
+            if md.get(key) != str(want):
+                raise RoutingFileError(self.path, f"corrupt: metadata {key}={md.get(key)!r} but "
+                                                  f"the tensors hold {want}")
 
     def check_model(
         self,
@@ -470,113 +578,23 @@ class RoutingFile:
                 f"K={m.top_k}, E={m.num_experts}, dtype={self.dtype})")
 
 
-def _parse_meta(path: str, md: dict) -> RecordMeta:
-    def get(key):
-        if key not in md:
-            raise RoutingFileError(path, f"corrupt header: metadata key {key!r} is missing")
-        return md[key]
-
-    try:
-        meta = RecordMeta(
-            num_experts=int(get("num_experts")),
-            top_k=int(get("top_k")),
-            moe_layer_ids=[int(i) for i in json.loads(get("moe_layer_ids"))],
-            num_hidden_layers=int(get("num_hidden_layers")),
-            layer_index=get("layer_index"),
-            model_name=md.get("model_name", ""),
-        )
-        meta.check()
-    except RoutingFileError:
-        raise
-    except (ValueError, TypeError) as e:
-        raise RoutingFileError(path, f"corrupt header metadata: {e}") from e
-    return meta
-
-
 def open_routing(path, *, verify: bool = True) -> RoutingFile:
     """Open a record file (memory-mapped). Raises FileNotFoundError, or
-    RoutingFileError naming the file and the problem: truncated, corrupt header, not a
-    record file, unsupported format_version, inconsistent shapes, checksum mismatch
-    (`verify=True` streams over the data once)."""
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(errno.ENOENT, "router replay file does not exist", path)
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise RoutingFileError(path, f"truncated: {size} bytes, shorter than the 8-byte "
-                                         f"header length field")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES:
-            raise RoutingFileError(path, f"corrupt: header length field says {n} bytes; not a "
-                                         f"safetensors record file")
-        if 8 + n > size:
-            raise RoutingFileError(path, f"truncated: the header needs {n} bytes but the file "
-                                         f"has only {size - 8} after the length field")
-        raw = f.read(n)
+    RoutingFileError naming the file and the problem: truncated, corrupt header, header
+    checksum mismatch, not a record file, unsupported format_version, inconsistent shapes,
+    data checksum mismatch (`verify=True` streams over the data once). The whole read comes
+    from one descriptor: a file replaced meanwhile is never mixed into the result."""
+    snap = _Snapshot(os.fspath(path))
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RoutingFileError(path, f"corrupt header (not valid JSON): {e}") from None
-    if not isinstance(header, dict):
-        raise RoutingFileError(path, "corrupt header: not a JSON object")
-    if not isinstance(header.get("__metadata__"), dict):
-        raise RoutingFileError(path, "not a router replay record file (a safetensors header "
-                                     "with no __metadata__)")
-    md = header["__metadata__"]
-    if md.get("format") != FORMAT:
-        raise RoutingFileError(path, f"not a router replay record file (format="
-                                     f"{md.get('format')!r}, expected {FORMAT!r})")
-    version = md.get("format_version")
-    if version != str(FORMAT_VERSION):
-        raise RoutingFileError(path, f"format_version {version!r} is not supported; this "
-                                     f"reader reads version {FORMAT_VERSION}")
-    for name, dts in (("cu_seqlens", ("I64",)), ("indices", ("U8", "I16"))):
-        info = header.get(name)
-        if not isinstance(info, dict) or info.get("dtype") not in dts:
-            raise RoutingFileError(path, f"corrupt header: tensor {name!r} missing or not of "
-                                         f"dtype {dts}")
-    data_start = 8 + n
-    data_len = size - data_start
-    end = 0
-    for name in ("cu_seqlens", "indices"):
-        info = header[name]
-        shape = info.get("shape")
-        offs = info.get("data_offsets")
-        if (not isinstance(shape, list) or not isinstance(offs, list) or len(offs) != 2
-                or any(not isinstance(v, int) or v < 0 for v in shape + offs)):
-            raise RoutingFileError(path, f"corrupt header: bad shape/offsets for {name!r}")
-        itemsize = np.dtype(_ST_DTYPES[info["dtype"]]).itemsize
-        if offs[0] != end or offs[1] - offs[0] != int(np.prod(shape, dtype=np.int64)) * itemsize:
-            raise RoutingFileError(path, f"corrupt header: offsets {offs} of {name!r} do not "
-                                         f"match its shape {shape}")
-        end = offs[1]
-    if data_len < end:
-        raise RoutingFileError(path, f"truncated: the header describes {end} data bytes but "
-                                     f"only {data_len} are present")
-    if data_len > end:
-        raise RoutingFileError(path, f"corrupt: {data_len - end} unexpected bytes after the "
-                                     f"data")
-    rf = RoutingFile(path, header, data_start, size)
-    shape = header["indices"]["shape"]
-    m = rf.meta
-    if len(shape) != 3 or shape[1] != m.num_layers or shape[2] != m.top_k:
-        raise RoutingFileError(path, f"corrupt: indices shape {shape} does not match the "
-                                     f"metadata (L={m.num_layers}, K={m.top_k})")
-    if rf.dtype != index_dtype(m.num_experts):
-        raise RoutingFileError(path, f"corrupt: indices dtype {rf.dtype} does not match "
-                                     f"num_experts={m.num_experts}")
+        header, data_start = _read_header(snap)
+        _check_header(snap.path, header)
+        _check_layout(snap.path, header, snap.size - data_start)
+        rf = RoutingFile(snap, header, data_start)
+    finally:
+        snap.close()  # the maps keep what they need
     if verify:
         rf.verify()
-    cu = rf.cu_seqlens_np
-    if cu.shape[0] < 1 or cu[0] != 0 or cu[-1] != shape[0] or np.any(np.diff(cu) < 0):
-        raise RoutingFileError(path, f"corrupt: cu_seqlens {cu.tolist()[:8]} do not run from 0 "
-                                     f"to N={shape[0]}")
-    for key, want in (("num_tokens", shape[0]), ("num_sequences", cu.shape[0] - 1)):
-        if md.get(key) != str(want):
-            raise RoutingFileError(path, f"corrupt: metadata {key}={md.get(key)!r} but the "
-                                         f"tensors hold {want}")
+    rf.check_consistency()
     return rf
 
 
@@ -594,6 +612,7 @@ __all__ = [
     "RoutingFileError",
     "RoutingShapeError",
     "append_routing",
+    "header_digest",
     "index_dtype",
     "open_routing",
     "read_routing",

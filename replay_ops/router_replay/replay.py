@@ -7,11 +7,18 @@ routing. A MoE layer calls
     if plan is None:            # disabled, or no action set: the layer's native path
         ...
 
+`route` does what its action says (`action=`, or the object's current action, see
+`set_action`): RECORD, REPLAY_FORWARD or REPLAY_BACKWARD, each in its own method.
+
 Layers are identified by their absolute layer id (the index in the model's list of
-decoder layers). `moe_layer_ids` lists the MoE ones in ascending order; dense layers are
-absent. A routing tensor `[T, L, K]` is indexed either by MoE ordinal (L = number of MoE
-layers) or by absolute layer id (L = number of hidden layers, dense rows ignored);
-`set_routing` says which one it used in `.layer_mapping`.
+decoder layers); the model's shape is a `ModelShape`. A routing tensor `[T, L, K]` is
+indexed either by MoE ordinal (L = number of MoE layers) or by absolute layer id (L =
+number of hidden layers, dense rows ignored); `set_routing` says which one it used in
+`.layer_mapping`.
+
+Checks of the routing's values (expert ids in range, no expert twice in a token's layer)
+run once, when the routing is set, loaded or taken from a recording, with
+`config.validate` (one host sync); the MoE layers then gate without a host sync.
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ import torch
 
 from ..plan import RoutingPlan
 from .config import ConfigError, ReplayAction, ReplayMode, RouterReplayConfig, check_combination
+from .shape import ModelShape, describe_bad_route, first_bad_route
 
 LAYER_MAPPINGS = ("auto", "absolute", "moe")
 
@@ -36,10 +44,11 @@ class RouterReplay:
         self,
         config: RouterReplayConfig | None = None,
         *,
-        num_experts: int,
-        top_k: int,
-        moe_layer_ids: Sequence[int],
+        num_experts: int | None = None,
+        top_k: int | None = None,
+        moe_layer_ids: Sequence[int] | None = None,
         num_hidden_layers: int | None = None,
+        shape: ModelShape | None = None,
     ) -> None:
         config = config if config is not None else RouterReplayConfig()
         if not isinstance(config, RouterReplayConfig):
@@ -48,67 +57,48 @@ class RouterReplay:
             )
         check_combination(config)
         self.config = config
-        self.mode = config.replay_mode
-        if not isinstance(num_experts, int) or num_experts < 1:
-            raise ValueError(
-                f"RouterReplay: num_experts must be an integer >= 1, got {num_experts!r}")
-        if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-            raise ValueError(
-                f"RouterReplay: top_k must be an integer in 1..num_experts={num_experts}, "
-                f"got {top_k!r}"
-            )
-        ids = [int(i) for i in moe_layer_ids]
-        if not ids:
-            raise ValueError("RouterReplay: moe_layer_ids is empty; a model with no MoE layer "
-                             "has nothing to replay")
-        if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
-            raise ValueError(
-                f"RouterReplay: moe_layer_ids must be distinct non-negative layer ids, got {ids}"
-            )
-        if ids != sorted(ids):
-            raise ValueError(
-                f"RouterReplay: moe_layer_ids must be ascending (the model's layer order), "
-                f"got {ids}"
-            )
-        if num_hidden_layers is None:
-            num_hidden_layers = ids[-1] + 1
-        if num_hidden_layers <= ids[-1]:
-            raise ValueError(
-                f"RouterReplay: num_hidden_layers={num_hidden_layers} but moe_layer_ids "
-                f"contains layer {ids[-1]}"
-            )
-        self.num_experts = num_experts
-        self.top_k = top_k
-        self.moe_layer_ids: list[int] = ids
-        self.num_hidden_layers = int(num_hidden_layers)
-        self._ordinal = {lid: n for n, lid in enumerate(ids)}
+        if shape is None:
+            try:
+                shape = ModelShape(num_experts, top_k, tuple(moe_layer_ids or ()),
+                                   num_hidden_layers)
+            except ValueError as e:
+                raise ValueError(f"RouterReplay: {e}") from None
+        self.shape = shape
+        self._ordinal = {lid: n for n, lid in enumerate(shape.moe_layer_ids)}
         self._action: ReplayAction | None = None
+        self.step = 0  # recordings started (R2): a new RECORD after a replay starts the next
         self.clear()
         if self.enabled and config.replay_file is not None:
             self.load(config.replay_file)
 
     # ------------------------------------------------------------------ state
+    mode = property(lambda self: self.config.mode)
+    num_experts = property(lambda self: self.shape.num_experts)
+    top_k = property(lambda self: self.shape.top_k)
+    moe_layer_ids = property(lambda self: list(self.shape.moe_layer_ids))
+    num_hidden_layers = property(lambda self: self.shape.num_hidden_layers)
+    num_moe_layers = property(lambda self: self.shape.num_moe_layers)
+
     @property
     def enabled(self) -> bool:
         return self.mode is not ReplayMode.DISABLED
-
-    @property
-    def num_moe_layers(self) -> int:
-        return len(self.moe_layer_ids)
 
     @property
     def action(self) -> ReplayAction | None:
         return self._action
 
     def set_action(self, action: ReplayAction | str | None) -> None:
-        """Set what the next `route` calls do; None means native routing."""
+        """Set what the next `route` calls do by default; None means native routing."""
+        self._action = self._enabled_action(action, "set_action")
+
+    def _enabled_action(self, action, where: str) -> ReplayAction | None:
         action = ReplayAction.parse(action)
         if action is not None and not self.enabled:
             raise ConfigError(
-                f"RouterReplay.set_action({action.name}): router replay is disabled "
+                f"RouterReplay.{where}({action.name}): router replay is disabled "
                 f"(mode=disabled); build it with mode=R2 or R3"
             )
-        self._action = action
+        return action
 
     def clear(self) -> None:
         """Forget recordings, the routing to replay and the recompute queues."""
@@ -116,12 +106,15 @@ class RouterReplay:
         self._queues: dict[int, collections.deque] = {
             lid: collections.deque() for lid in self.moe_layer_ids
         }
+        self._forget_routing()
+        self._calls = collections.Counter()
+
+    def _forget_routing(self) -> None:
         self._routing: torch.Tensor | None = None
         self._routing_cols: dict[int, int] = {}
         self._replay_mask: torch.Tensor | None = None
         self.layer_mapping: str | None = None
         self.routing_source: str | None = None
-        self._calls = collections.Counter()
 
     def clear_queues(self) -> None:
         for q in self._queues.values():
@@ -173,8 +166,12 @@ class RouterReplay:
 
         `replay_mask` [T] bool: False rows fall back to native top-k. When None, tokens
         whose slots are empty (-1) in every MoE layer get False; a token that is empty in
-        some MoE layers but not in others is an error.
+        some MoE layers but not in others is an error. With `config.validate` the values of
+        the replayed rows are checked here, once (expert ids in range, no repeats).
         """
+        self._set_routing(indices, replay_mask, layer_index, "set_routing")
+
+    def _set_routing(self, indices, replay_mask, layer_index: str, source: str) -> None:
         if not self.enabled:
             raise ConfigError(
                 "RouterReplay.set_routing: router replay is disabled (mode=disabled)"
@@ -210,10 +207,7 @@ class RouterReplay:
                 f"has top_k={self.top_k} (shape {tuple(indices.shape)})"
             )
         mapping = self.resolve_layer_mapping(L, layer_index, where="set_routing")
-        if mapping == "moe":
-            cols = {lid: n for n, lid in enumerate(self.moe_layer_ids)}
-        else:
-            cols = {lid: lid for lid in self.moe_layer_ids}
+        cols = dict(zip(self.moe_layer_ids, self.shape.columns(mapping)))
         if replay_mask is not None:
             if replay_mask.dtype != torch.bool or tuple(replay_mask.shape) != (T,):
                 raise ValueError(
@@ -224,39 +218,28 @@ class RouterReplay:
                 replay_mask = replay_mask.to(indices.device)
         else:
             replay_mask = self._derive_mask(indices, cols)
+        self._check_values(indices[:, self.shape.columns(mapping), :], replay_mask, source)
         self._routing = indices
         self._routing_cols = cols
         self._replay_mask = replay_mask
         self.layer_mapping = mapping
-        self.routing_source = "set_routing"
+        self.routing_source = source
+
+    def _check_values(self, moe_routing: torch.Tensor, mask, source: str) -> None:
+        """With config.validate: the replayed rows of [T, L_moe, K] routing name experts in
+        range, none twice in a token's layer (one host sync)."""
+        if not self.config.validate:
+            return
+        bad = first_bad_route(moe_routing, self.num_experts, mask)
+        if bad is not None:
+            raise RouterReplayError(
+                f"RouterReplay: the routing from {_describe_source(source)} cannot be "
+                f"replayed: {describe_bad_route(bad, self.num_experts, self.moe_layer_ids)}"
+            )
 
     def resolve_layer_mapping(self, L: int, layer_index: str = "auto", *, where: str = "") -> str:
         """"moe" or "absolute" for a routing tensor with L layers; raises if L fits neither."""
-        if layer_index not in LAYER_MAPPINGS:
-            raise ValueError(
-                f"RouterReplay.{where}: unknown layer_index={layer_index!r}; expected one of "
-                f"{LAYER_MAPPINGS}"
-            )
-        n_moe, n_all = self.num_moe_layers, self.num_hidden_layers
-        if layer_index == "moe" or (layer_index == "auto" and L == n_moe):
-            if L != n_moe:
-                raise ValueError(
-                    f"RouterReplay.{where}: layer_index='moe' needs L={n_moe} (MoE layers "
-                    f"{self.moe_layer_ids}), got L={L}"
-                )
-            return "moe"
-        if layer_index == "absolute" or (layer_index == "auto" and L == n_all):
-            if L != n_all:
-                raise ValueError(
-                    f"RouterReplay.{where}: layer_index='absolute' needs L=num_hidden_layers="
-                    f"{n_all}, got L={L}"
-                )
-            return "absolute"
-        raise ValueError(
-            f"RouterReplay.{where}: the routing has L={L} layers, but this model has "
-            f"{n_moe} MoE layers (ids {self.moe_layer_ids}) and {n_all} hidden layers; "
-            f"L must be one of them"
-        )
+        return self.shape.mapping_for(L, f"RouterReplay.{where}", layer_index)
 
     def _derive_mask(self, indices: torch.Tensor, cols: dict[int, int]) -> torch.Tensor:
         sel = torch.tensor(sorted(set(cols.values())), device=indices.device)
@@ -309,6 +292,7 @@ class RouterReplay:
         layer_id: int,
         logits: torch.Tensor,
         *,
+        action: ReplayAction | str | None = None,
         topk_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
         score_func: str = "softmax",
         normalize: bool = True,
@@ -317,86 +301,118 @@ class RouterReplay:
         backend: str | None = None,
     ) -> RoutingPlan | None:
         """The routing plan of MoE layer `layer_id` for router `logits` [T, E], or None
-        when replay is disabled or no action is set (the layer runs its own path)."""
-        if not self.enabled or self._action is None:
+        when replay is disabled or there is no action (the layer runs its own path).
+        `action` overrides the object's current action for this call only (e.g. a
+        recompute served as REPLAY_BACKWARD while the object stays in REPLAY_FORWARD)."""
+        action = self._action if action is None else self._enabled_action(action, "route")
+        if not self.enabled or action is None:
             return None
-        from .. import gate  # late: replay_ops/__init__ imports this package lazily
-
         self._check_layer(layer_id, "route")
         if logits.dim() != 2 or logits.shape[1] != self.num_experts:
             raise ValueError(
                 f"RouterReplay.route: layer {layer_id}: logits must be [T, E={self.num_experts}], "
                 f"got shape {tuple(logits.shape)}"
             )
-        T = logits.shape[0]
+        # The values were checked when the routing was set (config.validate): the gate
+        # runs sync-free (an index outside [0, E) would be an empty slot).
         opts = dict(score_func=score_func, normalize=normalize, scaling_factor=scaling_factor,
-                    align=align, validate=self.config.validate, backend=backend)
-        action = self._action
+                    align=align, validate=False, backend=backend)
         if action is ReplayAction.RECORD:
-            if topk_fn is None:
-                raise ValueError(
-                    f"RouterReplay.route: layer {layer_id}: RECORD needs topk_fn, the layer's "
-                    f"native top-k selection"
-                )
-            with torch.no_grad():
-                idx = topk_fn(logits.detach())
-            idx = self._check_native(layer_id, idx, T)
-            plan = gate(logits, idx, **opts)
-            self._records[layer_id].append(plan.expert_indices.detach())
+            plan = self._route_record(layer_id, logits, topk_fn, opts)
         elif action is ReplayAction.REPLAY_FORWARD:
-            if self._routing is None and self.mode is ReplayMode.R2 and self._has_records():
-                self._use_recorded()
-            if self._routing is not None and self._routing.device != logits.device:
-                self._move_routing(logits.device)  # once per routing, not once per layer
-            idx = self.routing_for(layer_id)
-            if idx.shape[0] != T:
-                raise RouterReplayError(
-                    f"RouterReplay.route: layer {layer_id}: the routing to replay has "
-                    f"{idx.shape[0]} tokens but the logits have T={T} tokens (source: "
-                    f"{self.routing_source}, mapping: {self.layer_mapping}); the batch and its "
-                    f"routing do not line up"
-                )
-            mask = self._replay_mask
-            if mask is not None and self.config.fallback == "topk_fn":
-                if topk_fn is None:
-                    raise ValueError(
-                        f"RouterReplay.route: layer {layer_id}: fallback='topk_fn' needs topk_fn"
-                    )
-                with torch.no_grad():
-                    native = self._check_native(layer_id, topk_fn(logits.detach()), T)
-                idx = torch.where(mask[:, None], idx.to(torch.int32), native.to(torch.int32))
-                mask = None
-            plan = gate(logits, idx, replay_mask=mask, **opts)
-            if self.config.recompute and torch.is_grad_enabled():
-                q = self._queues[layer_id]
-                if len(q) >= self.config.max_queue:
-                    raise RouterReplayError(
-                        f"RouterReplay.route: layer {layer_id}: {len(q)} replayed forwards are "
-                        f"waiting for REPLAY_BACKWARD (max_queue={self.config.max_queue}); "
-                        f"without activation recompute set recompute=False, or call "
-                        f"clear_queues() after each step"
-                    )
-                q.append(plan.expert_indices.detach())
+            plan = self._route_replay_forward(layer_id, logits, topk_fn, opts)
         elif action is ReplayAction.REPLAY_BACKWARD:
-            q = self._queues[layer_id]
-            if not q:
-                raise RouterReplayError(
-                    f"RouterReplay.route: layer {layer_id}: REPLAY_BACKWARD but the layer's "
-                    f"queue is empty: the recompute has no matching REPLAY_FORWARD (forwards "
-                    f"are queued only when grad is enabled and recompute=True)"
-                )
-            idx = q.popleft()
-            if idx.shape[0] != T:
-                raise RouterReplayError(
-                    f"RouterReplay.route: layer {layer_id}: REPLAY_BACKWARD pops {idx.shape[0]} "
-                    f"tokens but the recomputed logits have T={T} tokens; recompute order "
-                    f"differs from the forward order"
-                )
-            plan = gate(logits, idx.to(logits.device), **opts)
-        else:  # pragma: no cover - set_action only accepts ReplayAction
+            plan = self._route_replay_backward(layer_id, logits, opts)
+        else:  # pragma: no cover - ReplayAction.parse only returns these
             raise RouterReplayError(f"RouterReplay.route: unknown action {action!r}")
         self._calls[layer_id] += 1
         return plan
+
+    @staticmethod
+    def _gate(logits, idx, **kw) -> RoutingPlan:
+        import replay_ops  # late, and looked up at call time (replay_ops imports this)
+
+        return replay_ops.gate(logits, idx, **kw)
+
+    def _route_record(self, layer_id, logits, topk_fn, opts) -> RoutingPlan:
+        """The layer's native top-k, gated and stored (checked when read out)."""
+        if topk_fn is None:
+            raise ValueError(
+                f"RouterReplay.route: layer {layer_id}: RECORD needs topk_fn, the layer's "
+                f"native top-k selection"
+            )
+        if self.routing_source == "recorded":
+            # R2: the last recording was replayed; this RECORD starts the next step, whose
+            # routing replaces it (a forgotten clear() must not replay the old step).
+            self._start_new_recording()
+        with torch.no_grad():
+            idx = self._check_native(layer_id, topk_fn(logits.detach()), logits.shape[0])
+        self._records[layer_id].append(idx.detach())
+        return self._gate(logits, idx, **opts)
+
+    def _start_new_recording(self) -> None:
+        for lid in self.moe_layer_ids:
+            self._records[lid].clear()
+        self._forget_routing()
+        self.step += 1
+
+    def _route_replay_forward(self, layer_id, logits, topk_fn, opts) -> RoutingPlan:
+        """The routing set (or recorded) for this layer; fallback rows use native top-k.
+        With grad enabled and recompute=True the indices used go onto the layer's queue."""
+        T = logits.shape[0]
+        if self._routing is None and self.mode is ReplayMode.R2 and self._has_records():
+            self._use_recorded()
+        if self._routing is not None and self._routing.device != logits.device:
+            self._move_routing(logits.device)  # once per routing, not once per layer
+        idx = self.routing_for(layer_id)
+        if idx.shape[0] != T:
+            raise RouterReplayError(
+                f"RouterReplay.route: layer {layer_id}: the routing to replay has "
+                f"{idx.shape[0]} tokens but the logits have T={T} tokens (source: "
+                f"{_describe_source(self.routing_source)}, mapping: {self.layer_mapping}); "
+                f"the batch and its routing do not line up"
+            )
+        mask = self._replay_mask
+        if mask is not None and self.config.fallback == "topk_fn":
+            if topk_fn is None:
+                raise ValueError(
+                    f"RouterReplay.route: layer {layer_id}: fallback='topk_fn' needs topk_fn"
+                )
+            with torch.no_grad():
+                native = self._check_native(layer_id, topk_fn(logits.detach()), T)
+            idx = torch.where(mask[:, None], idx.to(torch.int32), native.to(torch.int32))
+            mask = None
+        plan = self._gate(logits, idx, replay_mask=mask, **opts)
+        if self.config.recompute and torch.is_grad_enabled():
+            q = self._queues[layer_id]
+            if len(q) >= self.config.max_queue:
+                raise RouterReplayError(
+                    f"RouterReplay.route: layer {layer_id}: {len(q)} replayed forwards are "
+                    f"waiting for REPLAY_BACKWARD (max_queue={self.config.max_queue}); "
+                    f"without activation recompute set recompute=False, or call "
+                    f"clear_queues() after each step"
+                )
+            q.append(plan.expert_indices.detach())
+        return plan
+
+    def _route_replay_backward(self, layer_id, logits, opts) -> RoutingPlan:
+        """Activation recompute: the indices of the matching REPLAY_FORWARD, first in,
+        first out."""
+        q = self._queues[layer_id]
+        if not q:
+            raise RouterReplayError(
+                f"RouterReplay.route: layer {layer_id}: REPLAY_BACKWARD but the layer's "
+                f"queue is empty: the recompute has no matching REPLAY_FORWARD (forwards "
+                f"are queued only when grad is enabled and recompute=True)"
+            )
+        idx = q.popleft()
+        if idx.shape[0] != logits.shape[0]:
+            raise RouterReplayError(
+                f"RouterReplay.route: layer {layer_id}: REPLAY_BACKWARD pops {idx.shape[0]} "
+                f"tokens but the recomputed logits have T={logits.shape[0]} tokens; recompute "
+                f"order differs from the forward order"
+            )
+        return self._gate(logits, idx.to(logits.device), **opts)
 
     def _check_native(self, layer_id: int, idx, T: int) -> torch.Tensor:
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape != (T, self.top_k):
@@ -421,7 +437,8 @@ class RouterReplay:
 
     def recorded(self) -> torch.Tensor:
         """int32 [T, L_moe, K]: what RECORD stored, MoE layers in `moe_layer_ids` order;
-        several RECORD forwards are concatenated along T in call order."""
+        several RECORD forwards are concatenated along T in call order. With
+        config.validate the values are checked (one host sync)."""
         counts = {lid: len(self._records[lid]) for lid in self.moe_layer_ids}
         if not any(counts.values()):
             raise RouterReplayError(
@@ -437,13 +454,15 @@ class RouterReplay:
             raise RouterReplayError(
                 f"RouterReplay.recorded: MoE layers recorded different token counts {lengths}"
             )
-        return torch.stack(per_layer, dim=1).to(torch.int32)
+        rec = torch.stack(per_layer, dim=1)
+        self._check_values(rec, None, "recorded")
+        return rec.to(torch.int32)
 
     def _use_recorded(self) -> None:
         """R2: replay what RECORD stored, if no routing was set explicitly."""
         rec = self.recorded()
         self._routing = rec
-        self._routing_cols = {lid: n for n, lid in enumerate(self.moe_layer_ids)}
+        self._routing_cols = dict(zip(self.moe_layer_ids, range(self.num_moe_layers)))
         self._replay_mask = None
         self.layer_mapping = "moe"
         self.routing_source = "recorded"
@@ -470,10 +489,7 @@ class RouterReplay:
             raise ValueError("RouterReplay.save: no path given and config.record_file is not set")
         rec = self.recorded()
         meta = files.RecordMeta(
-            num_experts=self.num_experts,
-            top_k=self.top_k,
-            moe_layer_ids=list(self.moe_layer_ids),
-            num_hidden_layers=self.num_hidden_layers,
+            shape=self.shape,
             layer_index="moe",
             model_name=model_name if model_name is not None else (self.config.model_name or ""),
         )
@@ -515,8 +531,8 @@ class RouterReplay:
                     f"{rf.num_sequences} sequences ({os.fspath(path)!r})"
                 )
             start, stop = int(rf.cu_seqlens_np[b0]), int(rf.cu_seqlens_np[b1])
-        self.set_routing(rf.indices(start, stop), None, layer_index=rf.meta.layer_index)
-        self.routing_source = f"file:{os.fspath(path)}"
+        self._set_routing(rf.indices(start, stop), None, rf.meta.layer_index,
+                          f"file:{os.fspath(path)}")
         self.routing_file = rf
         return rf
 
@@ -527,3 +543,13 @@ class RouterReplay:
             f"top_k={self.top_k}, moe_layer_ids={self.moe_layer_ids}, "
             f"num_hidden_layers={self.num_hidden_layers}, layer_mapping={self.layer_mapping})"
         )
+
+
+def _describe_source(source: str | None) -> str:
+    if source is None:
+        return "nowhere"
+    if source.startswith("file:"):
+        return f"the record file {source[5:]!r}"
+    if source == "recorded":
+        return "the recording (RECORD forwards of this RouterReplay)"
+    return "set_routing()"

@@ -1,0 +1,258 @@
+"""What every rollout adapter shares: the per-sequence routing type, the checks of a batch,
+multi-turn assembly, and the packing into the training layouts.
+
+Training layouts:
+
+* `pack_padded`: verl's `[B, S, L, K]`, the prompt left-padded to `max_prompt_len` and the
+  response right-padded to `max_response_len`, plus `replay_mask [B, S]`.
+* `pack_thd`: packed tokens `[N, L, K]` with `cu_seqlens [B+1]` and `replay_mask [N]`.
+
+Empty slots and padding are -1 (never 0: a zero row would send the token to expert 0), and
+`replay_mask` is False for padding, for the final token of each sequence (it has no route)
+and for requests explicitly allowed to have no routing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..shape import ModelShape, describe_bad_route, first_bad_route
+
+INDEX_DTYPE = torch.int16
+
+# The model shape, under the name the adapters' callers know it by (one type: ModelShape).
+ModelLayout = ModelShape
+
+
+class RoutingMismatchError(ValueError):
+    """Rollout routing that does not line up with the batch it belongs to."""
+
+
+def to_moe(layout: ModelShape, routing: torch.Tensor, who: str) -> tuple[torch.Tensor, str]:
+    """[n, L, K] routing (absolute or MoE layers) -> ([n, L_moe, K] int16, the mapping), with
+    the values checked (range -1..E-1, no repeated expert in a token's layer)."""
+    if routing.dim() != 3:
+        raise RoutingMismatchError(f"{who}: routing must be [tokens, L, K], got shape "
+                                   f"{tuple(routing.shape)}")
+    n, L, K = routing.shape
+    if K != layout.top_k:
+        raise RoutingMismatchError(f"{who}: routing has K={K} experts per token, the model "
+                                   f"has top_k={layout.top_k} (shape {tuple(routing.shape)})")
+    mapping = layout.mapping_for(L, who, error=RoutingMismatchError)
+    if routing.is_floating_point() or routing.dtype == torch.bool:
+        raise RoutingMismatchError(f"{who}: routing must be integers, got {routing.dtype}")
+    if layout.num_experts > torch.iinfo(INDEX_DTYPE).max:
+        raise RoutingMismatchError(f"{who}: num_experts={layout.num_experts} does not fit the "
+                                   f"int16 training layout")
+    routing = routing[:, layout.columns(mapping), :]
+    bad = first_bad_route(routing, layout.num_experts)
+    if bad is not None:
+        raise RoutingMismatchError(
+            f"{who}: {describe_bad_route(bad, layout.num_experts, layout.moe_layer_ids)}")
+    return routing.to(INDEX_DTYPE), mapping
+
+
+@dataclass
+class SequenceRouting:
+    """Routing of one training sequence: `indices [n, L_moe, K]` (int16, -1 = none) and
+    `mask [n]` (True where the token has a route to replay)."""
+
+    indices: torch.Tensor
+    mask: torch.Tensor
+    mapping: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.indices.shape[0])
+
+
+def as_tensor(x, who: str) -> torch.Tensor:
+    """An array, list or tensor of routing as a CPU tensor."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(x))
+    if isinstance(x, (list, tuple)):
+        return torch.as_tensor(np.asarray(x))
+    raise RoutingMismatchError(f"{who}: routing must be an array or tensor, got {type(x).__name__}")
+
+
+def missing_sequence(layout: ModelShape, n: int) -> SequenceRouting:
+    """A sequence of n tokens without routing: every slot -1, every mask entry False."""
+    return SequenceRouting(
+        torch.full((n, layout.num_moe_layers, layout.top_k), -1, dtype=INDEX_DTYPE),
+        torch.zeros(n, dtype=torch.bool),
+        None,
+    )
+
+
+def check_batch(routings: Sequence, batch_size: int, who: str, allow_missing: bool) -> None:
+    """One entry per request (None for no routing); missing entries are an error unless
+    `allow_missing` (the requests then run with native top-k)."""
+    if len(routings) != batch_size:
+        raise RoutingMismatchError(
+            f"{who}: got routing for {len(routings)} requests but the batch has {batch_size}; "
+            f"every request needs an entry (None for no routing) or later requests would take "
+            f"their neighbour's routing"
+        )
+    missing = [i for i, r in enumerate(routings) if r is None]
+    if missing and not allow_missing:
+        have = batch_size - len(missing)
+        raise RoutingMismatchError(
+            f"{who}: requests {missing[:16]}{'...' if len(missing) > 16 else ''} have no routing "
+            f"({have} of {batch_size} requests do); the routing was lost between rollout and "
+            f"training. Pass allow_missing=True to run those requests with native top-k"
+        )
+
+
+# ---------------------------------------------------------------------------- multi-turn
+class MultiTurnRouting:
+    """Routing of one conversation built turn by turn, appended in order.
+
+    Turn i is a request of `seq_len` tokens (the whole conversation so far, generated
+    tokens included) whose routing covers tokens `[start, seq_len - 1)`. Rows already
+    held are kept (never overwritten); the turn contributes the rows after them. A turn
+    that starts after the rows held (a gap) or ends before them raises.
+    """
+
+    def __init__(self, layout: ModelShape, *, request: int | str = 0) -> None:
+        self.layout = layout
+        self.request = request
+        self._parts: list[torch.Tensor] = []
+        self.rows = 0
+        self.turns = 0
+        self.mapping: str | None = None
+
+    def add_turn(self, routing, seq_len: int, start: int = 0) -> None:
+        who = f"request {self.request} turn {self.turns}"
+        r = as_tensor(routing, who)
+        if r.dim() != 3:
+            raise RoutingMismatchError(f"{who}: routing must be [tokens, L, K], got "
+                                       f"{tuple(r.shape)}")
+        want = seq_len - 1 - start
+        if not 0 <= start <= max(seq_len - 1, 0):
+            raise RoutingMismatchError(f"{who}: start={start} is outside 0..seq_len-1="
+                                       f"{seq_len - 1}")
+        if r.shape[0] != want:
+            raise RoutingMismatchError(
+                f"{who}: routing has {r.shape[0]} token rows but seq_len - 1 - start = {want} "
+                f"(seq_len={seq_len}, start={start})"
+            )
+        if start > self.rows:
+            raise RoutingMismatchError(
+                f"{who}: routing starts at token {start} but the earlier turns cover only "
+                f"{self.rows} tokens; tokens {self.rows}..{start - 1} would have no routing"
+            )
+        if seq_len - 1 < self.rows:
+            raise RoutingMismatchError(
+                f"{who}: seq_len={seq_len} is shorter than the {self.rows + 1} tokens of the "
+                f"earlier turns; turns must be added in order"
+            )
+        moe, mapping = to_moe(self.layout, r, who)
+        if self.mapping is not None and mapping != self.mapping:
+            raise RoutingMismatchError(f"{who}: layer mapping {mapping!r} differs from earlier "
+                                       f"turns ({self.mapping!r})")
+        self.mapping = mapping
+        new = moe[self.rows - start:]
+        if new.shape[0]:
+            self._parts.append(new)
+            self.rows += int(new.shape[0])
+        self.turns += 1
+
+    def sequence(self, num_tokens: int) -> SequenceRouting:
+        """The conversation's routing for its `num_tokens` training tokens, which must be
+        the routed rows plus the final token (which has no route)."""
+        who = f"request {self.request}"
+        if self.turns == 0:
+            raise RoutingMismatchError(f"{who}: no turn was added")
+        if num_tokens != self.rows + 1:
+            raise RoutingMismatchError(
+                f"{who}: the sequence has {num_tokens} tokens but its routing covers "
+                f"{self.rows} tokens (+1 final token without route = {self.rows + 1})"
+            )
+        L, K = self.layout.num_moe_layers, self.layout.top_k
+        tail = torch.full((1, L, K), -1, dtype=INDEX_DTYPE)
+        idx = torch.cat(self._parts + [tail], dim=0)
+        mask = torch.ones(num_tokens, dtype=torch.bool)
+        mask[-1] = False
+        return SequenceRouting(idx, mask, self.mapping)
+
+
+# ---------------------------------------------------------------------------- layouts
+@dataclass
+class ReplayBatch:
+    """Routing in a training layout, ready for `RouterReplay.set_routing`:
+    `indices` [B, S, L_moe, K] (padded) or [N, L_moe, K] (THD), int16 with -1 = none;
+    `replay_mask` [B, S] or [N]; `cu_seqlens` [B+1] for THD. `mappings[i]` is the layer
+    mapping request i arrived in ("absolute", "moe", or None when it had no routing)."""
+
+    indices: torch.Tensor
+    replay_mask: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+    mappings: list = field(default_factory=list)
+    layer_index: str = "moe"
+
+    def apply(self, replay) -> None:
+        replay.set_routing(self.indices, self.replay_mask, layer_index=self.layer_index)
+
+
+def pack_thd(seqs: Sequence[SequenceRouting]) -> ReplayBatch:
+    """Concatenate sequences (packed THD): `cu_seqlens` are the sequence boundaries."""
+    if not seqs:
+        raise RoutingMismatchError("pack_thd: no sequences")
+    lens = [s.num_tokens for s in seqs]
+    cu = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+    cu[1:] = torch.tensor(lens, dtype=torch.int64).cumsum(0)
+    return ReplayBatch(torch.cat([s.indices for s in seqs], 0),
+                       torch.cat([s.mask for s in seqs], 0), cu, [s.mapping for s in seqs])
+
+
+def pack_padded(
+    seqs: Sequence[SequenceRouting],
+    prompt_lens: Sequence[int],
+    *,
+    max_prompt_len: int | None = None,
+    max_response_len: int | None = None,
+) -> ReplayBatch:
+    """verl's layout: `[B, max_prompt_len + max_response_len, L, K]`, sequence i's first
+    `prompt_lens[i]` tokens end at column `max_prompt_len` (left padding) and its
+    remaining tokens start there (right padding)."""
+    if not seqs:
+        raise RoutingMismatchError("pack_padded: no sequences")
+    if len(prompt_lens) != len(seqs):
+        raise RoutingMismatchError(f"pack_padded: {len(prompt_lens)} prompt lengths for "
+                                   f"{len(seqs)} sequences")
+    P = [int(p) for p in prompt_lens]
+    R = [s.num_tokens - p for s, p in zip(seqs, P)]
+    for i, (p, r) in enumerate(zip(P, R)):
+        if p < 0 or r < 0:
+            raise RoutingMismatchError(f"request {i}: prompt_len={p} is outside the sequence's "
+                                       f"{seqs[i].num_tokens} tokens")
+    Pm = max(P) if max_prompt_len is None else int(max_prompt_len)
+    Rm = max(R) if max_response_len is None else int(max_response_len)
+    for i, (p, r) in enumerate(zip(P, R)):
+        if p > Pm:
+            raise RoutingMismatchError(f"request {i}: prompt_len={p} exceeds max_prompt_len={Pm}")
+        if r > Rm:
+            raise RoutingMismatchError(f"request {i}: response has {r} tokens, exceeds "
+                                       f"max_response_len={Rm}")
+    B, L, K = len(seqs), seqs[0].indices.shape[1], seqs[0].indices.shape[2]
+    idx = torch.full((B, Pm + Rm, L, K), -1, dtype=INDEX_DTYPE)
+    mask = torch.zeros(B, Pm + Rm, dtype=torch.bool)
+    for i, (s, p, r) in enumerate(zip(seqs, P, R)):
+        idx[i, Pm - p:Pm + r] = s.indices
+        mask[i, Pm - p:Pm + r] = s.mask
+    return ReplayBatch(idx, mask, None, [s.mapping for s in seqs])
+
+
+def pack(seqs, prompt_lens, kind, max_prompt_len=None, max_response_len=None) -> ReplayBatch:
+    """`pack_thd` (kind="thd") or `pack_padded` (kind="padded")."""
+    if kind == "thd":
+        return pack_thd(seqs)
+    if kind == "padded":
+        return pack_padded(seqs, prompt_lens, max_prompt_len=max_prompt_len,
+                           max_response_len=max_response_len)
+    raise ValueError(f"unknown layout_kind={kind!r}; expected 'padded' or 'thd'")

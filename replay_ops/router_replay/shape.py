@@ -1,0 +1,170 @@
+"""`ModelShape`: the expert and layer shape of the model whose routing is recorded or
+replayed, and the check of routing values against it.
+
+One type serves every part of the replay system: `RouterReplay`, the record files
+(`RecordMeta.shape`), the rollout adapters (`ModelLayout` is this type) and the Hugging Face
+integration (`MoELayout.shape`).
+
+Layers are identified by their absolute layer id (the index in the model's list of decoder
+layers); `moe_layer_ids` lists the MoE ones in ascending order. A routing tensor
+`[tokens, L, K]` is indexed either by MoE ordinal (`L == num_moe_layers`, mapping "moe") or
+by absolute layer id (`L == num_hidden_layers`, mapping "absolute"; dense rows ignored).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Sequence
+
+import torch
+
+MAPPINGS = ("moe", "absolute")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    num_experts: int
+    top_k: int
+    moe_layer_ids: tuple[int, ...]
+    num_hidden_layers: int | None = None  # default: the last MoE layer id + 1
+
+    def __post_init__(self) -> None:
+        E, K = self.num_experts, self.top_k
+        if isinstance(E, bool) or not isinstance(E, int) or E < 1:
+            raise ValueError(f"{self._who()}: num_experts must be an integer >= 1, got {E!r}")
+        if isinstance(K, bool) or not isinstance(K, int) or not 1 <= K <= E:
+            raise ValueError(f"{self._who()}: top_k must be an integer in 1..num_experts={E}, "
+                             f"got {K!r}")
+        ids = tuple(int(i) for i in self.moe_layer_ids)
+        if not ids:
+            raise ValueError(f"{self._who()}: moe_layer_ids is empty; a model with no MoE "
+                             f"layer has nothing to replay")
+        if ids[0] < 0 or len(set(ids)) != len(ids) or list(ids) != sorted(ids):
+            raise ValueError(f"{self._who()}: moe_layer_ids must be ascending distinct "
+                             f"non-negative layer ids (the model's layer order), got {list(ids)}")
+        n = ids[-1] + 1 if self.num_hidden_layers is None else int(self.num_hidden_layers)
+        if n <= ids[-1]:
+            raise ValueError(f"{self._who()}: num_hidden_layers={n} but moe_layer_ids "
+                             f"contains layer {ids[-1]}")
+        object.__setattr__(self, "moe_layer_ids", ids)
+        object.__setattr__(self, "num_hidden_layers", n)
+
+    def _who(self) -> str:
+        return type(self).__name__
+
+    @classmethod
+    def of(cls, obj) -> "ModelShape":
+        """The shape of anything that has one (`.shape`), or carries the four fields."""
+        shape = getattr(obj, "shape", None)
+        if isinstance(shape, ModelShape):
+            return shape
+        return cls(obj.num_experts, obj.top_k, tuple(obj.moe_layer_ids), obj.num_hidden_layers)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layer_ids)
+
+    def mapping_for(self, L: int, who: str, layer_index: str = "auto",
+                    error: type[Exception] = ValueError) -> str:
+        """"moe" or "absolute" for a routing tensor with L layers (`layer_index` "auto" picks
+        by L; "moe"/"absolute" insist); raises `error` when L fits neither."""
+        if layer_index not in ("auto",) + MAPPINGS:
+            raise ValueError(f"{who}: unknown layer_index={layer_index!r}; expected one of "
+                             f"{('auto',) + MAPPINGS}")
+        n_moe, n_all = self.num_moe_layers, self.num_hidden_layers
+        if layer_index == "moe" or (layer_index == "auto" and L == n_moe):
+            if L != n_moe:
+                raise error(f"{who}: layer_index='moe' needs L={n_moe} (MoE layers "
+                            f"{list(self.moe_layer_ids)}), got L={L}")
+            return "moe"
+        if layer_index == "absolute" or (layer_index == "auto" and L == n_all):
+            if L != n_all:
+                raise error(f"{who}: layer_index='absolute' needs L=num_hidden_layers={n_all}, "
+                            f"got L={L}")
+            return "absolute"
+        raise error(
+            f"{who}: routing has L={L} layers, but the model has {n_moe} MoE layers (ids "
+            f"{list(self.moe_layer_ids)}) and {n_all} hidden layers; L must be one of them"
+        )
+
+    def columns(self, mapping: str) -> list[int]:
+        """The column of each MoE layer (in moe_layer_ids order) in a routing tensor."""
+        return list(range(self.num_moe_layers)) if mapping == "moe" else list(self.moe_layer_ids)
+
+    def layer_ids(self, mapping: str) -> list[int]:
+        """The absolute layer id of each column of a routing tensor."""
+        return list(self.moe_layer_ids) if mapping == "moe" else list(range(self.num_hidden_layers))
+
+
+class BadRoute(NamedTuple):
+    """The first bad entry of a routing tensor [n, L, K]: an expert id outside [-1, E)
+    (`kind` "range", at token, layer column, slot, with its value) or a token whose layer
+    repeats an expert (`kind` "repeat", `row` the layer's K ids)."""
+
+    kind: str
+    token: int
+    layer: int
+    slot: int
+    value: int
+    row: list
+
+
+CHECK_CHUNK_TOKENS = 1 << 16  # tokens checked per step: bounds the temporaries
+
+
+def first_bad_route(routing: torch.Tensor, num_experts: int,
+                    mask: torch.Tensor | None = None) -> BadRoute | None:
+    """Check routing values [n, L, K] (-1 = no route): every id in [-1, E), no expert twice
+    in a token's layer. Tokens where `mask` [n] is False are not checked. One host read
+    when the routing is valid (the tokens are checked in chunks, the flags read together);
+    the location of the first bad entry otherwise (range errors first, then repeats, each
+    in token order)."""
+    n = routing.shape[0]
+    if routing.numel() == 0:
+        return None
+    keep = None if mask is None else mask.to(torch.bool).to(routing.device)
+    flags = []
+    for t0 in range(0, n, CHECK_CHUNK_TOKENS):
+        bad, dup = _bad_entries(routing[t0:t0 + CHECK_CHUNK_TOKENS], num_experts,
+                                None if keep is None else keep[t0:t0 + CHECK_CHUNK_TOKENS])
+        flags += [bad.any(), dup.any()]
+    flags = torch.stack(flags).view(-1, 2).tolist()
+    for kind, col in (("range", 0), ("repeat", 1)):
+        for c, f in enumerate(flags):
+            if not f[col]:
+                continue
+            t0 = c * CHECK_CHUNK_TOKENS
+            r = routing[t0:t0 + CHECK_CHUNK_TOKENS].to(torch.int64)
+            bad, dup = _bad_entries(r, num_experts,
+                                    None if keep is None else keep[t0:t0 + CHECK_CHUNK_TOKENS])
+            if kind == "range":
+                t, layer, k = (int(v) for v in bad.nonzero()[0])
+                return BadRoute(kind, t0 + t, layer, k, int(r[t, layer, k]), r[t, layer].tolist())
+            t, layer = (int(v) for v in dup.nonzero()[0])
+            row = r[t, layer].tolist()
+            k = next(j for j, v in enumerate(row) if v >= 0 and v in row[:j])
+            return BadRoute(kind, t0 + t, layer, k, row[k], row)
+    return None
+
+
+def _bad_entries(r: torch.Tensor, num_experts: int, keep: torch.Tensor | None):
+    """([n, L, K] ids outside [-1, E), [n, L] layers that repeat an expert), masked."""
+    bad = (r < -1) | (r >= num_experts)
+    s = r.sort(dim=2).values
+    dup = ((s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)).any(dim=2)
+    if keep is not None:
+        bad = bad & keep[:, None, None]
+        dup = dup & keep[:, None]
+    return bad, dup
+
+
+def describe_bad_route(bad: BadRoute, num_experts: int, layer_ids: Sequence[int],
+                       token_offset: int = 0) -> str:
+    """The standard words for a bad route: token, layer id, slot and value."""
+    lid, t = layer_ids[bad.layer], bad.token + token_offset
+    if bad.kind == "range":
+        return (f"token {t}, MoE layer {lid} (slot {bad.slot}) routes to expert {bad.value}, "
+                f"out of range for num_experts={num_experts} (valid 0..{num_experts - 1}, "
+                f"-1 = no route)")
+    return (f"token {t}, MoE layer {lid} repeats an expert {bad.row} (expert {bad.value} at "
+            f"slot {bad.slot}); zero-filled or duplicated rows are not routes (mark missing "
+            f"routes with -1)")
