@@ -13,7 +13,7 @@
   native-raw (the extension's op called directly, to show the dispatch cost), triton (CUDA
   only), torch.compile (the reference compiled, when asked for), and peers when installed
   (vLLM's moe_align_block_size for the plan on CUDA).
-* Results are written atomically (temporary file, then os.replace).
+* Results are written atomically (replay_ops._atomic: temporary file, fsync, rename).
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -151,16 +150,9 @@ def add_bandwidth(row: dict, nbytes: int, copy_gbps: float) -> dict:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    from replay_ops._atomic import atomic_write
+
+    atomic_write(path, text)
 
 
 def to_markdown(rows: list[dict], cols: list[str]) -> str:

@@ -12,7 +12,7 @@ the pure-PyTorch oracle the tests hold every backend to.
 from __future__ import annotations
 
 from . import backends
-from . import ops as _ops  # registers torch.ops.replay.*
+from . import ops as _ops  # noqa: F401  (registers torch.ops.replay.*)
 from .api import gate, permute, unpermute
 from .plan import RoutingPlan
 

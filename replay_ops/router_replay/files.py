@@ -46,7 +46,6 @@ import hashlib
 import json
 import os
 import struct
-from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import numpy as np

@@ -1,0 +1,155 @@
+"""The demo's outputs: the summary, the text report and the chart."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from .._atomic import atomic_target
+
+
+def summary(cfg, eng, results: dict, r2: dict, device, timing: dict) -> dict:
+    """The summary of a run (written to summary.json)."""
+    lay = eng.layout
+    s = {
+        "config": {k: (list(v) if isinstance(v, tuple) else v)
+                   for k, v in dataclasses.asdict(cfg).items()},
+        "model": {
+            "arch": cfg.arch, "parameters": eng.num_params, "moe_layer_ids": lay.moe_layer_ids,
+            "num_experts": lay.num_experts, "top_k": lay.top_k, "score_func": lay.score_func,
+            "normalize": lay.normalize,
+        },
+        "workload": {
+            "sequences": cfg.num_seqs, "tokens": results["_tokens"],
+            "response_tokens": results["_response_tokens"],
+            "inference": f"bf16, sampled in batches of {cfg.sample_batch}, scored in batches "
+                         f"of {cfg.infer_batch} in prompt order, left padding",
+            "training": f"fp32, batches of {cfg.train_batch} sorted by length, right padding",
+        },
+        "no_replay": {k: v for k, v in results["native"].items() if not k.startswith("_")},
+        "r3_replay": {k: v for k, v in results["R3"].items() if not k.startswith("_")},
+        "r2_round_trip": r2,
+        "backend": backend_name(device),
+        "versions": versions(),
+        "timing": {k: round(v, 2) for k, v in timing.items()},
+    }
+    kl0, kl1 = s["no_replay"]["kl_k3_mean"], s["r3_replay"]["kl_k3_mean"]
+    s["kl_reduction"] = (kl0 / kl1) if kl1 > 0 else math.inf
+    return s
+
+
+def backend_name(device) -> str:
+    try:
+        from .. import backends
+
+        return backends()["active"][device.type]
+    except Exception as e:  # pragma: no cover - report, do not fail the demo
+        return f"unknown ({e})"
+
+
+def versions() -> dict:
+    import transformers
+
+    from .. import __version__
+
+    return {"replay_ops": __version__, "torch": torch.__version__,
+            "transformers": transformers.__version__}
+
+
+def chart(path: str, summary: dict, results: dict, layer_ids: list[int]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=110)
+    x = torch.arange(len(layer_ids)).numpy()
+    w = 0.38
+    nat = [100 * v for v in summary["no_replay"]["routing_mismatch_per_layer"]]
+    r3 = [100 * v for v in summary["r3_replay"]["routing_mismatch_per_layer"]]
+    a.bar(x - w / 2, nat, w, label="no replay", color="#d95f02")
+    a.bar(x + w / 2, r3, w, label="R3 replay", color="#1b9e77")
+    for xi, v in zip(x, r3):
+        a.text(xi + w / 2, v, "0" if v == 0 else f"{v:.1f}", ha="center", va="bottom",
+               fontsize=8, color="#1b9e77")
+    a.set_xticks(x, [str(i) for i in layer_ids])
+    a.set_xlabel("MoE layer")
+    a.set_ylabel("routing decisions that differ (%)")
+    a.set_title("Training (fp32) vs inference (bf16) routing")
+    a.legend()
+    lo = 1e-6
+    bins = torch.logspace(math.log10(lo), 0, 37).numpy()
+    for name, label, color in (("native", "no replay", "#d95f02"), ("R3", "R3 replay", "#1b9e77")):
+        d = results[name]["_abs_dlogprob"].clamp_min(lo).numpy()
+        b.hist(d, bins=bins, histtype="step", linewidth=1.8, label=label, color=color)
+    b.set_xscale("log")
+    b.set_xlabel("|log p_train - log p_infer| per response token")
+    b.set_ylabel("tokens")
+    kl0, kl1 = summary["no_replay"]["kl_k3_mean"], summary["r3_replay"]["kl_k3_mean"]
+    b.set_title(f"Log-prob gap (k3 KL: {kl0:.2e} -> {kl1:.2e})")
+    b.legend()
+    fig.suptitle(f"Router replay on a {summary['model']['arch']} model "
+                 f"({summary['workload']['tokens']} tokens, {len(layer_ids)} MoE layers)")
+    fig.tight_layout()
+    with atomic_target(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+
+
+def format_report(s: dict) -> str:
+    """The human-readable table of a summary."""
+    n, r = s["no_replay"], s["r3_replay"]
+    lines = []
+    m, w = s["model"], s["workload"]
+    lines.append(
+        f"replay_ops demo: {m['arch']} with random weights ({m['parameters']:,} parameters, "
+        f"{len(m['moe_layer_ids'])} MoE layers, {m['num_experts']} experts, top-{m['top_k']}, "
+        f"{m['score_func']})"
+    )
+    lines.append(f"  inference engine: {w['inference']}")
+    lines.append(f"  training engine:  {w['training']}")
+    lines.append(f"  {w['sequences']} sequences, {w['tokens']} tokens, "
+                 f"{w['response_tokens']} sampled response tokens; backend: {s['backend']}")
+    lines.append("")
+    lines.append("Routing decisions that differ from the inference engine, per MoE layer")
+    lines.append(f"  {'layer':>5} | {'no replay':>10} | {'R3 replay':>10}")
+    lines.append(f"  {'-' * 5}-+-{'-' * 10}-+-{'-' * 10}")
+    for lid, a, b in zip(m["moe_layer_ids"], n["routing_mismatch_per_layer"],
+                         r["routing_mismatch_per_layer"]):
+        lines.append(f"  {lid:>5} | {100 * a:>9.2f}% | {100 * b:>9.2f}%")
+    lines.append("")
+    lines.append(f"  {'overall':<44} | {'no replay':>10} | {'R3 replay':>10}")
+    lines.append(f"  {'-' * 44}-+-{'-' * 10}-+-{'-' * 10}")
+    rows = [
+        ("(token, layer) routing decisions that differ", "routing_mismatch", "pct"),
+        ("tokens with >= 1 differing layer", "tokens_with_any_mismatch", "pct"),
+        ("KL(infer || train), k3 estimate per token", "kl_k3_mean", "sci"),
+        ("mean |delta logprob| per token", "abs_dlogprob_mean", "sci"),
+        ("max |delta logprob|", "abs_dlogprob_max", "sci"),
+    ]
+    for label, key, kind in rows:
+        fa = f"{100 * n[key]:.2f}%" if kind == "pct" else f"{n[key]:.3e}"
+        fb = f"{100 * r[key]:.2f}%" if kind == "pct" else f"{r[key]:.3e}"
+        lines.append(f"  {label:<44} | {fa:>10} | {fb:>10}")
+    lines.append("")
+    lines.append(f"R3 replay: routing difference {100 * r['routing_mismatch']:.2f}% "
+                 f"(exactly {'zero' if r['routing_mismatch'] == 0 else 'NOT zero'}); "
+                 f"KL {s['kl_reduction']:.1f}x lower")
+    q = s["r2_round_trip"]
+    lines.append("")
+    lines.append(f"R2 round trip ({q['tokens']} tokens, record file {q['record_file']}, "
+                 f"{q['record_file_bytes']:,} bytes)")
+    lines.append(f"  file routing equals the recorded routing:        "
+                 f"{q['file_routing_equals_recorded']}")
+    lines.append(f"  replayed log-probs bitwise equal before update:  "
+                 f"{q['replay_logprobs_bitwise_equal_before_update']}")
+    lines.append(f"  after one optimizer step (lr={q['learning_rate']}), routing that differs "
+                 f"from the record:")
+    lines.append(f"    native {100 * q['after_update_routing_mismatch_native']:.2f}%, "
+                 f"R2 replay {100 * q['after_update_routing_mismatch_r2']:.2f}%")
+    lines.append("")
+    t = s["timing"]
+    chart = f", {s['chart']}" if s.get("chart") else ""
+    lines.append(f"wrote {s.get('summary_file', '')}{chart}  ({t.get('total_s', 0):.1f} s)")
+    return "\n".join(lines)
