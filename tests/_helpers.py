@@ -224,3 +224,65 @@ def ref_gate64(logits, idx, **kw):
     """Reference gate on the fp64 copy of the logits (the fp64 oracle)."""
     return ref.gate(logits.detach().double(), idx, **kw)
 
+
+
+# ------------------------------------------------------------------ host syncs on the CPU
+# aten ops whose result size or value the host must read from device memory: on a CUDA
+# tensor each one stalls the stream until the device catches up.
+HOST_READ_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim",
+                 "unique_consecutive", "repeat_interleave", "equal")
+
+
+def _has_bool_index(args) -> bool:
+    """aten.index / index_put with a boolean mask: the result size is the mask's count."""
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
+
+
+class HostSyncCounter:
+    """Counts the reads of tensor memory by the host inside a `with` block, on any device:
+    the aten ops of HOST_READ_OPS (item, bool, int, nonzero, ...) and indexing with a boolean
+    mask, seen by a
+    dispatch mode, plus the Python-level reads that do not dispatch on CPU tensors
+    (`Tensor.tolist`, `.numpy`, `.cpu`). On a GPU each of them is a device-to-host sync.
+    `.events` lists what was counted."""
+
+    def __init__(self):
+        self.events: list[str] = []
+
+    @property
+    def count(self) -> int:
+        return len(self.events)
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                if name in HOST_READ_OPS or (name in ("index", "index_put", "index_put_")
+                                             and _has_bool_index(args)):
+                    counter.events.append(f"aten.{name}")
+                return func(*args, **(kwargs or {}))
+
+        self._patched = []
+        for meth in ("tolist", "numpy", "cpu"):
+            orig = getattr(torch.Tensor, meth)
+
+            def wrapper(t, *a, _orig=orig, _meth=meth, **kw):
+                counter.events.append(f"Tensor.{_meth}")
+                return _orig(t, *a, **kw)
+
+            self._patched.append((meth, orig))
+            setattr(torch.Tensor, meth, wrapper)
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        for meth, orig in self._patched:
+            setattr(torch.Tensor, meth, orig)
+        return False

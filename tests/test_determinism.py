@@ -53,10 +53,17 @@ def _run(device, backend, case, score_func):
                 grad_hidden=hidden.grad)
 
 
+def _can_differ(params):
+    """Only the backends whose runs could differ: CUDA kernels, and the native CPU kernels
+    (several threads). The eager torch backend and the single-threaded Triton interpreter on
+    the CPU cannot give two identical calls different bits, so comparing them tests nothing."""
+    return [p for p in params if p.values[0] == "cuda" or p.values[1] == "native"]
+
+
 @pytest.mark.parametrize(
     "device,backend,case",
-    case_params(CASES, CASES_INTERP,
-                ids=lambda c: "T{}E{}K{}H{}a{}-{}".format(*c[:5], str(c[5])[6:])),
+    _can_differ(case_params(CASES, CASES_INTERP,
+                            ids=lambda c: "T{}E{}K{}H{}a{}-{}".format(*c[:5], str(c[5])[6:]))),
 )
 def test_repeated_runs_are_bitwise_identical(device, backend, case):
     repeats = 1 if is_interpreted(device, backend) else 2
@@ -112,15 +119,18 @@ def test_token_results_do_not_depend_on_the_batch(device, backend, score_func):
 
 @pytest.mark.parametrize("device,backend,n", case_params([None]))
 def test_runs_under_deterministic_algorithms(device, backend, n):
+    """No op of the forward and backward raises under torch.use_deterministic_algorithms;
+    where two runs could differ, they do not."""
     prev = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         r1 = _run(device, backend, (33, 5, 2, 8, 16, torch.float32), "softmax")
-        r2 = _run(device, backend, (33, 5, 2, 8, 16, torch.float32), "softmax")
+        if device == "cuda" or backend == "native":
+            r2 = _run(device, backend, (33, 5, 2, 8, 16, torch.float32), "softmax")
+            for name in r1:
+                assert_bitwise(r1[name], r2[name], name)
     finally:
         torch.use_deterministic_algorithms(prev)
-    for name in r1:
-        assert_bitwise(r1[name], r2[name], name)
 
 
 @pytest.mark.parametrize(

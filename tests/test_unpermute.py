@@ -315,3 +315,32 @@ def test_unpermute_grad_weights_accuracy_wide_hidden(device, backend, H):
     ref_gw = grad_w(ref.unpermute, x, w, gy)
     r64_gw = grad_w(ref.unpermute, x.double(), w.double(), gy.double())
     assert_fa_close(out_gw, ref_gw, r64_gw, "grad weights")
+
+
+@pytest.mark.parametrize("dev_backend", backend_params())
+def test_unpermute_backward_weight_grad_of_empty_slots_is_zero(dev_backend):
+    """The weights gradient of an empty slot (row_id_map -1, or a row past expert_out's end)
+    is exactly 0: the slot read no row. (Through the gate this never shows, since the gate
+    backward ignores empty slots; a caller that differentiates the weights directly sees it.)
+    The other slots get <grad_out[t], expert_out[row]>, computed here by a loop."""
+    device, backend = dev_backend
+    T, E, K, H = 5, 4, 3, 6
+    idx = torch.tensor([[0, -1, 2], [1, 3, -1], [-1, -1, -1], [2, 0, 1], [3, -1, 0]],
+                       device=device)
+    plan = replay_ops.gate(make_logits(T, E, device=device), idx, backend=backend)
+    R = plan.num_rows()
+    g = torch.Generator().manual_seed(3)
+    expert_out = torch.randn(R, H, generator=g, dtype=torch.float64).to(device)
+    grad_out = torch.randn(T, H, generator=g, dtype=torch.float64).to(device)
+    row_id_map = plan.row_id_map.clone()
+    row_id_map[3, 1] = R + 2  # a row past the end of expert_out: an empty slot too
+    weights = torch.randn(T, K, generator=g, dtype=torch.float64).to(device)
+    _, grad_w = torch.ops.replay.unpermute_backward(grad_out, expert_out, row_id_map,
+                                                    plan.sorted_slots, weights, backend)
+    for t in range(T):
+        for k in range(K):
+            r = int(row_id_map[t, k])
+            want = float((grad_out[t] * expert_out[r]).sum()) if 0 <= r < R else 0.0
+            assert float(grad_w[t, k]) == pytest.approx(want, rel=1e-12, abs=0.0), (t, k, r)
+            if not 0 <= r < R:
+                assert float(grad_w[t, k]) == 0.0

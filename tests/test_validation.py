@@ -16,9 +16,13 @@ import torch
 import replay_ops
 from replay_ops import backends as rb
 
-from _helpers import HAS_CUDA, backend_params, make_indices, make_logits
+from _helpers import DEVICES, HAS_CUDA, backend_params, make_indices, make_logits
 
 BACKENDS = backend_params()
+# The input checks run in the ops layer, before a backend is chosen (the test
+# `test_checks_run_before_any_backend` holds that), so they are tested once per device.
+ONCE = [pytest.param((dev, None), id=dev, marks=[pytest.mark.gpu] if dev == "cuda" else [])
+        for dev in DEVICES]
 
 
 def gate_call(backend, logits, idx, **kw):
@@ -32,7 +36,7 @@ def raises(exc, *fragments):
 
 
 # ------------------------------------------------------------------- data checks
-@pytest.mark.parametrize("dev_backend", BACKENDS)
+@pytest.mark.parametrize("dev_backend", ONCE)
 @pytest.mark.parametrize("bad", [7, 8, 300, -2, -32768])
 @pytest.mark.parametrize("idx_dtype", [torch.int16, torch.int32, torch.int64])
 def test_index_out_of_range(dev_backend, bad, idx_dtype):
@@ -44,7 +48,7 @@ def test_index_out_of_range(dev_backend, bad, idx_dtype):
         gate_call(backend, make_logits(T, E, device=device), idx)
 
 
-@pytest.mark.parametrize("dev_backend", BACKENDS)
+@pytest.mark.parametrize("dev_backend", ONCE)
 def test_index_out_of_range_reports_first_bad_row(dev_backend):
     device, backend = dev_backend
     idx = torch.tensor([[0, 1], [2, 9], [-5, 1]], device=device)
@@ -52,7 +56,7 @@ def test_index_out_of_range_reports_first_bad_row(dev_backend):
         gate_call(backend, make_logits(3, 4, device=device), idx)
 
 
-@pytest.mark.parametrize("dev_backend", BACKENDS)
+@pytest.mark.parametrize("dev_backend", ONCE)
 def test_duplicate_expert_in_row(dev_backend):
     device, backend = dev_backend
     T, E, K = 6, 8, 3
@@ -63,7 +67,7 @@ def test_duplicate_expert_in_row(dev_backend):
         gate_call(backend, make_logits(T, E, device=device), idx)
 
 
-@pytest.mark.parametrize("dev_backend", BACKENDS)
+@pytest.mark.parametrize("dev_backend", ONCE)
 def test_zero_padded_rows_are_rejected(dev_backend):
     """verl pads missing routes with all-zero rows: they must not all route to expert 0."""
     device, backend = dev_backend
@@ -81,7 +85,7 @@ def test_duplicate_empty_slots_are_fine(dev_backend):
     assert plan.num_rows() == 1
 
 
-@pytest.mark.parametrize("dev_backend", BACKENDS)
+@pytest.mark.parametrize("dev_backend", ONCE)
 def test_fallback_rows_are_not_validated_but_replayed_rows_are(dev_backend):
     device, backend = dev_backend
     idx = torch.tensor([[0, 99], [1, 1], [2, 3]], device=device)
@@ -191,7 +195,7 @@ STATIC_CASES = {
 }
 
 
-@pytest.mark.parametrize("dev_backend", BACKENDS)
+@pytest.mark.parametrize("dev_backend", ONCE)
 @pytest.mark.parametrize("validate", [True, False])
 @pytest.mark.parametrize("name", sorted(STATIC_CASES))
 def test_gate_static_checks(dev_backend, validate, name):
@@ -223,7 +227,7 @@ def _plan(device, backend, align=4):
     return replay_ops.gate(make_logits(3, 4, device=device), idx, align=align, backend=backend)
 
 
-@pytest.mark.parametrize("dev_backend", BACKENDS)
+@pytest.mark.parametrize("dev_backend", ONCE)
 def test_permute_num_rows_too_small(dev_backend):
     device, backend = dev_backend
     plan = _plan(device, backend)
@@ -235,7 +239,7 @@ def test_permute_num_rows_too_small(dev_backend):
         replay_ops.permute(torch.randn(3, 2, device=device), plan, -1, backend=backend)
 
 
-@pytest.mark.parametrize("dev_backend", BACKENDS)
+@pytest.mark.parametrize("dev_backend", ONCE)
 @pytest.mark.parametrize(
     "name,hidden,exc,fragments",
     [
@@ -256,7 +260,7 @@ def test_permute_bad_hidden(dev_backend, name, hidden, exc, fragments):
         replay_ops.permute(hidden(device), plan, plan.max_rows, backend=backend)
 
 
-@pytest.mark.parametrize("dev_backend", BACKENDS)
+@pytest.mark.parametrize("dev_backend", ONCE)
 def test_permute_bad_plan_tensors(dev_backend):
     device, backend = dev_backend
     plan = _plan(device, backend)
@@ -270,7 +274,7 @@ def test_permute_bad_plan_tensors(dev_backend):
 
 
 # --------------------------------------------------------------- unpermute checks
-@pytest.mark.parametrize("dev_backend", BACKENDS)
+@pytest.mark.parametrize("dev_backend", ONCE)
 @pytest.mark.parametrize(
     "name,make,exc,fragments",
     [
@@ -289,7 +293,7 @@ def test_unpermute_bad_expert_out(dev_backend, name, make, exc, fragments):
         replay_ops.unpermute(make(device, plan.max_rows), plan, backend=backend)
 
 
-@pytest.mark.parametrize("dev_backend", BACKENDS)
+@pytest.mark.parametrize("dev_backend", ONCE)
 def test_unpermute_bad_weights(dev_backend):
     device, backend = dev_backend
     plan = _plan(device, backend)
@@ -301,7 +305,7 @@ def test_unpermute_bad_weights(dev_backend):
         replay_ops.unpermute(x, plan._replace(weights=plan.row_id_map), backend=backend)
 
 
-@pytest.mark.parametrize("dev_backend", BACKENDS)
+@pytest.mark.parametrize("dev_backend", ONCE)
 def test_unpermute_expert_out_too_short(dev_backend):
     """An expert_out with fewer rows than the plan uses (expert_offsets[E]) must not silently
     drop the tokens routed to the missing rows."""
@@ -361,3 +365,27 @@ def test_backend_argument_wins_over_environment(monkeypatch):
     monkeypatch.setenv(rb.ENV_VAR, "bogus")
     plan = replay_ops.gate(make_logits(2, 3), make_indices(2, 3, 1), backend="torch")
     assert plan.weights.shape == (2, 1)
+
+
+def test_checks_run_before_any_backend(monkeypatch):
+    """Every backend's kernels replaced by one that fails: the input errors still come out
+    (from the ops layer), so running the checks once per device covers every backend."""
+    from replay_ops.backends.protocol import OPS
+
+    def unreachable(*a, **k):
+        raise AssertionError("a backend kernel ran before the inputs were checked")
+
+    for name in rb.MODULES:
+        mod = rb.load(name)
+        if mod is not None:
+            for op in OPS:
+                monkeypatch.setattr(mod, op, unreachable)
+    idx = make_indices(5, 7, 2)
+    idx[3, 1] = 9
+    with raises(ValueError, "expert_indices[3, 1]", "= 9"):
+        replay_ops.gate(make_logits(5, 7), idx)
+    for name in sorted(STATIC_CASES):
+        build, exc, fragments = STATIC_CASES[name]
+        logits, idx, kw = build("cpu")
+        with raises(exc, *fragments):
+            replay_ops.gate(logits, idx, **kw)
