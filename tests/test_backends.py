@@ -1,0 +1,88 @@
+"""The backend registry: the typed contract, selection by `supports`, and what
+`replay_ops.backends()` reports."""
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+import replay_ops
+from replay_ops import backends as rb
+from replay_ops.backends.protocol import OPS, REQUIRED, BackendContractError, OpShape, Support
+
+
+def test_backends_module_is_callable_and_reports():
+    info = replay_ops.backends()
+    assert set(info) >= {"requested", "active", "backends", "why"}
+    assert info["backends"]["torch"]["cpu"] is True
+    assert info["active"]["cpu"] in ("native", "torch")
+
+
+def test_every_registered_module_fulfils_the_contract():
+    for name in rb.MODULES:
+        mod = rb.load(name)
+        if mod is None:
+            continue
+        for member in REQUIRED:
+            assert hasattr(mod, member), (name, member)
+        assert isinstance(mod.available("cpu"), Support)
+
+
+def test_a_module_without_a_kernel_fails_loudly_when_it_loads(monkeypatch):
+    """A backend module that imports but lacks a kernel is a programming error: the registry
+    raises naming what is missing, instead of reporting it as unavailable."""
+    fake = types.ModuleType("replay_ops_fake_backend")
+    fake.NAME = "fake"
+    fake.available = lambda device_type: Support(True)
+    fake.supports = lambda *a: Support(True)
+    for op in OPS:
+        if op != "unpermute_bwd":
+            setattr(fake, op, lambda *a: None)
+    monkeypatch.setitem(sys.modules, "replay_ops_fake_backend", fake)
+    monkeypatch.setitem(rb.MODULES, "fake", "replay_ops_fake_backend")
+    monkeypatch.delitem(rb._loaded, "fake", raising=False)
+    with pytest.raises(BackendContractError, match=r"missing \['unpermute_bwd'\]"):
+        rb.load("fake")
+    monkeypatch.delitem(rb._loaded, "fake", raising=False)
+
+
+def test_selection_asks_supports_and_reports_why(monkeypatch):
+    """On CUDA, a gate over more experts than the CUDA kernels hold goes to the next backend
+    in the order, and `backends(op=..., shape=...)` says which one runs and why. (The
+    availability of CUDA is simulated: the decision is the registry's, not a kernel's.)"""
+    native = rb.load("native")
+    if native is None:
+        pytest.skip("the native extension is not built")
+    monkeypatch.setattr(native, "available", lambda d: Support(True))
+    triton_mod = rb.load("triton")
+    if triton_mod is not None:
+        monkeypatch.setattr(triton_mod, "available", lambda d: Support(True))
+    E = native.MAX_EXPERTS
+    runs, skipped = rb.explain("gate_fwd", "cuda", OpShape(8, E, 2), torch.float32)
+    assert runs == "native" and skipped == {}
+    runs, skipped = rb.explain("gate_fwd", "cuda", OpShape(8, E + 1, 2), torch.float32)
+    assert runs == ("triton" if triton_mod is not None else "torch")
+    assert f"E={E + 1} experts is above the CUDA gate kernels' limit kMaxExperts={E}" in \
+        skipped["native"]
+    runs, skipped = rb.explain("gate_bwd", "cuda", OpShape(8, 64, native.MAX_TOPK + 1),
+                               torch.float32)
+    assert runs != "native" and "kMaxTopK" in skipped["native"]
+    # an explicitly requested backend that cannot take the sizes hands the call on
+    runs, _ = rb.explain("gate_fwd", "cuda", OpShape(8, E + 1, 2), torch.float32, "native")
+    assert runs != "native"
+    info = replay_ops.backends(op="gate_fwd", device="cuda", shape=(8, E + 1, 2))
+    assert info["call"]["runs"] == runs and "native" in info["call"]["passed_over"]
+    # the limits come from the extension, not from a copy in Python
+    from replay_ops import _C
+
+    assert (native.MAX_EXPERTS, native.MAX_TOPK) == (_C.MAX_EXPERTS, _C.MAX_TOPK)
+
+
+def test_unavailable_requested_backend_is_an_error():
+    if rb.available("native", "cuda"):
+        pytest.skip("the native CUDA kernels are available here")
+    with pytest.raises(RuntimeError, match="backend 'native' was requested but is not usable "
+                                           "for cuda tensors"):
+        rb.explain("gate_fwd", "cuda", OpShape(1, 4, 2), torch.float32, "native")
