@@ -295,3 +295,31 @@ def test_adapter_batch_replays_in_the_model_layout():
     # padding rows fell back to native top-k, not expert 0
     native = torch.topk(logits, K).indices.to(torch.int32).view(B, S, K)
     assert torch.equal(got[~b.replay_mask], native[~b.replay_mask])
+
+
+def test_sglang_payload_that_fits_two_layer_counts_is_refused():
+    """DeepSeek-V3 has 61 hidden and 58 MoE layers. A payload of 58 rows x 61 layers has the
+    length of 61 rows x 58 layers: for a request of 62 tokens (61 rows expected) it used to
+    be read as 61 rows of 58 MoE layers, the routes landing on the wrong layers. The
+    engine's layer count settles it; without it the payload is refused."""
+    Kd = 2
+    ds = ModelLayout(num_experts=16, top_k=Kd, moe_layer_ids=tuple(range(3, 61)),
+                     num_hidden_layers=61)
+    rng = np.random.default_rng(0)
+    true = np.stack([rng.permutation(16)[:Kd] for _ in range(58 * 61)]).reshape(58, 61, Kd)
+    payload = {"routed_experts": b64_int32(true.astype(np.int32))}
+    with pytest.raises(RoutingMismatchError, match=r"fit both 61 token rows x L=58 and 58 rows "
+                                                   r"x L=61.*num_layers=58.*num_layers=61"):
+        sglang_sequences([payload], [62], ds)
+    # the engine says L=61 (all hidden layers): 58 rows, not the 61 the request needs
+    with pytest.raises(RoutingMismatchError, match=r"do not fit the expected 61 token rows"):
+        sglang_sequences([payload], [62], ds, num_layers=61)
+    # the right request (59 tokens) with the engine's layer count reads correctly
+    seq = sglang_sequences([payload], [59], ds, num_layers=61)[0]
+    assert np.array_equal(seq.indices[:58].numpy(), true[:, 3:])
+    # an unambiguous payload needs no layer count (57 rows x 61 layers: 57*61 is not a
+    # multiple of 58)
+    ok = {"routed_experts": b64_int32(true[:57].astype(np.int32))}
+    assert sglang_sequences([ok], [58], ds)[0].num_tokens == 58
+    with pytest.raises(RoutingMismatchError, match="num_layers=7 is neither"):
+        sglang_sequences([ok], [58], ds, num_layers=7)

@@ -370,3 +370,143 @@ def test_written_file_gets_the_umask_mode_not_0600(tmp_path):
         with open(tmp, "wb") as f:
             f.write(b"y")
     assert stat.S_IMODE(os.stat(target).st_mode) == 0o640
+
+
+# ------------------------------------------------------------------ readers racing writers
+def _two_files(tmp_path):
+    """Two valid record files of different sizes (A: 30 tokens in 2 sequences, B: 57 tokens
+    in 3), as bytes, and their contents."""
+    a_idx, b_idx = routing(30, seed=40), routing(57, seed=41)
+    pa, pb = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    write_routing(pa, a_idx, meta(), cu_seqlens=[0, 12, 30])
+    write_routing(pb, b_idx, meta(), cu_seqlens=[0, 5, 20, 57])
+    return {"A": (pa.read_bytes(), a_idx, [0, 12, 30]), "B": (pb.read_bytes(), b_idx,
+                                                            [0, 5, 20, 57])}
+
+
+def _which(rf, files_):
+    """The one file whose indices and boundaries the read returned (never a mix)."""
+    got = (rf.indices().to(torch.int32), rf.cu_seqlens.tolist())
+    hits = [k for k, (_, idx, cu) in files_.items()
+            if got[1] == cu and got[0].shape == idx.shape and torch.equal(got[0], idx)]
+    assert len(hits) == 1, f"a read mixed two files: cu_seqlens={got[1]}"
+    return hits[0]
+
+
+READ_STEPS = ["_read_header", "_check_header", "_check_layout", "_Snapshot.map",
+              "RoutingFile.verify", "RoutingFile.check_consistency"]
+
+
+@pytest.mark.parametrize("step", READ_STEPS)
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_file_replaced_during_a_read_is_never_mixed_in(tmp_path, monkeypatch, step, verify):
+    """A writer's atomic replace lands between two steps of a read: the read still returns
+    the file it opened, whole and verified, with no false error."""
+    files_ = _two_files(tmp_path)
+    p = tmp_path / "r.safetensors"
+    p.write_bytes(files_["A"][0])
+    owner, name = (files, step) if "." not in step else (getattr(files, step.split(".")[0]),
+                                                         step.split(".")[1])
+    original = getattr(owner, name)
+
+    def replace_then(*args, **kwargs):
+        tmp = tmp_path / ".incoming"
+        tmp.write_bytes(files_["B"][0])
+        os.replace(tmp, p)  # what write_routing does
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, replace_then)
+    rf = open_routing(p, verify=verify)
+    assert _which(rf, files_) == "A"
+    rf.verify()
+    monkeypatch.setattr(owner, name, original)
+    assert _which(open_routing(p), files_) == "B"  # the next read sees the new file
+
+
+RACING_WRITER = textwrap.dedent(
+    """
+    import os, sys, time
+    path, a, b, seconds = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+    data = [open(a, "rb").read(), open(b, "rb").read()]
+    end, n = time.time() + seconds, 0
+    while time.time() < end:
+        tmp = path + f".incoming-{n % 2}"
+        with open(tmp, "wb") as f:
+            f.write(data[n % 2])
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        n += 1
+    print(n, flush=True)
+    """
+)
+
+
+def test_readers_racing_a_real_writer_process(tmp_path):
+    """A separate process replaces the file back and forth as fast as it can; every read in
+    this process, verified or not, returns one whole file, and none fails."""
+    files_ = _two_files(tmp_path)
+    p = tmp_path / "r.safetensors"
+    p.write_bytes(files_["A"][0])
+    (tmp_path / "A").write_bytes(files_["A"][0])
+    (tmp_path / "B").write_bytes(files_["B"][0])
+    script = tmp_path / "writer.py"
+    script.write_text(RACING_WRITER)
+    proc = subprocess.Popen([sys.executable, str(script), str(p), str(tmp_path / "A"),
+                             str(tmp_path / "B"), "6"], stdout=subprocess.PIPE, text=True)
+    seen = {"A": 0, "B": 0}
+    try:
+        reads = 0
+        while proc.poll() is None and reads < 3000:
+            seen[_which(open_routing(p, verify=reads % 2 == 0), files_)] += 1
+            reads += 1
+    finally:
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and int(out.strip()) > 10, out
+    assert seen["A"] + seen["B"] == reads and reads > 20, seen
+
+
+# ------------------------------------------------------------------ the header's checksum
+def test_a_flipped_bit_in_the_header_is_refused(good, tmp_path):
+    """One bit of the header can turn "model_name" into another key; the model check would
+    then be skipped. The header carries its own checksum (format_version 2)."""
+    data = good.read_bytes()
+    i = data.index(b'"model_name"') + 1
+    bad = bytearray(data)
+    bad[i] ^= 0x01  # "model_name" -> "lodel_name"
+    p = tmp_path / "flipped_header.safetensors"
+    p.write_bytes(bytes(bad))
+    with pytest.raises(RoutingFileError, match=r"flipped_header.safetensors.*header checksum "
+                                               r"mismatch"):
+        open_routing(p, verify=False)  # checked even without the data checksum
+    out = subprocess.run([sys.executable, "-m", "replay_ops.router_replay", "verify", str(p)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "header checksum mismatch" in out.stderr
+
+
+def _as_version_1(data: bytes) -> bytes:
+    """The same file as a format_version 1 writer wrote it (no header_checksum)."""
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    md = header["__metadata__"]
+    del md["header_checksum"]
+    md["format_version"] = "1"
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(len(raw) + 8) % 8)
+    return struct.pack("<Q", len(raw)) + raw + data[8 + n:]
+
+
+def test_version_1_files_stay_readable_and_a_damaged_key_is_refused(good, tmp_path):
+    v1 = tmp_path / "v1.safetensors"
+    v1.write_bytes(_as_version_1(good.read_bytes()))
+    rf = open_routing(v1)
+    assert rf.format_version == 1 and rf.meta.model_name == "tiny"
+    assert torch.equal(rf.indices(), open_routing(good).indices())
+    bad = bytearray(v1.read_bytes())
+    i = bytes(bad).index(b'"model_name"') + 1
+    bad[i] ^= 0x01
+    p = tmp_path / "v1_flipped.safetensors"
+    p.write_bytes(bytes(bad))
+    with pytest.raises(RoutingFileError, match=r"format_version 1 metadata keys \['model_name'\] "
+                                               r"are missing"):
+        open_routing(p)

@@ -448,3 +448,68 @@ def test_r2_round_trip_through_file_in_new_process(tmp_path):
     assert got["source"].startswith("file:") and got["mapping"] == "moe"
     assert torch.equal(got["routing"], ref_routing)
     assert torch.equal(got["out"], ref_out)  # bit for bit
+
+
+# ------------------------------------------------------------------ R2 without clear()
+def test_r2_two_steps_without_clear_replay_each_steps_own_recording():
+    """R2 step 1: record, replay. Step 2, without clear(): a new RECORD pass after a replay
+    starts a new recording, so step 2 replays step 2's routing (not step 1's)."""
+    torch.manual_seed(0)
+    rr = make("R2")
+    model = TinyMoE(replay=rr)
+    x1, x2 = torch.randn(8, 16), torch.randn(8, 16)  # same token count: no shape error
+    recs = []
+    for x in (x1, x2):
+        rr.set_action(ReplayAction.RECORD)
+        with torch.no_grad():
+            model(x)
+        recs.append(rr.recorded())
+        rr.set_action(ReplayAction.REPLAY_FORWARD)
+        model(x)
+        rr.clear_queues()
+        for n, lid in enumerate(MOE_IDS):
+            assert torch.equal(model.plans[lid].expert_indices, recs[-1][:, n])
+    assert not torch.equal(recs[0], recs[1])
+    assert rr.step == 1 and rr.routing_source == "recorded"
+    assert rr.recorded().shape[0] == 8  # step 2's recording alone, not both steps
+
+
+# ------------------------------------------------------------------ errors name the layer
+def test_bad_replayed_routing_names_the_layer_and_the_source(tmp_path):
+    T = 4
+    bad = distinct_rows(T, 3, 9)
+    bad[2, 1] = torch.tensor([5, 5])  # MoE ordinal 1 = layer 2 repeats expert 5
+    with pytest.raises(RouterReplayError, match=r"routing from set_routing\(\) cannot be "
+                                                r"replayed: token 2, MoE layer 2 repeats an "
+                                                r"expert \[5, 5\]"):
+        make("R3").set_routing(bad)
+    bad = distinct_rows(T, NUM_LAYERS, 9)
+    bad[3, 4, 1] = E + 1  # absolute layout: layer 4
+    with pytest.raises(RouterReplayError, match=r"token 3, MoE layer 4 \(slot 1\) routes to "
+                                                rf"expert {E + 1}, out of range"):
+        make("R3").set_routing(bad)
+    # a file: the message names it. The writer refuses bad values, so the file is made as
+    # another writer would have made it: valid checksums, a repeated expert inside.
+    import numpy as np
+
+    from replay_ops.router_replay import files
+
+    p = tmp_path / "routing.safetensors"
+    meta = files.RecordMeta(num_experts=E, top_k=K, moe_layer_ids=MOE_IDS,
+                            num_hidden_layers=NUM_LAYERS)
+    arr = distinct_rows(T, 3, 10).numpy().astype(np.uint8)
+    arr[1, 2] = [3, 3]
+    files._write(p, meta, np.array([0, T]), [arr], 3)
+    with pytest.raises(RouterReplayError, match=r"record file '.*routing.safetensors' cannot "
+                                                r"be replayed: token 1, MoE layer 4 repeats"):
+        make("R3").load(p)
+    # a recording: the layer whose topk_fn returned a repeated expert
+    rr = make("R2")
+    rr.set_action(ReplayAction.RECORD)
+    logits = torch.randn(3, E)
+    for lid in MOE_IDS:
+        fn = (lambda l: torch.tensor([[1, 2], [4, 4], [0, 1]])) if lid == 4 else softmax_topk
+        rr.route(lid, logits, topk_fn=fn)
+    with pytest.raises(RouterReplayError, match=r"the recording .* token 1, MoE layer 4 "
+                                                r"repeats an expert \[4, 4\]"):
+        rr.recorded()
