@@ -1,0 +1,226 @@
+"""Test-only environment for running Megatron-Core's MoE layer on a CPU with gloo.
+
+Megatron-Core itself is real and unmodified. A CPU-only machine lacks a few CUDA entry
+points that Megatron calls unconditionally; `install_cpu_shims()` supplies them for the
+test process only (nothing here is part of the replay_ops package):
+
+* `torch.cuda.current_device()` (router weights, expert-bias buffers, collective buffers):
+  returns the CPU device.
+* `torch.cuda.Stream`, `torch.cuda.stream`, `torch.cuda.current_stream` (the all-to-all
+  dispatcher's device-to-host side stream): inert stand-ins; everything is already on
+  the host.
+* `moe_utils.te_general_gemm`: referenced without TransformerEngine; set to None so the
+  router's gating uses its plain torch path.
+* gloo's `all_gather_into_tensor`/`all_gather` refuse uneven sizes (Megatron's
+  `gather_from_sequence_parallel_region(output_split_sizes=...)` with expert TP > 1):
+  padded to the largest piece, then sliced.
+* The CUDA RNG tracker's `fork()` (dropout regions of full transformer layers): a no-op
+  context.
+
+`spawn(fn, world_size, timeout)` runs `fn(rank, world_size, port, *args)` in fresh
+processes over gloo on 127.0.0.1 and fails the calling test if any rank raises or the
+whole group does not finish within `timeout` seconds (the processes are then killed).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+import traceback
+import warnings
+
+import torch
+
+_INSTALLED = False
+
+
+class _Event:
+    def synchronize(self):
+        return None
+
+    def wait(self, *a, **k):
+        return None
+
+    def record(self, *a, **k):
+        return None
+
+
+class _Stream:
+    def __init__(self, *a, **k):
+        pass
+
+    def wait_stream(self, other):
+        return None
+
+    def record_event(self, event=None):
+        return _Event()
+
+    def synchronize(self):
+        return None
+
+    def __eq__(self, other):
+        return isinstance(other, _Stream)
+
+    def __hash__(self):
+        return 0
+
+
+_CURRENT = _Stream()
+
+
+def install_cpu_shims() -> None:
+    """Install the CPU stand-ins described in the module docstring (idempotent)."""
+    global _INSTALLED
+    if _INSTALLED or torch.cuda.is_available():
+        _INSTALLED = True
+        return
+    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+    warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.Stream = _Stream
+    torch.cuda.current_stream = lambda *a, **k: _CURRENT
+    torch.cuda.stream = lambda s=None: contextlib.nullcontext()
+    torch.cuda.Event = lambda *a, **k: _Event()
+
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    _patch_uneven_all_gather()
+
+    from megatron.core.tensor_parallel import random as mp_random
+
+    tracker_cls = type(mp_random.get_cuda_rng_tracker())
+
+    @contextlib.contextmanager
+    def _fork(self, name=None):
+        yield
+
+    tracker_cls.fork = _fork
+    _INSTALLED = True
+
+
+def _patch_uneven_all_gather() -> None:
+    """gloo's all_gather_into_tensor needs equal pieces; Megatron's uneven gather (expert
+    TP > 1) is done here as pad-to-max all_gather, then slice."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    orig = mappings._gather_along_first_dim
+
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or dist.get_backend(group) != "gloo":
+            return orig(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(s) for s in output_split_sizes]
+        world = dist.get_world_size(group)
+        if world == 1:
+            return input_
+        m = max(sizes)
+        pad = input_.new_zeros((m, *input_.shape[1:]))
+        pad[: input_.shape[0]] = input_
+        parts = [torch.empty_like(pad) for _ in range(world)]
+        dist.all_gather(parts, pad.contiguous(), group=group)
+        return torch.cat([p[:s] for p, s in zip(parts, sizes)], dim=0)
+
+    mappings._gather_along_first_dim = gather
+
+
+# ---------------------------------------------------------------------------- processes
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_gloo(rank: int, world_size: int, port: int) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.distributed.init_process_group(
+        "gloo", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}"
+    )
+
+
+def init_single() -> None:
+    """World size 1 over gloo (Megatron's parallel state needs a default group)."""
+    if not torch.distributed.is_initialized():
+        init_gloo(0, 1, free_port())
+
+
+def _entry(fn, rank, world_size, port, args, queue):
+    try:
+        torch.set_num_threads(1)
+        install_cpu_shims()
+        init_gloo(rank, world_size, port)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # report every failure to the parent, with the traceback
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+        except Exception:
+            pass
+
+
+def spawn(fn, world_size: int, *args, timeout: float = 120.0) -> dict:
+    """Run `fn(rank, world_size, *args)` on `world_size` fresh processes (gloo over
+    127.0.0.1). Returns {rank: result}. Raises AssertionError with every failing rank's
+    traceback, or when the group has not finished after `timeout` seconds (all processes
+    are killed first)."""
+    import multiprocessing as mp
+    import queue as _queue
+    import time
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, q), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(
+                    f"spawn({getattr(fn, '__name__', fn)}): ranks {sorted(set(range(world_size)) - set(results) - set(errors))} "
+                    f"did not finish within {timeout:.0f} s (finished: {sorted(results)}, "
+                    f"failed: {sorted(errors)})"
+                    + "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+            try:
+                rank, status, payload = q.get(timeout=min(left, 1.0))
+            except _queue.Empty:
+                dead = [i for i, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and i not in results and i not in errors]
+                if dead:
+                    raise AssertionError(
+                        f"spawn({getattr(fn, '__name__', fn)}): ranks {dead} exited with codes "
+                        f"{[procs[i].exitcode for i in dead]} without a result")
+                continue
+            (results if status == "ok" else errors)[rank] = payload
+            if errors:
+                # a failed rank usually leaves its peers blocked in a collective
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=0.5 if errors else 5.0)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+    if errors:
+        raise AssertionError(
+            f"spawn({getattr(fn, '__name__', fn)}): {len(errors)} rank(s) failed"
+            + "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+    return results
+
+
+def python_info() -> str:
+    return f"python {sys.version.split()[0]}, torch {torch.__version__}"
