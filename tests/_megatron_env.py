@@ -224,3 +224,116 @@ def spawn(fn, world_size: int, *args, timeout: float = 120.0) -> dict:
 
 def python_info() -> str:
     return f"python {sys.version.split()[0]}, torch {torch.__version__}"
+
+
+# ---------------------------------------------------------------------------- models
+E_DEFAULT = 8
+
+
+def mp_init(tp: int = 1, ep: int = 1, pp: int = 1, cp: int = 1, etp: int | None = None,
+            vpp: int | None = None) -> None:
+    """(Re)initialise Megatron's parallel state on the current gloo world, and empty
+    Megatron's global RouterReplay list (each test builds its own models)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    RouterReplay.clear_global_router_replay_instances()
+
+
+def moe_config(**kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(num_layers=1, hidden_size=16, num_attention_heads=4, num_moe_experts=E_DEFAULT,
+                moe_router_topk=2, moe_ffn_hidden_size=24, ffn_hidden_size=24,
+                moe_token_dispatcher_type="alltoall", moe_enable_routing_replay=True,
+                use_cpu_initialization=True, add_bias_linear=False, params_dtype=torch.float32,
+                moe_router_dtype="fp32", hidden_dropout=0.0, attention_dropout=0.0,
+                moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def build_moe_layer(config, *, replay: bool, options=None, seed: int = 1234, layer_number=1):
+    """Megatron's MoELayer from its local (non-TransformerEngine) spec; with `replay` the
+    router slot holds the replay router."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.spec_utils import build_module
+    from replay_ops.integrations import megatron as rom
+
+    spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts)
+    if replay:
+        spec = rom.replay_spec(spec, options)
+    torch.manual_seed(seed)
+    layer = build_module(spec, config=config)
+    layer.set_layer_number(layer_number)
+    return layer
+
+
+def build_pair(config, options=None, seed: int = 1234):
+    """(Megatron's layer, the same layer with the replay router), same weights."""
+    ref = build_moe_layer(config, replay=False, seed=seed)
+    ours = build_moe_layer(config, replay=True, options=options, seed=seed)
+    ours.load_state_dict(ref.state_dict())
+    if ref.router.expert_bias is not None:
+        ours.router.expert_bias.copy_(ref.router.expert_bias)
+    return ref, ours
+
+
+def run_layer(layer, x, target=None, action="REPLAY_FORWARD", grad_out=None):
+    """Forward + backward of an MoE layer under a replay action. Returns a dict with the
+    output, the input gradient, parameter gradients and the dispatcher's metadata."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    layer.zero_grad(set_to_none=True)
+    rr = layer.router.router_replay
+    if rr is not None:
+        rr.clear_indices()
+        if target is not None:
+            rr.set_target_indices(target)
+        if action is None:
+            rr.clear_router_replay_action()
+        else:
+            rr.set_router_replay_action(getattr(RouterReplayAction, action))
+    xi = x.detach().clone().requires_grad_(True)
+    out, _ = layer(xi)
+    if grad_out is None:
+        grad_out = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
+    out.backward(grad_out)
+    d = layer.token_dispatcher
+    meta = {}
+    for k in ("routing_map", "reversed_local_input_permutation_mapping", "input_splits",
+              "output_splits", "output_splits_tp", "num_out_tokens", "local_map"):
+        v = getattr(d, k, None)
+        if v is not None:
+            meta[k] = torch.as_tensor(v).clone()
+    return {
+        "out": out.detach().clone(),
+        "dx": xi.grad.clone(),
+        "grads": {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None},
+        "meta": meta,
+        "recorded": None if rr is None or rr.recorded_topk_idx is None else rr.recorded_topk_idx.clone(),
+    }
+
+
+def assert_runs_match(a, b, *, rtol=1e-5, atol=1e-6, exact_meta=True, what=""):
+    """fp32 outputs and gradients close; integer dispatch metadata exactly equal."""
+    torch.testing.assert_close(a["out"], b["out"], rtol=rtol, atol=atol, msg=lambda m: f"{what} out: {m}")
+    torch.testing.assert_close(a["dx"], b["dx"], rtol=rtol, atol=atol, msg=lambda m: f"{what} dx: {m}")
+    assert set(a["grads"]) == set(b["grads"]), f"{what}: gradients of {set(a['grads']) ^ set(b['grads'])}"
+    for n in a["grads"]:
+        torch.testing.assert_close(a["grads"][n], b["grads"][n], rtol=rtol, atol=atol,
+                                   msg=lambda m, n=n: f"{what} grad {n}: {m}")
+    if exact_meta:
+        for k in set(a["meta"]) & set(b["meta"]):
+            assert torch.equal(a["meta"][k], b["meta"][k]), f"{what}: dispatcher {k} differs"
+
+
+def random_routes(T, E, K, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
