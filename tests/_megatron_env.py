@@ -11,6 +11,9 @@ test process only (nothing here is part of the replay_ops package):
   the host.
 * `moe_utils.te_general_gemm`: referenced without TransformerEngine; set to None so the
   router's gating uses its plain torch path.
+* the all-to-all dispatcher's device-to-host copy of its split sizes
+  (`maybe_move_tensor_to_cpu(as_numpy=True)`) leaves CPU tensors as tensors, which
+  `all_to_all_single` refuses: they become numpy arrays, as they do from a GPU.
 * gloo's `all_gather_into_tensor`/`all_gather` refuse uneven sizes (Megatron's
   `gather_from_sequence_parallel_region(output_split_sizes=...)` with expert TP > 1):
   padded to the largest piece, then sliced.
@@ -90,6 +93,19 @@ def install_cpu_shims() -> None:
         moe_utils.te_general_gemm = None
 
     _patch_uneven_all_gather()
+
+    # The all-to-all dispatcher copies its split sizes to the host as numpy arrays when they
+    # are on the GPU; on the CPU they would stay tensors, which all_to_all_single refuses.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    orig_move = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def move(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            return tensor.numpy()
+        return orig_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = move
 
     from megatron.core.tensor_parallel import random as mp_random
 
