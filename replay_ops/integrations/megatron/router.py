@@ -269,7 +269,16 @@ class ReplayTopKRouter(TopKRouter):
                     f"{int(bad.sum())} of {T} rows are like this")
             return idx.long()
         if opts.padding == "topk":
-            with torch.no_grad():
+            if opts.validate:
+                # host reads happen anyway: run the native top-k on the padding rows only
+                rows = bad.nonzero().flatten()
+                out = idx.long()
+                if rows.numel():
+                    out = out.clone()
+                    with torch.no_grad():
+                        out[rows] = self.native_topk(logits.detach()[rows])
+                return out
+            with torch.no_grad():  # no host read: native top-k of every row, kept where bad
                 fill = self.native_topk(logits.detach())
         else:
             offset = ((self.layer_number or 1) - 1) * K
