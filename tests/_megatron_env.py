@@ -72,6 +72,25 @@ class _Stream:
 _CURRENT = _Stream()
 
 
+_TORCH_CUDA_SHIMS = {
+    "current_device": lambda: torch.device("cpu"),
+    "Stream": _Stream,
+    "current_stream": lambda *a, **k: _CURRENT,
+    "stream": lambda s=None: contextlib.nullcontext(),
+    "Event": lambda *a, **k: _Event(),
+}
+_TORCH_CUDA_ORIG = {k: getattr(torch.cuda, k) for k in _TORCH_CUDA_SHIMS}
+
+
+def set_torch_cuda_shims(on: bool) -> None:
+    """Turn the torch.cuda stand-ins on or off (the test modules turn them off again when
+    they finish, so the rest of the suite sees torch.cuda as it is)."""
+    if torch.cuda.is_available():
+        return
+    for k, v in (_TORCH_CUDA_SHIMS if on else _TORCH_CUDA_ORIG).items():
+        setattr(torch.cuda, k, v)
+
+
 def install_cpu_shims() -> None:
     """Install the CPU stand-ins described in the module docstring (idempotent)."""
     global _INSTALLED
@@ -81,11 +100,7 @@ def install_cpu_shims() -> None:
     warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
     warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    torch.cuda.Stream = _Stream
-    torch.cuda.current_stream = lambda *a, **k: _CURRENT
-    torch.cuda.stream = lambda s=None: contextlib.nullcontext()
-    torch.cuda.Event = lambda *a, **k: _Event()
+    set_torch_cuda_shims(True)
 
     from megatron.core.transformer.moe import moe_utils
 

@@ -148,3 +148,15 @@ def test_sp_scatter_single_rank_and_bad_split():
     x = torch.arange(12)
     assert md.sp_scatter(x, None) is x
     assert md.sp_gather(x, None) is x
+
+
+def test_import_is_lazy():
+    """`import replay_ops` and the data-path helpers never import megatron-core."""
+    import subprocess
+    import sys
+
+    code = ("import sys, replay_ops; from replay_ops.integrations.megatron import pack_thd, "
+            "cp_split, sp_scatter; assert not any(m.split('.')[0] == 'megatron' for m in "
+            "sys.modules), sorted(m for m in sys.modules if m.startswith('megatron'))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

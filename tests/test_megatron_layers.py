@@ -11,6 +11,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is installed by `make
 import _megatron_env as env  # noqa: E402
 
 env.install_cpu_shims()
+env.set_torch_cuda_shims(False)  # on only while this module runs (fixture below)
 
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction  # noqa: E402
 
@@ -21,8 +22,15 @@ PATTERN = [0, 1, 1, 0, 1]  # dense, MoE, MoE, dense, MoE: layer numbers 2, 3, 5 
 S, B, V = 8, 2, 32
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _cuda_stand_ins():
+    env.set_torch_cuda_shims(True)
+    yield
+    env.set_torch_cuda_shims(False)
+
+
 @pytest.fixture(autouse=True)
-def _world():
+def _world(_cuda_stand_ins):
     env.init_single()
     env.mp_init()
     yield
