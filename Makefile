@@ -19,8 +19,12 @@ install: install-torch
 	$(PIP) triton numpy pyyaml omegaconf safetensors tqdm matplotlib "transformers>=5.0"
 	$(PIP) --no-build-isolation -e .
 
+# Megatron-Core for tests/test_megatron*.py: the pinned release without its optional
+# extras; the modules the tests import need only torch, numpy and packaging.
 install-test: install
 	$(PIP) pytest
+	$(PIP) --no-deps "megatron-core==0.16.1"
+	$(PIP) numpy packaging
 
 # Compile every csrc/cuda/*.cu with nvcc for sm_80 and sm_90a, warnings as errors, 0 spill
 # stores (no GPU needed; prints SKIP when nvcc is missing). Cached in build/cuda_check/.

@@ -1,0 +1,95 @@
+"""Router replay for Megatron-Core: the fused replay gate inside Megatron's MoE layer, and
+the replay data sharded like the tokens under packing, CP, SP, PP and EP.
+
+    from replay_ops.integrations import megatron as rom
+
+    spec = rom.replay_spec(get_gpt_decoder_block_spec(config, use_transformer_engine=True))
+    model = GPTModel(config, spec, ...)                      # moe_enable_routing_replay=True
+    # then drive Megatron's own RouterReplay API as before (set_target_indices, actions, ...)
+
+Or, for a model that is already built: `rom.install(model)`. The data path:
+
+    packed = rom.pack_thd(rollout_routes, seq_lens, align=a, total_align=t)   # THD
+    local = rom.cp_split(packed, cp_size, cp_rank, "zigzag")                   # CP
+    rows = rom.sp_scatter(local.indices, tp_group)                              # SP
+    rom.set_replay_routing(model_chunks, rows)       # PP: each stage's routers, by layer
+
+`data` (packing, CP, SP) needs only torch; `router`, `dispatcher` and `layers` import
+megatron-core when first used. `import replay_ops` never imports megatron-core.
+See docs/megatron.md.
+"""
+from __future__ import annotations
+
+import importlib
+
+from .data import (  # noqa: F401  (torch only)
+    CP_LAYOUTS,
+    LayoutError,
+    PackedRouting,
+    check_expert_range,
+    cp_all_gather,
+    cp_gather,
+    cp_partition_index,
+    cp_split,
+    megatron_thd_alignment,
+    pack_thd,
+    sp_gather,
+    sp_scatter,
+    unpack_thd,
+)
+
+_LAZY = {
+    # router.py
+    "PADDING_POLICIES": "router",
+    "ReplayOptions": "router",
+    "ReplayRoutingError": "router",
+    "ReplayTopKRouter": "router",
+    "UnsupportedConfigError": "router",
+    "check_config": "router",
+    "gate_semantics": "router",
+    "install": "router",
+    "replay_router": "router",
+    "replay_spec": "router",
+    "spread_experts": "router",
+    # dispatcher.py
+    "PlanAlltoAllTokenDispatcher": "dispatcher",
+    "check_plan_dispatch_config": "dispatcher",
+    "enable_plan_dispatch": "dispatcher",
+    # layers.py
+    "RouterSlot": "layers",
+    "find_moe_routers": "layers",
+    "gather_recorded_routing": "layers",
+    "moe_layer_numbers": "layers",
+    "prune_global_registry": "layers",
+    "recorded_routing": "layers",
+    "set_replay_action": "layers",
+    "set_replay_routing": "layers",
+}
+
+__all__ = sorted(list(_LAZY) + [
+    "CP_LAYOUTS", "LayoutError", "PackedRouting", "check_expert_range", "cp_all_gather",
+    "cp_gather", "cp_partition_index", "cp_split", "megatron_thd_alignment", "pack_thd",
+    "sp_gather", "sp_scatter", "unpack_thd",
+])
+
+
+def __getattr__(name: str):
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        module = importlib.import_module(f"{__name__}.{mod}")
+    except ImportError as e:
+        if (getattr(e, "name", None) or "").split(".")[0] == "megatron":
+            raise ImportError(
+                f"replay_ops.integrations.megatron.{name} needs megatron-core (pip install "
+                f"megatron-core); the data-path helpers (pack_thd, cp_split, sp_scatter, ...) "
+                f"work without it. ({e})") from e
+        raise
+    value = getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,446 @@
+"""The replay tensor follows the tokens: THD packing, context-parallel and sequence-parallel
+splits, in the layouts Megatron-Core gives the tokens.
+
+Plain PyTorch (plus `torch.distributed` for the collective forms): nothing here imports
+megatron-core, so the data path can be prepared in a data loader or a trainer process
+that does not hold a model.
+
+The order Megatron-Core applies to the tokens, and so to the routing:
+
+    per-sequence routing [n_i, L, K]            (rollout: n_i = len_i - 1, + placeholder row)
+      -> pack_thd             [N_pad, L, K]     each sequence padded to a multiple (FP8 too)
+      -> cp_split             [N_pad/CP, L, K]  zigzag (2*CP chunks per sequence) or contiguous
+      -> sp_scatter           [N_pad/(CP*TP), L, K]  along the packed token dimension, TP group
+      -> set_replay_routing   each MoE router of the stage gets its layer's [T, K] view
+
+R2 goes back: `sp_gather` over the TP group, `cp_gather`/`cp_all_gather` over the CP group,
+`unpack_thd` to per-sequence routing.
+
+Every routing tensor here holds **logical** expert ids (the ids the router's top-k picks,
+before any EPLB/physical-replica remapping), `-1` for an empty slot, and is int16 unless
+stated otherwise. Padding rows are -1 with `replay_mask` False, never 0.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import torch
+
+INDEX_DTYPE = torch.int16
+CP_LAYOUTS = ("zigzag", "contiguous")
+
+__all__ = [
+    "CP_LAYOUTS",
+    "LayoutError",
+    "PackedRouting",
+    "check_expert_range",
+    "cp_all_gather",
+    "cp_gather",
+    "cp_partition_index",
+    "cp_split",
+    "megatron_thd_alignment",
+    "pack_thd",
+    "sp_gather",
+    "sp_scatter",
+    "unpack_thd",
+]
+
+
+class LayoutError(ValueError):
+    """Routing whose layout does not match the tokens it is meant to follow."""
+
+
+# ----------------------------------------------------------------------------- checks
+def check_expert_range(indices: torch.Tensor, num_experts: int, *, who: str,
+                       layer_ids: Sequence[int] | None = None) -> None:
+    """Raise LayoutError if an id is outside -1..num_experts-1. Ids are logical expert ids
+    (before EPLB remapping); a physical replica id (>= E) is a wrong recording.
+    One host read."""
+    if indices.numel() == 0:
+        return
+    bad = (indices < -1) | (indices >= num_experts)
+    if bool(bad.any()):
+        pos = [int(v) for v in bad.nonzero()[0]]
+        val = int(indices[tuple(pos)])
+        where = f"token {pos[0]}"
+        if indices.dim() == 3:
+            lid = layer_ids[pos[1]] if layer_ids is not None else pos[1]
+            where += f", layer column {pos[1]} (layer {lid}), slot {pos[2]}"
+        elif indices.dim() == 2:
+            where += f", slot {pos[1]}"
+        raise LayoutError(
+            f"{who}: {where} holds expert id {val}, outside 0..{num_experts - 1} (-1 = no "
+            f"route); recordings must hold logical expert ids (before any EPLB remapping)"
+        )
+
+
+def _as_index_tensor(x, who: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        x = torch.as_tensor(x)
+    if x.dtype == torch.uint8:
+        raise LayoutError(f"{who}: uint8 routing; decode it first (255 is the empty slot in "
+                          f"record files, see replay_ops.router_replay.files)")
+    if x.is_floating_point() or x.dtype == torch.bool or x.is_complex():
+        raise LayoutError(f"{who}: routing must be integer expert ids, got {x.dtype}")
+    return x
+
+
+# ----------------------------------------------------------------------------- packing
+@dataclass
+class PackedRouting:
+    """Routing in Megatron's packed THD layout (possibly one CP rank's share of it).
+
+    indices       [N, L, K] int16 logical expert ids, -1 = none (padding rows are all -1)
+    replay_mask   [N] bool, False for padding and for rows without a route (the last token
+                  of a rollout sequence); `RouterReplay` / the router's padding policy
+                  decides what those rows do
+    cu_seqlens        [B+1] int64: real sequence boundaries in the global packed frame
+    cu_seqlens_padded [B+1] int64: padded boundaries (what PackedSeqParams carries)
+    cp_size, cp_rank, cp_layout: which share of the CP split this is (1, 0, None = whole)
+    """
+
+    indices: torch.Tensor
+    replay_mask: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_layout: str | None = None
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.cu_seqlens.numel()) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.indices.shape[0])
+
+    def seq_lens(self) -> list[int]:
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+
+    def padded_lens(self) -> list[int]:
+        return (self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]).tolist()
+
+    def describe(self) -> str:
+        return (f"PackedRouting(tokens={self.num_tokens}, sequences={self.num_sequences}, "
+                f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, cp_layout={self.cp_layout})")
+
+
+def megatron_thd_alignment(tp_size: int = 1, cp_size: int = 1, *, fp8: bool = False
+                           ) -> tuple[int, int]:
+    """(align, total_align) for THD packing with Megatron-Core, as RL trainers pad the
+    tokens (verl's `preprocess_packed_seqs`):
+
+    * every sequence is padded to a multiple of `tp*cp*2` when cp > 1, else of `tp`
+      (sequence parallel splits the packed tokens over TP; zigzag CP splits each sequence
+      into 2*CP chunks);
+    * with FP8, sequences are padded to a multiple of lcm(16, that), and the packed total
+      to a multiple of `that * 128` by growing the last sequence (TransformerEngine's FP8
+      GEMMs want 16-row multiples).
+    """
+    for name, v in (("tp_size", tp_size), ("cp_size", cp_size)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"megatron_thd_alignment: {name} must be an integer >= 1, got {v!r}")
+    base = tp_size * cp_size * 2 if cp_size > 1 else tp_size
+    if fp8:
+        return math.lcm(16, base), base * 128
+    return base, 1
+
+
+def _sequence_parts(routings, seq_lens, who):
+    """[(indices [n, L, K], mask [n], seq_len)] from SequenceRouting objects or tensors."""
+    out = []
+    if seq_lens is not None and len(seq_lens) != len(routings):
+        raise LayoutError(f"{who}: {len(routings)} routings but {len(seq_lens)} sequence lengths; "
+                          f"every sequence needs its entry (a shorter list would give later "
+                          f"sequences their neighbour's routing)")
+    for i, r in enumerate(routings):
+        want = None if seq_lens is None else int(seq_lens[i])
+        if hasattr(r, "indices") and hasattr(r, "mask"):  # adapters.SequenceRouting
+            idx = _as_index_tensor(r.indices, f"{who}: sequence {i}")
+            mask = r.mask.to(torch.bool)
+            n = int(idx.shape[0])
+            if want is not None and want != n:
+                raise LayoutError(f"{who}: sequence {i} has {n} routing rows (placeholder "
+                                  f"included) but seq_lens[{i}] = {want}")
+            out.append((idx, mask, n))
+            continue
+        if r is None:
+            raise LayoutError(f"{who}: sequence {i} has no routing (None); build it with the "
+                              f"rollout adapters' allow_missing=True to run it with native top-k")
+        idx = _as_index_tensor(r, f"{who}: sequence {i}")
+        if idx.dim() != 3:
+            raise LayoutError(f"{who}: sequence {i} routing must be [rows, L, K], got shape "
+                              f"{tuple(idx.shape)}")
+        if want is None:
+            raise LayoutError(f"{who}: plain tensors need seq_lens (is sequence {i} "
+                              f"{idx.shape[0]} or {idx.shape[0] + 1} tokens long?)")
+        n = int(idx.shape[0])
+        if n == want - 1:
+            # rollout engines return len-1 rows: the last token has no route
+            tail = torch.full((1, *idx.shape[1:]), -1, dtype=idx.dtype)
+            idx = torch.cat([idx.cpu(), tail], 0)
+            mask = torch.ones(want, dtype=torch.bool)
+            mask[-1] = False
+        elif n == want:
+            mask = ~(idx < 0).all(dim=(1, 2)).cpu()
+        else:
+            raise LayoutError(f"{who}: sequence {i} has {n} routing rows but {want} tokens; "
+                              f"expected {want - 1} (rollout rows, the last token has no route) "
+                              f"or {want}")
+        out.append((idx.cpu(), mask.cpu(), want))
+    return out
+
+
+def pack_thd(
+    routings: Sequence,
+    seq_lens: Sequence[int] | None = None,
+    *,
+    align: int = 1,
+    total_align: int = 1,
+    cu_seqlens_padded: torch.Tensor | Sequence[int] | None = None,
+    num_experts: int | None = None,
+) -> PackedRouting:
+    """Pack per-sequence routing into Megatron's THD layout.
+
+    `routings[i]` is an `adapters.SequenceRouting` (its rows include the placeholder last
+    row), or a tensor `[n_i, L, K]` with `seq_lens[i]` tokens: `n_i == seq_lens[i] - 1`
+    (vLLM/SGLang rows; a placeholder -1 row with replay_mask False is appended) or
+    `n_i == seq_lens[i]` (rows that are all -1 get replay_mask False).
+
+    Padding follows the tokens: each sequence is padded to a multiple of `align` and the
+    packed total to a multiple of `total_align` (the last sequence grows), see
+    `megatron_thd_alignment(tp, cp, fp8=...)`. Or pass the `cu_seqlens_padded` your token
+    packing produced (PackedSeqParams.cu_seqlens_q_padded) and the routing uses exactly
+    those boundaries. Padding rows are -1 with replay_mask False.
+    """
+    who = "pack_thd"
+    if not routings:
+        raise LayoutError(f"{who}: no sequences")
+    if not isinstance(align, int) or align < 1 or not isinstance(total_align, int) or total_align < 1:
+        raise ValueError(f"{who}: align and total_align must be integers >= 1, got align={align!r}, "
+                         f"total_align={total_align!r}")
+    parts = _sequence_parts(routings, seq_lens, who)
+    L, K = parts[0][0].shape[1:]
+    for i, (idx, _, _) in enumerate(parts):
+        if tuple(idx.shape[1:]) != (L, K):
+            raise LayoutError(f"{who}: sequence {i} routing is [*, {idx.shape[1]}, {idx.shape[2]}] "
+                              f"but sequence 0 is [*, {L}, {K}]; one model has one [L, K]")
+    lens = [n for _, _, n in parts]
+    B = len(parts)
+    cu = torch.zeros(B + 1, dtype=torch.int64)
+    cu[1:] = torch.tensor(lens, dtype=torch.int64).cumsum(0)
+    if cu_seqlens_padded is None:
+        padded = [-(-n // align) * align for n in lens]
+        total = sum(padded)
+        extra = (-total) % total_align
+        padded[-1] += extra
+        cup = torch.zeros(B + 1, dtype=torch.int64)
+        cup[1:] = torch.tensor(padded, dtype=torch.int64).cumsum(0)
+    else:
+        cup = torch.as_tensor(cu_seqlens_padded).to(torch.int64).cpu()
+        if cup.dim() != 1 or cup.numel() != B + 1 or int(cup[0]) != 0:
+            raise LayoutError(f"{who}: cu_seqlens_padded must be [B+1]=[{B + 1}] starting at 0, "
+                              f"got {cup.tolist()}")
+        padded = (cup[1:] - cup[:-1]).tolist()
+        for i, (p, n) in enumerate(zip(padded, lens)):
+            if p < n:
+                raise LayoutError(f"{who}: sequence {i} has {n} tokens but cu_seqlens_padded gives "
+                                  f"it {p} rows")
+            if p % align:
+                raise LayoutError(f"{who}: sequence {i} is padded to {p} rows, not a multiple of "
+                                  f"align={align}")
+        if int(cup[-1]) % total_align:
+            raise LayoutError(f"{who}: packed total {int(cup[-1])} is not a multiple of "
+                              f"total_align={total_align}")
+    N = int(cup[-1])
+    indices = torch.full((N, L, K), -1, dtype=INDEX_DTYPE)
+    mask = torch.zeros(N, dtype=torch.bool)
+    for i, (idx, m, n) in enumerate(parts):
+        if num_experts is not None:
+            try:
+                check_expert_range(idx, num_experts, who=f"{who}: sequence {i}")
+            except LayoutError as e:
+                raise LayoutError(str(e)) from None
+        elif idx.numel() and (int(idx.max()) > torch.iinfo(INDEX_DTYPE).max or int(idx.min()) < -1):
+            raise LayoutError(f"{who}: sequence {i} holds ids outside -1..32767 (max "
+                              f"{int(idx.max())}, min {int(idx.min())})")
+        s = int(cup[i])
+        indices[s:s + n] = idx.to(INDEX_DTYPE)
+        mask[s:s + n] = m
+    return PackedRouting(indices, mask, cu, cup)
+
+
+def unpack_thd(packed: PackedRouting, *, with_placeholder: bool = True) -> list[torch.Tensor]:
+    """Per-sequence routing from a whole (not CP-split) THD pack: `[len_i, L, K]` each, or
+    `[len_i - 1, L, K]` (the rollout form) with `with_placeholder=False`."""
+    if packed.cp_size != 1:
+        raise LayoutError(f"unpack_thd: {packed.describe()} is one CP rank's share; gather it "
+                          f"first (cp_gather / cp_all_gather)")
+    out = []
+    for i in range(packed.num_sequences):
+        s = int(packed.cu_seqlens_padded[i])
+        n = int(packed.cu_seqlens[i + 1] - packed.cu_seqlens[i])
+        e = s + n - (0 if with_placeholder else 1)
+        out.append(packed.indices[s:e])
+    return out
+
+
+# ----------------------------------------------------------------------------- context parallel
+def cp_partition_index(cu_seqlens_padded, cp_size: int, cp_rank: int,
+                       layout: str = "zigzag") -> torch.Tensor:
+    """int64 row indices of the packed THD tensor that CP rank `cp_rank` holds.
+
+    zigzag (Megatron-Core's default, TransformerEngine's `thd_get_partitioned_indices`):
+    each sequence (padded length P, a multiple of 2*cp) is cut into 2*cp chunks of P/(2*cp)
+    rows; rank r takes chunk r and chunk 2*cp-1-r. contiguous: each sequence (P a multiple
+    of cp) is cut into cp chunks; rank r takes chunk r. Sequences stay in order."""
+    who = "cp_partition_index"
+    if layout not in CP_LAYOUTS:
+        raise ValueError(f"{who}: unknown layout={layout!r}; expected one of {CP_LAYOUTS}")
+    if not isinstance(cp_size, int) or cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"{who}: need cp_size >= 1 and 0 <= cp_rank < cp_size, got "
+                         f"cp_size={cp_size!r}, cp_rank={cp_rank!r}")
+    cup = torch.as_tensor(cu_seqlens_padded).to(torch.int64).cpu().tolist()
+    chunks = 2 * cp_size if layout == "zigzag" else cp_size
+    pieces = []
+    for i in range(len(cup) - 1):
+        s, p = cup[i], cup[i + 1] - cup[i]
+        if p % chunks:
+            raise LayoutError(
+                f"{who}: sequence {i} is padded to {p} rows, not a multiple of {chunks} "
+                f"({'2*cp' if layout == 'zigzag' else 'cp'} with cp={cp_size}, layout={layout!r}); "
+                f"pad with megatron_thd_alignment(tp, cp) like the tokens")
+        c = p // chunks
+        if layout == "zigzag":
+            for j in (cp_rank, 2 * cp_size - 1 - cp_rank):
+                pieces.append(torch.arange(s + j * c, s + (j + 1) * c))
+        else:
+            pieces.append(torch.arange(s + cp_rank * c, s + (cp_rank + 1) * c))
+    if not pieces:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.cat(pieces)
+
+
+def cp_split(packed: PackedRouting, cp_size: int, cp_rank: int, layout: str = "zigzag"
+             ) -> PackedRouting:
+    """CP rank `cp_rank`'s share of a whole THD pack, split like the tokens
+    (`cp_partition_index`)."""
+    if packed.cp_size != 1:
+        raise LayoutError(f"cp_split: {packed.describe()} is already split; split the whole pack")
+    if cp_size == 1:
+        return replace(packed, cp_layout=layout)
+    idx = cp_partition_index(packed.cu_seqlens_padded, cp_size, cp_rank, layout)
+    return replace(packed, indices=packed.indices.index_select(0, idx.to(packed.indices.device)),
+                   replay_mask=packed.replay_mask.index_select(0, idx.to(packed.replay_mask.device)),
+                   cp_size=cp_size, cp_rank=cp_rank, cp_layout=layout)
+
+
+def cp_gather(parts: Sequence[PackedRouting], layout: str | None = None) -> PackedRouting:
+    """Inverse of `cp_split`: the whole pack from every CP rank's share, in rank order.
+    Shares from another split (layout, CP size, rank order, sequence boundaries) raise."""
+    who = "cp_gather"
+    if not parts:
+        raise LayoutError(f"{who}: no parts")
+    cp = len(parts)
+    first = parts[0]
+    lay = layout if layout is not None else first.cp_layout
+    for r, p in enumerate(parts):
+        if p.cp_size != cp or p.cp_rank != r:
+            raise LayoutError(f"{who}: part {r} is {p.describe()}; expected cp_size={cp}, "
+                              f"cp_rank={r} (parts must be every rank's share, in rank order)")
+        if p.cp_layout != lay:
+            raise LayoutError(f"{who}: part {r} was split with layout={p.cp_layout!r} but the "
+                              f"gather is for layout={lay!r}; the routing would land on other "
+                              f"tokens")
+        if not torch.equal(p.cu_seqlens_padded.cpu(), first.cu_seqlens_padded.cpu()) or \
+                not torch.equal(p.cu_seqlens.cpu(), first.cu_seqlens.cpu()):
+            raise LayoutError(f"{who}: part {r} has other sequence boundaries than part 0")
+        if p.num_tokens * cp != int(first.cu_seqlens_padded[-1]):
+            raise LayoutError(f"{who}: part {r} has {p.num_tokens} rows; {cp} parts of a pack of "
+                              f"{int(first.cu_seqlens_padded[-1])} rows need "
+                              f"{int(first.cu_seqlens_padded[-1]) // cp} each")
+    N = int(first.cu_seqlens_padded[-1])
+    L, K = first.indices.shape[1:]
+    dev = first.indices.device
+    indices = torch.empty((N, L, K), dtype=first.indices.dtype, device=dev)
+    mask = torch.empty(N, dtype=torch.bool, device=dev)
+    if cp == 1:
+        return replace(first, cp_size=1, cp_rank=0, cp_layout=None)
+    for r, p in enumerate(parts):
+        idx = cp_partition_index(first.cu_seqlens_padded, cp, r, lay).to(dev)
+        indices.index_copy_(0, idx, p.indices.to(dev))
+        mask.index_copy_(0, idx, p.replay_mask.to(dev))
+    return replace(first, indices=indices, replay_mask=mask, cp_size=1, cp_rank=0, cp_layout=None)
+
+
+def cp_all_gather(local: PackedRouting, group) -> PackedRouting:
+    """`cp_gather` over the CP process group (R2 recording back to the whole pack)."""
+    import torch.distributed as dist
+
+    cp = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if local.cp_size != cp or local.cp_rank != rank:
+        raise LayoutError(f"cp_all_gather: {local.describe()} but this is rank {rank} of a CP "
+                          f"group of {cp}")
+    idx = _gather_tensor(local.indices, group)
+    mask = _gather_tensor(local.replay_mask, group)
+    parts = [replace(local, indices=i, replay_mask=m, cp_rank=r)
+             for r, (i, m) in enumerate(zip(idx, mask))]
+    return cp_gather(parts)
+
+
+# ----------------------------------------------------------------------------- sequence parallel
+def _group_size_rank(group) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if group is None or not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def sp_scatter(x: torch.Tensor, tp_group, *, who: str = "sp_scatter") -> torch.Tensor:
+    """This TP rank's share of `x` along dim 0 (the packed token dimension), exactly as
+    Megatron's `scatter_to_sequence_parallel_region` splits the hidden states: TP equal
+    contiguous chunks, rank r takes chunk r. A view, no copy. Works for the routing
+    `[T, L, K]`, a layer's `[T, K]` and the `[T]` replay mask."""
+    tp, rank = _group_size_rank(tp_group)
+    if tp == 1:
+        return x
+    T = x.shape[0]
+    if T % tp:
+        raise LayoutError(f"{who}: {T} tokens do not split over TP={tp} ranks; the tokens are "
+                          f"padded to a multiple of TP (megatron_thd_alignment), pad the routing "
+                          f"the same way (pack_thd(align=...))")
+    n = T // tp
+    return x[rank * n:(rank + 1) * n]
+
+
+def sp_gather(x: torch.Tensor, tp_group) -> torch.Tensor:
+    """Inverse of `sp_scatter` over the TP group (R2: each rank recorded its share of the
+    tokens). int16 and bool travel as uint8 views (NCCL has neither)."""
+    tp, _ = _group_size_rank(tp_group)
+    if tp == 1:
+        return x
+    return torch.cat(_gather_tensor(x, tp_group), dim=0)
+
+
+def _gather_tensor(x: torch.Tensor, group) -> list[torch.Tensor]:
+    """all_gather of equal-shaped tensors; int16/bool are sent as uint8 views."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    x = x.contiguous()
+    if x.dtype in (torch.int16, torch.bool):
+        wire = x.view(torch.uint8)  # int16 -> [..., 2*last]; bool -> same shape
+    else:
+        wire = x
+    if wire.dim() == 0:
+        wire = wire.reshape(1)
+    bufs = [torch.empty_like(wire) for _ in range(world)]
+    dist.all_gather(bufs, wire, group=group)
+    if x.dtype in (torch.int16, torch.bool):
+        bufs = [b.view(x.dtype) for b in bufs]
+    return [b.reshape(x.shape) for b in bufs]

@@ -1,0 +1,175 @@
+"""Which router replays which layer: walking a real Megatron-Core GPTModel (local spec,
+CPU) with dense and MoE layers mixed and an MTP layer; a stale global registry; R2 round
+trip through the whole model; token-order (batch-first) detection."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is installed by `make test`")
+
+import _megatron_env as env  # noqa: E402
+
+env.install_cpu_shims()
+env.set_torch_cuda_shims(False)  # on only while this module runs (fixture below)
+
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction  # noqa: E402
+
+from replay_ops.integrations import megatron as rom  # noqa: E402
+
+E, K = env.E_DEFAULT, 2
+PATTERN = [0, 1, 1, 0, 1]  # dense, MoE, MoE, dense, MoE: layer numbers 2, 3, 5 are MoE
+S, B, V = 8, 2, 32
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cuda_stand_ins():
+    env.set_torch_cuda_shims(True)
+    yield
+    env.set_torch_cuda_shims(False)
+
+
+@pytest.fixture(autouse=True)
+def _world(_cuda_stand_ins):
+    env.init_single()
+    env.mp_init()
+    yield
+    RouterReplay.clear_global_router_replay_instances()
+
+
+def build_gpt(mtp: bool = True, replay: bool = True, seed: int = 7):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
+                                                          get_gpt_mtp_block_spec)
+
+    cfg = env.moe_config(num_layers=len(PATTERN), moe_layer_freq=list(PATTERN),
+                         mtp_num_layers=1 if mtp else None)
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
+    mtp_spec = get_gpt_mtp_block_spec(cfg, spec.layer_specs[1], use_transformer_engine=False) \
+        if mtp else None
+    if replay:
+        rom.replay_spec(spec)
+        if mtp_spec is not None:
+            rom.replay_spec(mtp_spec)
+    torch.manual_seed(seed)
+    return GPTModel(cfg, spec, vocab_size=V, max_sequence_length=S, mtp_block_spec=mtp_spec)
+
+
+def forward(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, S), generator=g)
+    pos = torch.arange(S).expand(B, S)
+    mask = torch.triu(torch.ones(S, S), 1).bool()[None, None]
+    labels = ids if getattr(model, "mtp_process", False) else None  # the MTP head needs labels
+    return model(ids, pos, attention_mask=mask, labels=labels)
+
+
+def full_routing(L, seed=0):
+    return torch.stack([env.random_routes(S * B, E, K, seed=seed + j) for j in range(L)], dim=1)
+
+
+def test_mixed_dense_moe_walk_and_both_mappings():
+    m = build_gpt(mtp=True)
+    slots = rom.find_moe_routers(m)
+    assert [s.layer_number for s in slots] == [2, 3, 5]
+    assert rom.moe_layer_numbers(m.config) == [2, 3, 5]
+    assert all(not s.is_mtp for s in slots)
+    # absolute (L = 5, dense columns ignored) and MoE ordinal (L = 3) give the same routes
+    absolute = full_routing(5, seed=100)
+    by_moe = absolute[:, [1, 2, 4]]
+    rep = rom.set_replay_routing(m, absolute)
+    assert [(n, c) for _, n, c in rep] == [(2, 1), (3, 2), (5, 4)]
+    got_abs = [s.router.router_replay.target_topk_idx.clone() for s in slots]
+    for s in slots:
+        s.router.router_replay.clear_indices()
+    rep = rom.set_replay_routing(m, by_moe)
+    assert [(n, c) for _, n, c in rep] == [(2, 0), (3, 1), (5, 2)]
+    for s, a in zip(slots, got_abs):
+        assert torch.equal(s.router.router_replay.target_topk_idx, a)
+        assert torch.equal(a, absolute[:, s.layer_number - 1])
+    with pytest.raises(rom.LayoutError, match=r"L=4 layer columns, but the model has 3 MoE layers "
+                                              r"and 5 layers"):
+        rom.set_replay_routing(m, full_routing(4))
+    with pytest.raises(rom.LayoutError, match=r"K=3 slots per token but moe_router_topk=2"):
+        rom.set_replay_routing(m, torch.zeros(S * B, 3, 3, dtype=torch.long))
+
+
+def test_mtp_excluded_unless_asked_and_no_aliasing():
+    m = build_gpt(mtp=True)
+    mtp = [s for s in rom.find_moe_routers(m, include_mtp=True) if s.is_mtp]
+    assert len(mtp) == 1 and mtp[0].name.startswith("mtp.")
+    # Megatron versions number MTP layers from 1 again; a walk by layer number alone would
+    # give the MTP router the routes of layer 1 (or of the first MoE layer)
+    mtp[0].router.layer_number = 1
+    routing = full_routing(3, seed=200)
+    rom.set_replay_routing(m, routing)
+    assert mtp[0].router.router_replay.target_topk_idx is None
+    n = rom.set_replay_action(m, RouterReplayAction.REPLAY_FORWARD)
+    assert n == 3 and mtp[0].router.router_replay.router_replay_action is None
+    forward(m)  # the MTP layer routes natively, the decoder MoE layers replay
+    for s in rom.find_moe_routers(m):
+        want = routing[:, rom.moe_layer_numbers(m.config).index(s.layer_number)]
+        assert torch.equal(s.router.last_plan.expert_indices.long(), want)
+    # asked for: the MTP layer takes the column after the decoder layers
+    rep = rom.set_replay_routing(m, full_routing(4, seed=300), include_mtp=True)
+    assert rep[-1][0].startswith("mtp.") and rep[-1][2] == 3
+    rep = rom.set_replay_routing(m, full_routing(6, seed=300), include_mtp=True)  # absolute
+    assert rep[-1][2] == 5
+    with pytest.raises(rom.LayoutError, match="L=3 layer columns"):
+        rom.set_replay_routing(m, full_routing(3), include_mtp=True)
+
+
+def test_stale_global_registry():
+    first = build_gpt(mtp=False, seed=1)
+    second = build_gpt(mtp=False, seed=2)  # a rebuild: Megatron's global list now holds 6
+    assert len(RouterReplay.global_router_replay_instances) == 6
+    routing = full_routing(3, seed=400)
+    # Megatron's list API addresses the stale list
+    with pytest.raises(ValueError, match=r"number of replay tensors \(3\) does not match instances \(6\)"):
+        RouterReplay.set_replay_data([routing[:, j] for j in range(3)])
+    rom.set_replay_routing(second, routing)
+    for j, s in enumerate(rom.find_moe_routers(second)):
+        assert torch.equal(s.router.router_replay.target_topk_idx, routing[:, j])
+    for s in rom.find_moe_routers(first):
+        assert s.router.router_replay.target_topk_idx is None
+    assert rom.prune_global_registry(second) == 3
+    RouterReplay.set_replay_data([routing[:, j] for j in range(3)])  # now it addresses `second`
+    for j, s in enumerate(rom.find_moe_routers(second)):
+        assert torch.equal(s.router.router_replay.replay_backward_list[-1], routing[:, j])
+
+
+def test_r2_round_trip_through_the_model_is_bitwise():
+    m = build_gpt(mtp=False)
+    rom.set_replay_action(m, RouterReplayAction.RECORD)
+    with torch.no_grad():
+        native = forward(m, seed=3)
+    rec, ids = rom.recorded_routing(m)
+    assert ids == [2, 3, 5] and rec.shape == (S * B, 3, K)
+    assert torch.equal(rom.gather_recorded_routing(m), rec)
+    absolute = rom.gather_recorded_routing(m, layer_index="absolute")
+    assert (absolute[:, [0, 3]] == -1).all() and torch.equal(absolute[:, [1, 2, 4]], rec)
+    rom.set_replay_routing(m, rec.to(torch.int16))
+    rom.set_replay_action(m, RouterReplayAction.REPLAY_FORWARD)
+    with torch.no_grad():
+        replayed = forward(m, seed=3)
+    assert torch.equal(native, replayed)
+
+
+def test_token_order_batch_first_is_detected():
+    m = build_gpt(mtp=False)
+    routing = full_routing(3, seed=500)  # [S*B, L, K], sequence-first
+    bsf = routing.view(S, B, 3, K)
+    with pytest.raises(rom.LayoutError, match="needs batch_first=True"):
+        rom.set_replay_routing(m, bsf)
+    rom.set_replay_routing(m, bsf.transpose(0, 1).contiguous(), batch_first=True)
+    slots = rom.find_moe_routers(m)
+    assert torch.equal(slots[0].router.router_replay.target_topk_idx, routing[:, 0])
+
+
+def test_stock_router_gets_int64_views_and_needs_replay_flag():
+    m = build_gpt(mtp=False, replay=False)
+    rom.set_replay_routing(m, full_routing(3).to(torch.int16))
+    rr = rom.find_moe_routers(m)[0].router.router_replay
+    assert rr.target_topk_idx.dtype == torch.int64  # Megatron's own gather needs int64
+    rom.set_replay_action(m, RouterReplayAction.REPLAY_FORWARD)
+    forward(m)

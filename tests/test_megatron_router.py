@@ -1,0 +1,343 @@
+"""The replay router inside Megatron-Core's MoE layer (local spec, CPU, one process):
+parity with Megatron's own replay path, the padding policies, moe_router_fusion,
+construction-time errors, the plan dispatcher, determinism.
+
+Megatron-Core is real; only the CPU stand-ins of tests/_megatron_env.py are installed."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is installed by `make test`")
+
+import _megatron_env as env  # noqa: E402
+
+env.install_cpu_shims()
+env.set_torch_cuda_shims(False)  # on only while this module runs (fixture below)
+
+from megatron.core.transformer.moe import moe_utils  # noqa: E402
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction  # noqa: E402
+
+from replay_ops.integrations import megatron as rom  # noqa: E402
+
+E, K = env.E_DEFAULT, 2
+S, B, H = 6, 2, 16
+T = S * B
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cuda_stand_ins():
+    env.set_torch_cuda_shims(True)
+    yield
+    env.set_torch_cuda_shims(False)
+
+
+@pytest.fixture(autouse=True)
+def _world(_cuda_stand_ins):
+    env.init_single()
+    env.mp_init()
+    yield
+    RouterReplay.clear_global_router_replay_instances()
+
+
+def hidden(seed=0, s=S, b=B):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(s, b, H, generator=g)
+
+
+# ----------------------------------------------------------------------------- parity
+PARITY = {
+    "softmax-alltoall": dict(),
+    "softmax-allgather": dict(moe_token_dispatcher_type="allgather"),
+    "presoftmax-scaled": dict(moe_router_pre_softmax=True, moe_router_topk_scaling_factor=2.5),
+    "sigmoid-bias-groups": dict(moe_router_score_function="sigmoid", moe_router_topk=4,
+                                moe_router_enable_expert_bias=True, moe_router_num_groups=4,
+                                moe_router_group_topk=2, moe_router_topk_scaling_factor=1.5),
+    "aux-zloss": dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01,
+                      moe_z_loss_coeff=0.001),
+    "seq-aux-loss": dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.02),
+    "capacity-drop": dict(moe_expert_capacity_factor=1.0, moe_token_drop_policy="probs"),
+    "capacity-pad": dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
+}
+
+
+@pytest.mark.parametrize("name", list(PARITY))
+@pytest.mark.parametrize("action", ["REPLAY_FORWARD", "RECORD"])
+def test_parity_with_megatron_replay(name, action):
+    cfg = env.moe_config(**PARITY[name])
+    ref, ours = env.build_pair(cfg)
+    if cfg.moe_router_enable_expert_bias:
+        bias = torch.linspace(-0.3, 0.3, E)
+        ref.router.expert_bias.copy_(bias)
+        ours.router.expert_bias.copy_(bias)
+    k = cfg.moe_router_topk
+    target = env.random_routes(T, E, k, seed=3) if action == "REPLAY_FORWARD" else None
+    x = hidden(1)
+    a = env.run_layer(ref, x, target, action)
+    b = env.run_layer(ours, x, target, action)
+    env.assert_runs_match(a, b, what=name)
+    assert "router.weight" in b["grads"] and b["grads"]["router.weight"].abs().sum() > 0
+    if action == "RECORD":
+        assert torch.equal(a["recorded"], b["recorded"])  # ours records what Megatron records
+    else:
+        rmap = b["meta"].get("routing_map", b["meta"].get("local_map"))
+        assert rmap is not None
+        if cfg.moe_expert_capacity_factor is None:  # dropless: the replayed experts exactly
+            want = torch.zeros(T, E, dtype=torch.bool).scatter(1, target, True)
+            assert torch.equal(rmap, want)
+    if cfg.moe_router_enable_expert_bias:
+        assert torch.equal(ref.router.local_tokens_per_expert, ours.router.local_tokens_per_expert)
+        assert ours.router.local_tokens_per_expert.sum() == T * k
+
+
+def test_replay_backward_fifo_matches_megatron():
+    """REPLAY_BACKWARD pops Megatron's FIFO (the recompute of each micro-batch replays the
+    indices set for it, first in, first out)."""
+    cfg = env.moe_config()
+    ref, ours = env.build_pair(cfg)
+    t1, t2 = env.random_routes(T, E, K, seed=5), env.random_routes(T, E, K, seed=6)
+    outs = {}
+    for tag, layer in (("ref", ref), ("ours", ours)):
+        rr = layer.router.router_replay
+        rr.clear_indices()
+        rr.set_target_indices(t1)
+        rr.set_target_indices(t2)  # two micro-batches queued
+        rr.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+        p1, m1 = layer.router(hidden(2))
+        p2, m2 = layer.router(hidden(3))
+        outs[tag] = (p1, m1, p2, m2)
+        assert rr.replay_backward_list == []
+    for a, b in zip(outs["ref"], outs["ours"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert torch.equal(outs["ours"][1], torch.zeros(T, E, dtype=torch.bool).scatter(1, t1, True))
+    assert torch.equal(outs["ours"][3], torch.zeros(T, E, dtype=torch.bool).scatter(1, t2, True))
+    with pytest.raises(rom.ReplayRoutingError, match=r"layer 1\).*REPLAY_BACKWARD but the backward "
+                                                     r"replay list is empty"):
+        ours.router(hidden(2))
+
+
+def test_deterministic_bitwise():
+    cfg = env.moe_config(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01)
+    _, ours = env.build_pair(cfg)
+    target = env.random_routes(T, E, K, seed=9)
+    a = env.run_layer(ours, hidden(4), target)
+    b = env.run_layer(ours, hidden(4), target)
+    assert torch.equal(a["out"], b["out"]) and torch.equal(a["dx"], b["dx"])
+    assert all(torch.equal(a["grads"][n], b["grads"][n]) for n in a["grads"])
+
+
+def test_no_action_is_megatron_native_routing():
+    cfg = env.moe_config()
+    ref, ours = env.build_pair(cfg)
+    a = env.run_layer(ref, hidden(5), None, None)
+    b = env.run_layer(ours, hidden(5), None, None)
+    assert torch.equal(a["out"], b["out"]) and torch.equal(a["dx"], b["dx"])
+    assert ours.router.last_plan is None
+
+
+# ----------------------------------------------------------------------------- padding rows
+def bad_target():
+    """Rows 0-3: zero-filled padding ([0, 0]); rows 4-5: -1 slots; the rest real routes."""
+    t = env.random_routes(T, E, K, seed=11)
+    t[0:4] = 0
+    t[4] = torch.tensor([-1, -1])
+    t[5] = torch.tensor([3, -1])
+    return t
+
+
+def check_k_distinct(probs, rmap, k=K):
+    n = rmap.sum()
+    assert int(n) == rmap.shape[0] * k, f"routing_map.sum()={int(n)}, want T*K={rmap.shape[0] * k}"
+    assert (rmap.sum(dim=1) == k).all()
+    assert (probs[rmap] > 0).all(), "a routed weight is zero"
+    assert (probs[~rmap] == 0).all()
+    # the flex dispatcher's recovery of the indices: torch.topk over the dense probs
+    got = torch.zeros_like(rmap).scatter(1, torch.topk(probs, k, dim=-1).indices, True)
+    assert torch.equal(got, rmap)
+
+
+@pytest.mark.parametrize("dispatcher,validate", [("alltoall", True), ("allgather", True),
+                                                 ("alltoall", False)])
+def test_padding_topk_default_is_megatron_native_for_bad_rows(dispatcher, validate):
+    cfg = env.moe_config(moe_token_dispatcher_type=dispatcher)
+    ref, ours = env.build_pair(cfg, options=rom.ReplayOptions(validate=validate))
+    t = bad_target()
+    x = hidden(6)
+    # Megatron's native routing of the same tokens (no replay)
+    ref.router.router_replay.clear_router_replay_action()
+    _, native_map = ref.router(x)
+    ours.router.router_replay.clear_indices()
+    ours.router.router_replay.set_target_indices(t)
+    ours.router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    probs, rmap = ours.router(x)
+    check_k_distinct(probs, rmap)
+    assert torch.equal(rmap[:6], native_map[:6])
+    want = torch.zeros(T - 6, E, dtype=torch.bool).scatter(1, t[6:].long(), True)
+    assert torch.equal(rmap[6:], want)
+    # the dispatchers accept it unchanged: a full forward/backward
+    res = env.run_layer(ours, x, t)
+    assert torch.isfinite(res["out"]).all()
+
+
+def test_padding_spread_over_ep_ranks():
+    ep = 4
+    cfg = env.moe_config(expert_model_parallel_size=ep, moe_router_topk=2)
+    router = rom.ReplayTopKRouter(cfg, moe_utils.get_default_pg_collection(),
+                                  options=rom.ReplayOptions(padding="spread"))
+    router.set_layer_number(1)
+    n = 40
+    t = torch.zeros(n, K, dtype=torch.long)  # every row zero-filled padding
+    router.router_replay.set_target_indices(t)
+    router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    probs, rmap = router(torch.randn(n, 1, H))
+    check_k_distinct(probs, rmap)
+    per_expert = rmap.sum(0)
+    per_rank = per_expert.view(ep, E // ep).sum(1)
+    assert per_expert.max() - per_expert.min() <= 1, per_expert.tolist()
+    assert per_rank.max() - per_rank.min() <= K, per_rank.tolist()
+    assert per_expert[0] <= per_expert.float().mean().ceil()
+    # the two slots of a row sit on different ranks
+    ranks = rmap.nonzero()[:, 1].view(n, K) // (E // ep)
+    assert (ranks[:, 0] != ranks[:, 1]).all()
+
+
+def test_padding_error_policy_names_row():
+    cfg = env.moe_config()
+    _, ours = env.build_pair(cfg, options=rom.ReplayOptions(padding="error"))
+    t = env.random_routes(T, E, K, seed=2)
+    t[7] = torch.tensor([5, 5])
+    with pytest.raises(rom.ReplayRoutingError, match=r"layer 1\): REPLAY_FORWARD: row 7 has no "
+                                                     r"usable route \[5, 5\]"):
+        env.run_layer(ours, hidden(1), t)
+
+
+def test_out_of_range_and_shape_errors():
+    cfg = env.moe_config()
+    _, ours = env.build_pair(cfg)
+    t = env.random_routes(T, E, K, seed=2)
+    t[3, 1] = E  # a physical replica id, not a logical one
+    with pytest.raises(rom.ReplayRoutingError, match=r"token 3, slot 1 holds expert id 8, outside "
+                                                     r"0..7.*logical expert ids"):
+        env.run_layer(ours, hidden(1), t)
+    with pytest.raises(rom.ReplayRoutingError, match=r"shape \(11, 2\) but this call routes T=12"):
+        env.run_layer(ours, hidden(1), env.random_routes(T - 1, E, K))
+    ours.router.router_replay.clear_indices()
+    with pytest.raises(rom.ReplayRoutingError, match="no target indices were set"):
+        env.run_layer(ours, hidden(1), None)
+
+
+def test_underflowing_weight_stays_nonzero_fp16():
+    """pre-softmax in fp16: a replayed expert with a far-off logit has softmax 0 in fp16.
+    Megatron's path routes it with weight 0 (the flex dispatcher's topk then loses it);
+    the replay router keeps it routed with the smallest normal weight."""
+    cfg = env.moe_config(moe_router_pre_softmax=True, moe_router_dtype=None,
+                         params_dtype=torch.float16, fp16=True)
+    ref, ours = env.build_pair(cfg)
+    logits = torch.zeros(4, E, dtype=torch.float16)
+    logits[:, 7] = -30.0
+    t = torch.tensor([[0, 7]] * 4)
+    for layer in (ref, ours):
+        layer.router.router_replay.clear_indices()
+        layer.router.router_replay.set_target_indices(t)
+        layer.router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    p_ref, m_ref = ref.router.routing(logits.view(4, 1, E))
+    p_ours, m_ours = ours.router.routing(logits.view(4, 1, E))
+    assert m_ref[:, 7].all() and (p_ref[:, 7] == 0).all()  # Megatron: routed, weight 0
+    check_k_distinct(p_ours, m_ours)
+    assert (p_ours[:, 7] == torch.finfo(torch.float16).tiny).all()
+
+
+def test_flex_dispatcher_index_recovery_runs_megatrons_code():
+    """MoEFlexTokenDispatcher needs DeepEP/HybridEP (CUDA); its index recovery
+    (_DeepepManager.setup_metadata: torch.topk over the dense probs) is plain torch and is
+    run here on the replay router's output, padding rows included."""
+    from megatron.core.transformer.moe.token_dispatcher import _DeepepManager
+
+    cfg = env.moe_config()
+    _, ours = env.build_pair(cfg, options=rom.ReplayOptions(padding="spread"))
+    t = bad_target()
+    ours.router.router_replay.set_target_indices(t)
+    ours.router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    probs, rmap = ours.router(hidden(8))
+    mgr = object.__new__(_DeepepManager)
+    mgr.num_experts, mgr.router_topk, mgr.capacity_factor = E, K, None
+    mgr.setup_metadata(rmap, probs)
+    got = torch.zeros(T, E, dtype=torch.bool).scatter(1, mgr.token_indices, True)
+    assert torch.equal(got, rmap)
+    assert (mgr.token_probs > 0).all()
+
+
+# ----------------------------------------------------------------------------- fusion, config
+def test_router_fusion_with_replay_uses_the_replay_gate():
+    """moe_router_fusion=True: Megatron returns TransformerEngine's fused top-k before it
+    looks at replay (and on this CPU machine, without TransformerEngine, cannot run at all);
+    the replay router serves the replay with replay_ops.gate. Checked by its result: equal
+    to Megatron's unfused replay path, routing exactly the replayed experts."""
+    base = env.moe_config()
+    fused = env.moe_config(moe_router_fusion=True)
+    ref = env.build_moe_layer(base, replay=False)
+    ours = env.build_moe_layer(fused, replay=True)
+    ours.load_state_dict(ref.state_dict())
+    target = env.random_routes(T, E, K, seed=13)
+    a = env.run_layer(ref, hidden(9), target)
+    b = env.run_layer(ours, hidden(9), target)
+    env.assert_runs_match(a, b, what="fusion")
+    assert torch.equal(b["meta"]["routing_map"],
+                       torch.zeros(T, E, dtype=torch.bool).scatter(1, target, True))
+    # Megatron's own router with the flag: the fused path, which needs TransformerEngine
+    stock = env.build_moe_layer(fused, replay=False)
+    with pytest.raises(ValueError, match="fused_topk_with_score_function is not available"):
+        env.run_layer(stock, hidden(9), target)
+    # no action + fusion: the native selection through the fused gate == Megatron unfused
+    c = env.run_layer(ref, hidden(10), None, None)
+    d = env.run_layer(ours, hidden(10), None, None)
+    env.assert_runs_match(c, d, what="fusion native")
+
+
+def test_unsupported_combinations_raise_at_construction():
+    with pytest.raises(rom.UnsupportedConfigError, match=r"moe_router_fusion=True with "
+                                                         r"moe_router_load_balancing_type=\['aux_loss'\]"):
+        env.build_moe_layer(env.moe_config(moe_router_fusion=True, moe_aux_loss_coeff=0.01,
+                                           moe_router_load_balancing_type="aux_loss"), replay=True)
+    with pytest.raises(rom.UnsupportedConfigError, match="moe_router_load_balancing_type='sinkhorn'"):
+        env.build_moe_layer(env.moe_config(moe_router_load_balancing_type="sinkhorn"), replay=True)
+    with pytest.raises(ValueError, match="unknown padding='zero'"):
+        rom.ReplayOptions(padding="zero")
+    layer = env.build_moe_layer(env.moe_config(moe_expert_capacity_factor=1.0), replay=True)
+    with pytest.raises(rom.UnsupportedConfigError, match="moe_expert_capacity_factor=1.0 is not "
+                                                         "supported by the plan dispatcher"):
+        rom.enable_plan_dispatch(layer)
+    layer = env.build_moe_layer(env.moe_config(moe_token_dispatcher_type="allgather"), replay=True)
+    with pytest.raises(rom.UnsupportedConfigError, match="moe_token_dispatcher_type='allgather'"):
+        rom.enable_plan_dispatch(layer)
+
+
+def test_install_converts_built_model():
+    cfg = env.moe_config()
+    ref = env.build_moe_layer(cfg, replay=False)
+    other = env.build_moe_layer(cfg, replay=False)
+    routers = rom.install(other, padding="spread")
+    assert len(routers) == 1 and isinstance(other.router, rom.ReplayTopKRouter)
+    assert other.router.replay_options.padding == "spread"
+    target = env.random_routes(T, E, K, seed=4)
+    env.assert_runs_match(env.run_layer(ref, hidden(2), target),
+                          env.run_layer(other, hidden(2), target), what="install")
+
+
+# ----------------------------------------------------------------------------- plan dispatcher
+@pytest.mark.parametrize("action", ["REPLAY_FORWARD", "RECORD"])
+def test_plan_dispatcher_parity(action):
+    cfg = env.moe_config(moe_router_topk=3, moe_router_load_balancing_type="aux_loss",
+                         moe_aux_loss_coeff=0.01)
+    ref, ours = env.build_pair(cfg)
+    assert rom.enable_plan_dispatch(ours) == 1
+    assert type(ours.token_dispatcher).__name__ == "PlanAlltoAllTokenDispatcher"
+    target = env.random_routes(T, E, 3, seed=21) if action == "REPLAY_FORWARD" else None
+    a = env.run_layer(ref, hidden(11), target, action)
+    b = env.run_layer(ours, hidden(11), target, action)
+    env.assert_runs_match(a, b, what="plan dispatcher")
+    # Megatron's permutation: token ids of each permuted row, equal exactly
+    assert torch.equal(a["meta"]["reversed_local_input_permutation_mapping"],
+                       b["meta"]["reversed_local_input_permutation_mapping"])
+    # and the plan dispatcher really ran (not Megatron's permute)
+    assert ours.router.last_plan is not None
