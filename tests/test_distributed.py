@@ -343,3 +343,21 @@ def test_single_rank_without_a_group():
     _bitwise(got["x_grad"], one["x_grad"], "W=1 input gradient")
     _bitwise(got["grads"]["router"], one["grads"]["router"], "W=1 router gradient")
     assert got["handle"].world_size == 1 and ep.group_info(None)[2] == 1
+
+
+def _hang(rank, world):
+    import time
+
+    if rank == 1:
+        time.sleep(600)
+    return rank
+
+
+def test_spawn_helper_kills_a_hung_rank():
+    """The helper's deadline: a rank that never returns is killed and the test fails."""
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match=r"ranks \[1\] still running after 8 s"):
+        run_group("test_distributed:_hang", 2, timeout=8)
+    assert time.monotonic() - t0 < 30
