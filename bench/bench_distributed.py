@@ -84,9 +84,11 @@ def replay_dispatch_combine(hidden, plan, group):
 # --------------------------------------------------------------------------- one rank
 def _rank_main(rank, world, args, store, out_path):
     import time
+    import warnings
 
     import torch.distributed as dist
 
+    warnings.filterwarnings("ignore", category=FutureWarning)  # the reference's autograd a2a
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
