@@ -271,7 +271,7 @@ def gate(
     if "validate" in kwargs:
         raise TypeError("replay_ops.distributed.gate: validate is not an option here; the data "
                         "checks always run and are reported by dispatch")
-    _, rank, _ = group_info(group)
+    group_info(group)  # an unusable group fails here, before any work
     if expert_indices.is_floating_point() or logits.dim() != 2 or expert_indices.dim() != 2:
         # let replay_ops.gate word the error
         return replay_ops.gate(logits, expert_indices, replay_mask=replay_mask, **kwargs)
@@ -297,7 +297,6 @@ def gate(
     plan = replay_ops.gate(logits, safe, replay_mask=replay_mask, validate=False, **kwargs)
     out = CheckedRoutingPlan(*plan)
     out.deferred_check = check
-    out.checked_rank = rank
     return out
 
 
