@@ -383,10 +383,13 @@ def patch_model(
     replay: RouterReplay | RouterReplayConfig | str | None = None,
     *,
     auto_recompute: bool = True,
+    ep_group=None,
 ) -> ReplayPatch:
     """Route every MoE block of `model` through replay_ops under `replay` (a RouterReplay
     built for this model, a RouterReplayConfig, a mode string "disabled"/"R2"/"R3", or None
-    for disabled). Returns a `ReplayPatch`; undo with `.remove()` or `unpatch_model`."""
+    for disabled). Returns a `ReplayPatch`; undo with `.remove()` or `unpatch_model`.
+    With `ep_group` (a torch.distributed group) the experts are sharded over the group:
+    see `replay_ops.distributed.hf.enable_expert_parallel`."""
     if getattr(model, "_replay_ops_patch", None) is not None:
         raise RuntimeError(
             "replay_ops.integrations.hf.patch_model: the model is already patched; call "
@@ -410,6 +413,10 @@ def patch_model(
         block.forward = types.MethodType(_patched_forward, block)
     model._replay_ops_patch = patch
     patch.active = True
+    if ep_group is not None:
+        from replay_ops.distributed.hf import enable_expert_parallel
+
+        enable_expert_parallel(patch, ep_group)
     return patch
 
 
