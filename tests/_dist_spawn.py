@@ -34,7 +34,7 @@ PG_TIMEOUT_S = 30
 def tiny_model(*args, **kwargs):
     """The tiny random-weight transformers models, imported in one place (the module is
     moving to replay_ops.testing.tiny)."""
-    from replay_ops.integrations.tiny import tiny_model as _tiny_model
+    from replay_ops.testing.tiny import tiny_model as _tiny_model
 
     return _tiny_model(*args, **kwargs)
 

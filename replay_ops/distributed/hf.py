@@ -38,10 +38,9 @@ import dataclasses
 import types
 
 import torch
-import torch.nn.functional as F
 
 import replay_ops
-from replay_ops.router_replay import ReplayAction
+from replay_ops.integrations import hf
 
 from . import ep
 
@@ -57,11 +56,6 @@ class EPState:
     world_size: int
     local_experts: range
     sharded: bool
-
-
-def _in_backward() -> bool:
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
 
 
 def _sharded_experts_forward(experts, *args, **kwargs):
@@ -104,92 +98,42 @@ def enable_expert_parallel(patch, group=None, *, shard_weights: bool = True):
     return patch
 
 
-def _route(patch, lid, block, logits, native_w, native_idx):
-    """The plan for this block, as the single-device patch computes it; native routing
-    (the router's own indices and weights) where the replay object returns none.
-    Returns (plan, record) where `record` says whether this is a routed, non-recompute
-    forward (whose indices `patch.last_routing()` reports)."""
-    replay = patch.replay
-    spec = patch.layout.spec
-    gate = block.gate
-
-    def topk_fn(lg: torch.Tensor) -> torch.Tensor:
-        if lg.shape == logits.shape and lg.data_ptr() == logits.data_ptr():
-            return native_idx
-        return spec.topk(gate, lg)
-
-    opts = dict(score_func=spec.score_func, normalize=spec.normalize(gate),
-                scaling_factor=spec.scaling_factor(gate))
-    action = replay.action
-    plan, record = None, False
-    if replay.enabled and action is not None:
-        recompute = patch.auto_recompute and action in (
-            ReplayAction.REPLAY_FORWARD, ReplayAction.RECORD) and _in_backward()
-        if recompute and action is ReplayAction.RECORD:
-            with torch.no_grad():
-                idx = topk_fn(logits.detach())
-            plan = replay_ops.gate(logits, idx, validate=replay.config.validate, **opts)
-        elif recompute:
-            replay.set_action(ReplayAction.REPLAY_BACKWARD)
-            try:
-                plan = replay.route(lid, logits, topk_fn=topk_fn, **opts)
-            finally:
-                replay.set_action(action)
-        else:
-            plan = replay.route(lid, logits, topk_fn=topk_fn, **opts)
-        record = plan is not None and not recompute
-    if plan is None:
-        # Native routing: the router's own choice and weights, as the unpatched block.
-        plan = replay_ops.gate(logits, native_idx, validate=False, **opts)
-        plan = plan._replace(weights=native_w.to(plan.weights.dtype))
-    return plan, record
-
-
 def _ep_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     patch, lid = block._replay_ops_layer
     st: EPState = block._replay_ops_ep
     spec = patch.layout.spec
     try:
-        if spec.jitter and block.training and block.jitter_noise > 0:
-            hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
-                1.0 - block.jitter_noise, 1.0 + block.jitter_noise)
-        x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        logits, native_w, native_idx = block.gate(x)
-        if spec.weights_fp32:
-            logits = logits.float()
-        plan, record = _route(patch, lid, block, logits, native_w, native_idx)
+        # routed exactly as the single-device patch routes (RECORD, REPLAY_FORWARD, the
+        # recompute queue)
+        r = hf.route_block(patch, lid, block, hidden_states)
+        plan = r.plan
+        if plan is None:
+            # Native routing: the router's own choice and weights, as the unpatched block.
+            plan = replay_ops.gate(r.logits, r.native_indices, validate=False,
+                                   score_func=spec.score_func,
+                                   normalize=spec.normalize(block.gate),
+                                   scaling_factor=spec.scaling_factor(block.gate))
+            plan = plan._replace(weights=r.native_weights.to(plan.weights.dtype))
     except Exception as exc:  # every rank raises, none waits in the exchange
         ep.report_failure(exc, st.group)
-    if record and isinstance(getattr(patch, "_last", None), dict):
+    if r.plan is not None and not r.recompute:
         patch._last[lid] = plan.expert_indices
-    x_local, handle = ep.dispatch(x, plan, st.group)
+    x_local, handle = ep.dispatch(r.x, plan, st.group)
     y_local = _local_experts(block.experts, x_local, handle, st)
     routed = ep.combine(y_local, handle)
     if spec.add_shared is not None:
-        out = spec.add_shared(block, x, hidden_states, routed)
+        out = spec.add_shared(block, r.x, r.hidden_states, routed)
     else:
         out = routed
-    return out.reshape(hidden_states.shape)
+    return out.reshape(r.hidden_states.shape)
 
 
 def _local_experts(experts, x_local: torch.Tensor, handle: ep.DispatchHandle,
                    st: EPState) -> torch.Tensor:
     """One SwiGLU per local expert segment (align 1: the segments tile the buffer)."""
     counts = handle.tokens_per_local_expert.tolist()  # the expert loop's host read
-    apply_gate = getattr(experts, "_apply_gate", None)
-    outs, start = [], 0
-    for j, n in enumerate(counts):
-        if n == 0:
-            continue
-        e = j if st.sharded else st.local_experts[j]
-        seg = x_local[start:start + n]
-        start += n
-        gate_up = F.linear(seg, experts.gate_up_proj[e])
-        if apply_gate is not None:
-            h = apply_gate(gate_up)
-        else:
-            g, u = gate_up.chunk(2, dim=-1)
-            h = experts.act_fn(g) * u
-        outs.append(F.linear(h, experts.down_proj[e]))
-    # No rows: the (empty) input itself, still attached to the graph.
-    return torch.cat(outs, dim=0) if outs else x_local
+    offsets = [0]
+    for n in counts:
+        offsets.append(offsets[-1] + n)
+    ids = None if st.sharded else list(st.local_experts)
+    return hf.run_expert_segments(experts, x_local, offsets, ids)

@@ -78,6 +78,7 @@ from replay_ops.router_replay import (
 __all__ = [
     "SUPPORTED",
     "ArchSpec",
+    "BlockRouting",
     "MoELayout",
     "ReplayPatch",
     "UnsupportedModelError",
@@ -85,6 +86,8 @@ __all__ = [
     "make_router_replay",
     "native_topk",
     "patch_model",
+    "route_block",
+    "run_expert_segments",
     "unpatch_model",
     "supported_architectures",
 ]
@@ -427,21 +430,33 @@ def unpatch_model(model: torch.nn.Module) -> None:
         patch.remove()
 
 
-def _patched_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    patch, lid = block._replay_ops_layer
+@dataclasses.dataclass
+class BlockRouting:
+    """What `route_block` found for one MoE block forward."""
+
+    hidden_states: torch.Tensor  # the block's input (after Mixtral's router jitter)
+    x: torch.Tensor  # [T, H]
+    logits: torch.Tensor  # [T, E], fp32 where the architecture keeps gate weights in fp32
+    native_weights: torch.Tensor  # the router's own gate weights and indices
+    native_indices: torch.Tensor
+    plan: RoutingPlan | None  # None: the replay object chose the native path
+    recompute: bool  # an activation recompute (its routing is not reported again)
+
+
+def route_block(patch: ReplayPatch, lid: int, block: torch.nn.Module,
+                hidden_states: torch.Tensor) -> BlockRouting:
+    """Run the block's router and ask the replay object for the plan: RECORD, REPLAY_FORWARD,
+    and (inside a backward pass, with auto_recompute) the recompute of either. The single-
+    device forward and the expert-parallel one (replay_ops.distributed.hf) both route here."""
     replay = patch.replay
-    original = type(block).forward
-    if not replay.enabled or replay.action is None:
-        return original(block, hidden_states)
     spec = patch.layout.spec
     if spec.jitter and block.training and block.jitter_noise > 0:
         hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
             1.0 - block.jitter_noise, 1.0 + block.jitter_noise
         )
-    H = hidden_states.shape[-1]
-    x = hidden_states.reshape(-1, H)
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
     gate = block.gate
-    logits, _, native_idx = gate(x)
+    logits, native_w, native_idx = gate(x)
     if spec.weights_fp32:
         logits = logits.float()
 
@@ -450,12 +465,14 @@ def _patched_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> tor
             return native_idx  # the router's own output for these very logits
         return spec.topk(gate, lg)
 
-    action = replay.action
+    action = replay.action if replay.enabled else None
     opts = dict(score_func=spec.score_func, normalize=spec.normalize(gate),
                 scaling_factor=spec.scaling_factor(gate))
     recompute = patch.auto_recompute and action in (
         ReplayAction.REPLAY_FORWARD, ReplayAction.RECORD) and _in_backward()
-    if recompute and action is ReplayAction.RECORD:
+    if action is None:
+        plan = None
+    elif recompute and action is ReplayAction.RECORD:
         # Recompute of a recorded forward: same inputs, same native choice; gate with it but
         # do not record it a second time.
         with torch.no_grad():
@@ -468,16 +485,43 @@ def _patched_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> tor
                             **opts)
     else:
         plan = replay.route(lid, logits, action=action, topk_fn=topk_fn, **opts)
-    if plan is None:  # the replay object chose the native path
-        return original(block, hidden_states)
-    if not recompute:
-        patch._last[lid] = plan.expert_indices
-    routed = _experts_forward(block.experts, x, plan)
-    if spec.add_shared is not None:
-        out = spec.add_shared(block, x, hidden_states, routed)
-    else:
-        out = routed
-    return out.reshape(hidden_states.shape)
+    return BlockRouting(hidden_states, x, logits, native_w, native_idx, plan, recompute)
+
+
+def _patched_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    patch, lid = block._replay_ops_layer
+    replay = patch.replay
+    if not replay.enabled or replay.action is None:
+        return type(block).forward(block, hidden_states)
+    r = route_block(patch, lid, block, hidden_states)
+    if not r.recompute:
+        patch._last[lid] = r.plan.expert_indices
+    routed = _experts_forward(block.experts, r.x, r.plan)
+    spec = patch.layout.spec
+    out = routed if spec.add_shared is None else spec.add_shared(block, r.x, r.hidden_states,
+                                                                 routed)
+    return out.reshape(r.hidden_states.shape)
+
+
+def run_expert_segments(experts: torch.nn.Module, rows: torch.Tensor, offsets: list[int],
+                        expert_ids=None) -> torch.Tensor:
+    """One SwiGLU per expert segment: rows offsets[j]:offsets[j+1] go through expert
+    expert_ids[j] (default j). The segments must tile rows [0, offsets[-1]) (align 1).
+    With no row at all the (empty) input comes back, still attached to the graph."""
+    apply_gate = getattr(experts, "_apply_gate", None)
+    outs = []
+    for j in range(len(offsets) - 1):
+        if offsets[j + 1] == offsets[j]:
+            continue
+        e = j if expert_ids is None else expert_ids[j]
+        gate_up = F.linear(rows[offsets[j]: offsets[j + 1]], experts.gate_up_proj[e])
+        if apply_gate is not None:
+            h = apply_gate(gate_up)
+        else:
+            g, u = gate_up.chunk(2, dim=-1)
+            h = experts.act_fn(g) * u
+        outs.append(F.linear(h, experts.down_proj[e]))
+    return torch.cat(outs, dim=0) if outs else rows
 
 
 def _experts_forward(experts: torch.nn.Module, x: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
@@ -488,19 +532,6 @@ def _experts_forward(experts: torch.nn.Module, x: torch.Tensor, plan: RoutingPla
     so neither reads the device again."""
     offsets = plan.expert_offsets.tolist()
     rows = replay_ops.permute(x, plan, offsets[-1], validate=False)
-    apply_gate = getattr(experts, "_apply_gate", None)
-    outs = []
-    for e in range(len(offsets) - 1):
-        if offsets[e + 1] == offsets[e]:
-            continue
-        seg = rows[offsets[e]: offsets[e + 1]]
-        gate_up = F.linear(seg, experts.gate_up_proj[e])
-        if apply_gate is not None:
-            h = apply_gate(gate_up)
-        else:
-            g, u = gate_up.chunk(2, dim=-1)
-            h = experts.act_fn(g) * u
-        outs.append(F.linear(h, experts.down_proj[e]))
     # align=1: the expert segments tile rows [0, R) with no padding rows between them.
-    expert_out = torch.cat(outs, dim=0) if outs else rows.new_zeros(0, x.shape[1])
-    return replay_ops.unpermute(expert_out, plan, validate=False)
+    return replay_ops.unpermute(run_expert_segments(experts, rows, offsets), plan,
+                                validate=False)
