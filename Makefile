@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_MIN ?= 2.6
 PIP = $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install-torch install install-test test test-gpu demo bench clean check-cuda score-header
+.PHONY: install-torch install install-test test test-gpu demo bench clean check-cuda score-header mutate
 
 install-torch:
 	@$(PY) -c "import sys, torch; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(0 if v >= tuple(int(x) for x in '$(TORCH_MIN)'.split('.')) else 1)" 2>/dev/null \
@@ -50,3 +50,8 @@ clean:
 # Regenerate the C++ ids of the score functions from their table (replay_ops/scores.py).
 score-header:
 	$(PY) -c "import replay_ops.scores as s; print(s.c_header(), end='')" > csrc/include/replay_score_funcs.h
+
+# Mutation testing (not part of `make test`): deliberate bugs, one at a time, each must make
+# its tests fail. Writes tools/mutation_results.md.
+mutate: install-test
+	$(PY) tools/mutate.py

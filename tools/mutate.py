@@ -1,0 +1,294 @@
+"""Mutation testing: does the test suite notice when the code is wrong?
+
+    python tools/mutate.py                  # every mutant (make mutate)
+    python tools/mutate.py --only M07 M21   # some of them
+    python tools/mutate.py --list           # the list, without running it
+
+Each mutant is one small, deliberate bug: a text replacement in one file of the package
+(Python, Triton or C++). The script copies the tree into a sandbox (the Triton kernels at
+their installed place, `replay_ops/triton_kernels`), applies one mutant at a time, rebuilds
+the native extension when the mutant is in C++ (ninja recompiles only the changed file),
+runs the tests that should catch it, and restores the file. A mutant is *killed* when those
+tests fail (or time out) and *survives* when they pass: a survivor is a hole in the tests.
+
+The results table is printed and written to tools/mutation_results.md. This is not part of
+`make test` (it rebuilds C++ several times); run it after changing the code or the tests.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "tools" / "mutation_results.md"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    file: str  # path in the repository
+    old: str  # must occur exactly once in the file
+    new: str
+    tests: tuple[str, ...]  # pytest arguments
+    what: str
+
+
+T_TORCH = ("-k", "torch")
+M = Mutant
+MUTANTS = [
+    # ----------------------------------------------------- torch backend (Python)
+    M("M01", "replay_ops/backends/torch.py",
+      "    if sf is scores.SOFTMAX and not normalize:\n        w = sf.forward(x)",
+      "    if sf is scores.SOFTMAX and normalize:\n        w = sf.forward(x)",
+      ("tests/test_gate.py", *T_TORCH), "softmax weights: the two normalize modes swapped"),
+    M("M02", "replay_ops/backends/torch.py",
+      "            many = valid.sum(dim=1, keepdim=True) > 1\n            w = torch.where(many,",
+      "            many = valid.sum(dim=1, keepdim=True) > 0\n            w = torch.where(many,",
+      ("tests/test_gate.py", *T_TORCH),
+      "sigmoid/sqrtsoftplus: a row with one valid slot is normalised (weight 1)"),
+    M("M03", "replay_ops/backends/torch.py",
+      "(_weights(x, idx, sf, normalize) * scaling_factor)",
+      "(_weights(x, idx, sf, normalize) * 1.0)",
+      ("tests/test_gate.py", *T_TORCH), "scaling_factor ignored"),
+    M("M04", "replay_ops/backends/torch.py",
+      "    offsets = torch.cat([zero, ((counts + align - 1) // align * align).cumsum(0)])",
+      "    offsets = torch.cat([zero, counts.cumsum(0)])",
+      ("tests/test_gate.py", *T_TORCH), "plan: no padding rows up to a multiple of align"),
+    M("M05", "replay_ops/backends/torch.py",
+      "    order = torch.sort(key, stable=True).indices",
+      "    order = torch.sort(key * (idx.numel() + 1) - torch.arange(key.numel()), "
+      "stable=True).indices",
+      ("tests/test_gate.py", *T_TORCH), "plan order: slots descending within an expert"),
+    M("M06", "replay_ops/backends/torch.py",
+      "    g = torch.where(valid, grad_weights.to(x.dtype), 0.0) * scaling_factor",
+      "    g = grad_weights.to(x.dtype) * scaling_factor",
+      ("tests/test_gate.py", *T_TORCH), "gate backward: empty slots' gradients not dropped"),
+    M("M07", "replay_ops/backends/torch.py",
+      "    grad_w = torch.where(valid, (go[:, None, :] * rows.to(cdt)).sum(dim=-1), 0.0)",
+      "    grad_w = (go[:, None, :] * rows.to(cdt)).sum(dim=-1)",
+      ("tests/test_unpermute.py", *T_TORCH),
+      "unpermute backward: the weight gradient of empty slots not zeroed"),
+    M("M08", "replay_ops/backends/torch.py",
+      "    return _sum_slots(rows, valid).to(grad_out.dtype)",
+      "    return _sum_slots(rows, torch.ones_like(valid)).to(grad_out.dtype)",
+      ("tests/test_permute.py", *T_TORCH), "permute backward: empty slots summed in"),
+    # ----------------------------------------------------- ops layer, plan (Python)
+    M("M09", "replay_ops/fallback.py",
+      "torch.where(replay_mask[:, None], idx, native)",
+      "torch.where(replay_mask[:, None], native, idx)",
+      ("tests/test_gate.py", "-k", "replay_mask or fallback"),
+      "replay_mask fallback (sync-free path): recorded and native rows swapped"),
+    M("M10", "replay_ops/_validate.py",
+      "(idx < -1) | (idx >= num_experts)", "(idx < -1) | (idx > num_experts)",
+      ("tests/test_validation.py",), "validation: index == E accepted"),
+    M("M11", "replay_ops/_validate.py",
+      "& (sorted_idx[:, 1:] >= 0)", "",
+      ("tests/test_validation.py",), "validation: several -1 slots in a row called duplicates"),
+    M("M12", "replay_ops/plan.py",
+      "        valid = self.expert_indices >= 0", "        valid = self.expert_indices > 0",
+      ("tests/test_gate.py", "-k", "dense"), "to_dense: expert 0 dropped"),
+    # ----------------------------------------------------- replay system (Python)
+    M("M13", "replay_ops/router_replay/replay.py",
+      "        idx = q.popleft()", "        idx = q.pop()",
+      ("tests/test_router_replay.py",), "recompute queue: last in, first out"),
+    M("M14", "replay_ops/router_replay/replay.py",
+      "            self._start_new_recording()", "            pass",
+      ("tests/test_router_replay.py",), "R2: a step without clear() replays the previous step"),
+    M("M15", "replay_ops/router_replay/files.py",
+      "        if stored != got:\n            raise RoutingFileError(path, f\"header checksum",
+      "        if stored is None:\n            raise RoutingFileError(path, f\"header checksum",
+      ("tests/test_replay_files.py",), "record files: the header checksum not compared"),
+    M("M16", "replay_ops/router_replay/files.py",
+      "np.memmap(self.file, mode=\"c\"", "np.memmap(self.path, mode=\"c\"",
+      ("tests/test_replay_files.py", "-k", "replaced or racing"),
+      "record files: the maps reopen the path (a torn read)"),
+    M("M17", "replay_ops/router_replay/files.py",
+      "        for arr in (self.cu_seqlens_np, self.raw_np):",
+      "        for arr in (self.raw_np,):",
+      ("tests/test_replay_files.py",), "record files: the data checksum skips cu_seqlens"),
+    M("M18", "replay_ops/router_replay/adapters/layout.py",
+      "        torch.zeros(n, dtype=torch.bool),", "        torch.ones(n, dtype=torch.bool),",
+      ("tests/test_adapters.py",), "adapters: a request without routing is replayed"),
+    M("M19", "replay_ops/router_replay/adapters/layout.py",
+      "        mask[-1] = False\n", "",
+      ("tests/test_adapters.py",), "adapters: the final token (no route) is replayed"),
+    M("M20", "replay_ops/router_replay/adapters/verl.py",
+      "    mask = am & (pos != last[:, None])", "    mask = am",
+      ("tests/test_adapters.py",), "verl layout: the last real token is replayed"),
+    M("M21", "replay_ops/router_replay/adapters/sglang.py",
+      "        if len(readings) > 1:", "        if len(readings) > 2:",
+      ("tests/test_adapters.py",), "SGLang: an ambiguous payload read with a guessed L"),
+    M("M22", "replay_ops/router_replay/config.py",
+      "    if mode is ReplayMode.R2 and flag:", "    if mode is ReplayMode.R2 and flag and False:",
+      ("tests/test_config.py",), "config: R2 with rollout routing replay accepted"),
+    M("M23", "replay_ops/router_replay/config.py",
+      "    if mode is ReplayMode.DISABLED and (cfg.record_file or cfg.replay_file):",
+      "    if mode is ReplayMode.DISABLED and cfg.replay_file:",
+      ("tests/test_config.py",), "config: a record_file with mode=disabled accepted"),
+    M("M24", "replay_ops/integrations/hf.py",
+      "        e = j if expert_ids is None else expert_ids[j]",
+      "        e = 0 if expert_ids is None else expert_ids[j]",
+      ("tests/test_hf_integration.py", "-k", "qwen3_moe"),
+      "HF: every expert segment runs expert 0"),
+    # ----------------------------------------------------- Triton kernels
+    M("M25", "triton_kernels/gate.py",
+      "    return tl.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))",
+      "    return 1.0 / (1.0 + e)",
+      ("tests/test_gate.py", "-k", "triton and modes"), "Triton sigmoid wrong for z < 0"),
+    M("M26", "triton_kernels/gate.py",
+      "        sp = tl.where(z > _SOFTPLUS_THRESHOLD, z,", "        sp = tl.where(z > 0.0, z,",
+      ("tests/test_gate.py", "-k", "triton and modes"),
+      "Triton sqrt-softplus linear from 0 instead of 20"),
+    M("M27", "triton_kernels/gate.py",
+      "    z = tl.where(valid, x, float(\"-inf\"))", "    z = x",
+      ("tests/test_gate.py", "-k", "triton and (empty or modes)"),
+      "Triton softmax over the selection counts empty slots"),
+    M("M28", "triton_kernels/gate.py",
+      "    padded = (counts + align - 1) // align * align", "    padded = counts",
+      ("tests/test_gate.py", "-k", "triton and align"), "Triton plan: no align padding"),
+    M("M29", "triton_kernels/permute.py",
+      "    has = (slot >= 0) & (tok < T)", "    has = tok < T",
+      ("tests/test_permute.py", "-k", "triton"), "Triton permute: padding rows copy token 0"),
+    M("M30", "triton_kernels/unpermute.py",
+      "    has = (slot >= 0) & (tok < T)", "    has = tok < T",
+      ("tests/test_unpermute.py", "-k", "triton"),
+      "Triton unpermute backward: padding rows get token 0's gradient"),
+    # ----------------------------------------------------- C++ (CPU kernels, shared math)
+    M("M31", "csrc/include/replay_math.h",
+      "return normalize && nvalid > 1; }", "return normalize && nvalid > 0; }",
+      ("tests/test_gate.py", "-k", "native and modes"),
+      "C++: a row with one valid slot is normalised"),
+    M("M32", "csrc/include/replay_math.h",
+      "  acc_t sp = x > acc_t(kSoftplusThreshold) ? x : ro_log1p(ro_exp(x));",
+      "  acc_t sp = x > acc_t(0) ? x : ro_log1p(ro_exp(x));",
+      ("tests/test_gate.py", "-k", "native and modes"), "C++ sqrt-softplus linear from 0"),
+    M("M33", "csrc/cpu/gate_cpu.cpp",
+      "        h[e] = static_cast<int32_t>(running[e]);\n        running[e] += v;",
+      "        running[e] += v;\n        h[e] = static_cast<int32_t>(running[e]);",
+      ("tests/test_native.py", "-k", "many_chunks or structure"),
+      "C++ plan: chunk bases inclusive instead of exclusive"),
+    M("M34", "csrc/cpu/permute_cpu.cpp",
+      "          if (r >= 0 && r < R) d = dot(g, X + r * H, H);",
+      "          if (r < R) d = dot(g, X + (r < 0 ? 0 : r) * H, H);",
+      ("tests/test_unpermute.py", "-k", "native"),
+      "C++ unpermute backward: empty slots get a weight gradient"),
+]
+
+
+def _sandbox(work: Path) -> Path:
+    """A copy of the tree laid out as installed, with the built extension."""
+    box = work / "tree"
+    ignore = shutil.ignore_patterns(".git", "build", "demo_out", "__pycache__", "*.egg-info",
+                                    ".pytest_cache")
+    shutil.copytree(ROOT, box, ignore=ignore)
+    shutil.copytree(ROOT / "triton_kernels", box / "replay_ops" / "triton_kernels",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    return box
+
+
+def _run(cmd, cwd, timeout, env=None):
+    try:
+        p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
+                           timeout=timeout)
+        return p.returncode, p.stdout[-3000:] + p.stderr[-3000:]
+    except subprocess.TimeoutExpired:
+        return None, "timeout"
+
+
+def _build(box: Path) -> None:
+    rc, out = _run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], box, 1800,
+                   dict(os.environ, REPLAY_OPS_CUDA="0", MAX_JOBS=str(os.cpu_count() or 2)))
+    if rc != 0:
+        raise RuntimeError(f"mutate: the extension did not build:\n{out}")
+
+
+def _target(box: Path, rel: str) -> Path:
+    if rel.startswith("triton_kernels/"):
+        return box / "replay_ops" / rel
+    return box / rel
+
+
+def run_mutant(box: Path, m: Mutant, timeout: int) -> tuple[str, float, str]:
+    path = _target(box, m.file)
+    text = path.read_text()
+    n = text.count(m.old)
+    if n != 1:
+        return "stale", 0.0, f"the original text occurs {n} times in {m.file}; update the mutant"
+    cpp = m.file.startswith("csrc/")
+    t0 = time.perf_counter()
+    path.write_text(text.replace(m.old, m.new))
+    try:
+        if cpp:
+            _build(box)
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(box))
+        rc, out = _run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                        *m.tests], box, timeout, env)
+    finally:
+        path.write_text(text)
+        if cpp:
+            _build(box)
+    dt = time.perf_counter() - t0
+    if rc is None:
+        return "killed (timeout)", dt, out
+    if rc == 5:
+        return "no tests ran", dt, out
+    return ("killed" if rc != 0 else "SURVIVED"), dt, out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", nargs="*", help="mutant ids to run")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per mutant's tests")
+    args = ap.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.only or m.id in args.only]
+    if args.list:
+        for m in chosen:
+            print(f"{m.id}  {m.file:45s} {m.what}")
+        return 0
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="replay_ops_mutate_") as work:
+        box = _sandbox(Path(work))
+        _build(box)
+        rc, out = _run([sys.executable, "-c", "import replay_ops, replay_ops.triton_kernels as t;"
+                        " print(replay_ops.__file__, t.__file__)"], box, 120,
+                       dict(os.environ, PYTHONPATH=str(box), TRITON_INTERPRET="1"))
+        if rc != 0 or str(box) not in out.split()[0] or str(box) not in out.split()[1]:
+            raise RuntimeError(f"mutate: the sandbox does not import its own copy: {out}")
+        for m in chosen:
+            verdict, dt, out = run_mutant(box, m, args.timeout)
+            rows.append((m, verdict, dt))
+            print(f"{m.id} {verdict:17s} {dt:6.1f} s  {m.what}", flush=True)
+            if verdict in ("SURVIVED", "stale", "no tests ran"):
+                print(out, flush=True)
+    survived = [m.id for m, v, _ in rows if v != "killed" and not v.startswith("killed")]
+    if not args.only:
+        lines = ["# Mutation testing results", "",
+                 f"`python tools/mutate.py` (`make mutate`), "
+                 f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+                 f"git {_git_sha()}: {len(rows)} mutants, {len(rows) - len(survived)} killed, "
+                 f"{len(survived)} not killed{': ' + ', '.join(survived) if survived else ''}.",
+                 "", "| id | file | mutant | result | seconds | tests |", "|---|---|---|---|---|---|"]
+        for m, v, dt in rows:
+            lines.append(f"| {m.id} | `{m.file}` | {m.what} | {v} | {dt:.0f} | "
+                         f"`{' '.join(m.tests)}` |")
+        RESULTS.write_text("\n".join(lines) + "\n")
+        print("wrote", RESULTS)
+    return 1 if survived else 0
+
+
+def _git_sha() -> str:
+    rc, out = _run(["git", "rev-parse", "--short=12", "HEAD"], ROOT, 30)
+    return out.strip() if rc == 0 else "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
