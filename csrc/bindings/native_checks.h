@@ -1,4 +1,5 @@
-// Checks shared by the CPU and CUDA implementations of the internal replay_native::* ops.
+// Checks (and the gate's output allocation) shared by the CPU and CUDA implementations of
+// the internal replay_native::* ops.
 //
 // The public ops (replay_ops/ops.py) check every input before a backend runs; these checks
 // guard the internal ops against direct calls: every tensor on the expected device with the
@@ -8,6 +9,8 @@
 #pragma once
 
 #include <ATen/ATen.h>
+
+#include <tuple>
 
 #include "replay_math.h"
 #include "replay_score_funcs.h"
@@ -138,5 +141,29 @@ inline void check_unpermute_bwd(const at::Tensor& grad_out, const at::Tensor& ex
   check_plan_tensor(sorted_slots, "unpermute_backward", "sorted_slots", device);
   check_float_tensor(weights, "unpermute_backward", "weights", device);
 }
+
+// ------------------------------------------------------------------ gate outputs
+// The six outputs of gate_fwd, allocated on the logits' device: weights [T, K] in the
+// logits dtype, then int32 indices [T, K], counts [E], offsets [E + 1], row_id_map [T, K]
+// and sorted_slots [plan capacity] (checked to fit int32).
+struct GateOutputs {
+  at::Tensor weights, idx32, counts, offsets, row_id_map, sorted_slots;
+
+  GateOutputs(const at::Tensor& logits, int64_t K, int64_t align) {
+    const int64_t T = logits.size(0), E = logits.size(1);
+    const auto i32 = logits.options().dtype(at::kInt);
+    weights = at::empty({T, K}, logits.options());
+    idx32 = at::empty({T, K}, i32);
+    counts = at::empty({E}, i32);
+    offsets = at::empty({E + 1}, i32);
+    row_id_map = at::empty({T, K}, i32);
+    sorted_slots = at::empty({checked_plan_capacity(T, K, E, align)}, i32);
+  }
+
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> tuple()
+      const {
+    return {weights, idx32, counts, offsets, row_id_map, sorted_slots};
+  }
+};
 
 }  // namespace replay_native

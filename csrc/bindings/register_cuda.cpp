@@ -99,14 +99,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const int64_t T = logits.size(0), E = logits.size(1), K = idx.size(1);
   TORCH_CHECK_VALUE(E <= replay_cuda::kMaxExperts, "replay_ops native CUDA gate supports E <= ",
                     replay_cuda::kMaxExperts, " experts, got E=", E);
-  const int64_t n_sorted = replay_native::checked_plan_capacity(T, K, E, align);
-  auto i32 = logits.options().dtype(at::kInt);
-  at::Tensor weights = at::empty({T, K}, logits.options());
-  at::Tensor idx32 = at::empty({T, K}, i32);
-  at::Tensor counts = at::empty({E}, i32);
-  at::Tensor offsets = at::empty({E + 1}, i32);
-  at::Tensor row_id_map = at::empty({T, K}, i32);
-  at::Tensor sorted_slots = at::empty({n_sorted}, i32);
+  replay_native::GateOutputs o(logits, K, align);
   const auto path = static_cast<replay_cuda::GatePath>(g_gate_path.load());
   TORCH_CHECK_VALUE(path != replay_cuda::GatePath::kSingleCta || T * K <= replay_cuda::kSmallSlots,
                     "replay_ops native CUDA: gate path 'single_cta' takes T*K <= ",
@@ -128,17 +121,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   a.score_func = sf;
   a.normalize = normalize;
   a.scaling_factor = scaling_factor;
-  a.weights = weights.data_ptr();
-  a.indices32 = idx32.data_ptr<int32_t>();
-  a.tokens_per_expert = counts.data_ptr<int32_t>();
-  a.expert_offsets = offsets.data_ptr<int32_t>();
-  a.row_id_map = row_id_map.data_ptr<int32_t>();
-  a.sorted_slots = sorted_slots.data_ptr<int32_t>();
+  a.weights = o.weights.data_ptr();
+  a.indices32 = o.idx32.data_ptr<int32_t>();
+  a.tokens_per_expert = o.counts.data_ptr<int32_t>();
+  a.expert_offsets = o.offsets.data_ptr<int32_t>();
+  a.row_id_map = o.row_id_map.data_ptr<int32_t>();
+  a.sorted_slots = o.sorted_slots.data_ptr<int32_t>();
   a.max_ctas = g_gate_max_ctas.load();
   check_launch(replay_cuda::gate_fwd(a, ws_bytes ? ws.data_ptr() : nullptr,
                                      c10::cuda::getCurrentCUDAStream(), path),
                "gate");
-  return {weights, idx32, counts, offsets, row_id_map, sorted_slots};
+  return o.tuple();
 }
 
 at::Tensor gate_bwd(const at::Tensor& grad_weights, const at::Tensor& logits_in,

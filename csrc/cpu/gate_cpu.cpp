@@ -260,25 +260,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   replay_native::check_gate_fwd(logits_in, expert_indices, c10::Device(c10::kCPU));
   const int sf = replay_native::checked_score_func(score_func);
   const at::Tensor logits = logits_in.contiguous();
-  const int64_t T = logits.size(0), E = logits.size(1), K = expert_indices.size(1);
-  const int64_t n_sorted = replay_native::checked_plan_capacity(T, K, E, align);
-  auto i32 = logits.options().dtype(at::kInt);
-  at::Tensor weights = at::empty({T, K}, logits.options());
-  at::Tensor idx32 = at::empty({T, K}, i32);
-  at::Tensor counts = at::empty({E}, i32);
-  at::Tensor offsets = at::empty({E + 1}, i32);
-  at::Tensor row_id_map = at::empty({T, K}, i32);
-  at::Tensor sorted_slots = at::empty({n_sorted}, i32);
+  replay_native::GateOutputs o(logits, expert_indices.size(1), align);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(),
                                   "replay_native_gate_fwd", [&] {
     dispatch_index(expert_indices, "expert_indices", [&](auto index_tag) {
       using index_t = decltype(index_tag);
       gate_fwd_impl<scalar_t, index_t>(logits, expert_indices, sf, normalize, scaling_factor,
-                                       align, weights, idx32, counts, offsets, row_id_map,
-                                       sorted_slots);
+                                       align, o.weights, o.idx32, o.counts, o.offsets,
+                                       o.row_id_map, o.sorted_slots);
     });
   });
-  return {weights, idx32, counts, offsets, row_id_map, sorted_slots};
+  return o.tuple();
 }
 
 at::Tensor gate_bwd(const at::Tensor& grad_weights, const at::Tensor& logits_in,

@@ -43,16 +43,6 @@ from replay_ops.plan import RoutingPlan
 
 from . import _header as hd
 
-__all__ = [
-    "DispatchHandle",
-    "DistributedInputError",
-    "combine",
-    "dispatch",
-    "gate",
-    "group_info",
-    "local_expert_range",
-    "report_failure",
-]
 
 
 class DistributedInputError(ValueError):
