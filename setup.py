@@ -117,7 +117,11 @@ def native_extensions():
             define_macros=[("REPLAY_OPS_WITH_CUDA", "1")],
             extra_compile_args={
                 "cxx": cxx,
-                "nvcc": ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"],
+                # --fmad=false: no implicit multiply-add contraction, so every launch path
+                # of the gate (they inline the same device functions in different contexts)
+                # gives the same bits; FMAs meant as such are explicit (__fmaf_rn).
+                "nvcc": ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr",
+                         "--fmad=false"],
             },
             extra_link_args=["-fopenmp"] if sys.platform.startswith("linux") else [],
         )

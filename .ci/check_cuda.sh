@@ -24,7 +24,7 @@ fi
 ARCHS="${CUDA_CHECK_ARCHS:-sm_80 sm_90a}"
 # The __CUDA_NO_*__ macros are the ones torch's CUDAExtension defines (no implicit half /
 # bfloat16 conversions), so the standalone check sees the same headers as the real build.
-FLAGS=(-std=c++17 -O3 -Icsrc/include -Icsrc/cuda -Werror all-warnings
+FLAGS=(-std=c++17 -O3 --fmad=false -Icsrc/include -Icsrc/cuda -Werror all-warnings
        -Xcompiler -Wall,-Wextra,-Werror -Xptxas -v,-warn-spills --expt-relaxed-constexpr
        -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__
        -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__)

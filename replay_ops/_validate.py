@@ -9,6 +9,8 @@ Every message names the argument, and for data errors the row and the value.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from . import scores
@@ -96,39 +98,86 @@ def check_index_values(
     expert_indices: torch.Tensor, num_experts: int, replay_mask: torch.Tensor | None
 ) -> None:
     """Data checks: range and duplicates. Rows with replay_mask False are not checked
-    (their recorded content is ignored and replaced by the fallback top-k)."""
-    if expert_indices.numel() == 0:
+    (their recorded content is ignored and replaced by the fallback top-k). One host read
+    when the indices are valid."""
+    idx = expert_indices
+    bad = first_bad_route(idx[:, None, :], num_experts, replay_mask)
+    if bad is None:
         return
-    idx = expert_indices.to(torch.int64)
-    checked = torch.ones(idx.shape[0], dtype=torch.bool, device=idx.device)
-    if replay_mask is not None:
-        checked = replay_mask
-    bad = ((idx < -1) | (idx >= num_experts)) & checked[:, None]
-    sorted_idx = idx.sort(dim=1).values
-    dup = (sorted_idx[:, 1:] == sorted_idx[:, :-1]) & (sorted_idx[:, 1:] >= 0)
-    dup_rows = dup.any(dim=1) & checked
-    # One host sync for the common (valid) case.
-    flags = torch.stack([bad.any(), dup_rows.any()]).cpu()
-    if flags[0]:
-        t, k = (int(v) for v in bad.nonzero()[0])
-        v = int(idx[t, k])
+    t, k, v, row = bad.token, bad.slot, bad.value, bad.row
+    if bad.kind == "range":
         raise ValueError(
             f"replay_ops.gate: expert_indices[{t}, {k}] = {v} is out of range for "
             f"num_experts E={num_experts}; valid values are 0..{num_experts - 1}, or -1 for "
-            f"an empty slot (row {t}: {idx[t].tolist()})"
+            f"an empty slot (row {t}: {row})"
         )
-    if flags[1]:
-        t = int(dup_rows.nonzero()[0, 0])
-        row = idx[t].tolist()
-        seen: dict[int, int] = {}
-        for k, v in enumerate(row):
-            if v >= 0 and v in seen:
-                raise ValueError(
-                    f"replay_ops.gate: expert_indices row {t} repeats expert {v} "
-                    f"(columns {seen[v]} and {k}; row {t}: {row}); each expert may appear at "
-                    f"most once per token, or the dispatch token count differs from T*K"
-                )
-            seen[v] = k
+    raise ValueError(
+        f"replay_ops.gate: expert_indices row {t} repeats expert {v} (columns "
+        f"{row.index(v)} and {k}; row {t}: {row}); each expert may appear at most once per "
+        f"token, or the dispatch token count differs from T*K"
+    )
+
+
+class BadRoute(NamedTuple):
+    """The first bad entry of a routing tensor [n, L, K]: an expert id outside [-1, E)
+    (`kind` "range", at token, layer column, slot, with its value) or a token whose layer
+    repeats an expert (`kind` "repeat", `row` the layer's K ids)."""
+
+    kind: str
+    token: int
+    layer: int
+    slot: int
+    value: int
+    row: list
+
+
+CHECK_CHUNK_TOKENS = 1 << 16  # tokens checked per step: bounds the temporaries
+
+
+def first_bad_route(routing: torch.Tensor, num_experts: int,
+                    mask: torch.Tensor | None = None) -> BadRoute | None:
+    """Check routing values [n, L, K] (-1 = no route): every id in [-1, E), no expert twice
+    in a token's layer. Tokens where `mask` [n] is False are not checked. One host read
+    when the routing is valid (the tokens are checked in chunks, the flags read together);
+    the location of the first bad entry otherwise (range errors first, then repeats, each
+    in token order)."""
+    n = routing.shape[0]
+    if routing.numel() == 0:
+        return None
+    keep = None if mask is None else mask.to(torch.bool).to(routing.device)
+    flags = []
+    for t0 in range(0, n, CHECK_CHUNK_TOKENS):
+        bad, dup = _bad_entries(routing[t0:t0 + CHECK_CHUNK_TOKENS], num_experts,
+                                None if keep is None else keep[t0:t0 + CHECK_CHUNK_TOKENS])
+        flags += [bad.any(), dup.any()]
+    flags = torch.stack(flags).view(-1, 2).tolist()
+    for kind, col in (("range", 0), ("repeat", 1)):
+        for c, f in enumerate(flags):
+            if not f[col]:
+                continue
+            t0 = c * CHECK_CHUNK_TOKENS
+            r = routing[t0:t0 + CHECK_CHUNK_TOKENS].to(torch.int64)
+            bad, dup = _bad_entries(r, num_experts,
+                                    None if keep is None else keep[t0:t0 + CHECK_CHUNK_TOKENS])
+            if kind == "range":
+                t, layer, k = (int(v) for v in bad.nonzero()[0])
+                return BadRoute(kind, t0 + t, layer, k, int(r[t, layer, k]), r[t, layer].tolist())
+            t, layer = (int(v) for v in dup.nonzero()[0])
+            row = r[t, layer].tolist()
+            k = next(j for j, v in enumerate(row) if v >= 0 and v in row[:j])
+            return BadRoute(kind, t0 + t, layer, k, row[k], row)
+    return None
+
+
+def _bad_entries(r: torch.Tensor, num_experts: int, keep: torch.Tensor | None):
+    """([n, L, K] ids outside [-1, E), [n, L] layers that repeat an expert), masked."""
+    bad = (r < -1) | (r >= num_experts)
+    s = r.sort(dim=2).values
+    dup = ((s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)).any(dim=2)
+    if keep is not None:
+        bad = bad & keep[:, None, None]
+        dup = dup & keep[:, None]
+    return bad, dup
 
 
 def check_plan_tensors(name: str, row_id_map: torch.Tensor, sorted_slots: torch.Tensor) -> None:

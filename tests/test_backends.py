@@ -86,3 +86,36 @@ def test_unavailable_requested_backend_is_an_error():
     with pytest.raises(RuntimeError, match="backend 'native' was requested but is not usable "
                                            "for cuda tensors"):
         rb.explain("gate_fwd", "cuda", OpShape(1, 4, 2), torch.float32, "native")
+
+
+def test_native_without_a_kernel_image_falls_back(monkeypatch):
+    """A CUDA build that has no kernel image for the GPU (sm_75 with an 8.0/9.0 arch list,
+    or Blackwell without PTX) must not claim CUDA: the probe's answer makes the registry
+    pick Triton (then torch) and say why. The GPU is simulated: the probe is replaced."""
+    native = rb.load("native")
+    if native is None:
+        pytest.skip("the native extension is not built")
+    monkeypatch.setattr(native, "WITH_CUDA", True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "Tesla T4")
+    calls = []
+
+    def probe(d):
+        calls.append(d)
+        return "" if d == 0 else "no kernel image is available for execution on the device"
+
+    monkeypatch.setattr(native, "probe_kernel_image", probe)
+    monkeypatch.setattr(native, "_image_problems", None)
+    verdict = native.available("cuda")
+    assert not verdict and "no kernel image for cuda:1 (Tesla T4, sm_75)" in verdict.reason
+    assert "TORCH_CUDA_ARCH_LIST naming 7.5 or ending in +PTX" in verdict.reason
+    native.available("cuda")
+    assert calls == [0, 1]  # probed once per device, then remembered
+    info = replay_ops.backends()
+    assert info["active"]["cuda"] in ("triton", "torch")
+    assert "no kernel image" in info["why"]["cuda"]["native"]
+    runs, skipped = rb.explain("gate_fwd", "cuda", OpShape(8, 16, 2), torch.float32)
+    assert runs != "native" and "no kernel image" in skipped["native"]
+    monkeypatch.setattr(native, "_image_problems", None)

@@ -509,10 +509,12 @@ def test_gate_extreme_logits(dev_backend, dtype):
     weights and gradients stay finite and close to the fp64 values."""
     device, backend = dev_backend
     big = 1e4 if dtype != torch.float16 else 6e4
-    logits = torch.tensor([[100.0, -200.0, 30.0, 5.0, -30.0], [big, -big, 0.0, 88.0, 89.0]],
-                          device=device).to(dtype)
-    idx = torch.tensor([[0, 1, 2], [0, 3, 4]], device=device)
-    gw = torch.tensor([[1.0, -2.0, 0.5], [0.25, 1.0, -1.0]], device=device)
+    # the third row: an empty slot beside selected logits far below zero (the softmax over
+    # the selection must be shifted by the valid logits' maximum, not by the empty slot)
+    logits = torch.tensor([[100.0, -200.0, 30.0, 5.0, -30.0], [big, -big, 0.0, 88.0, 89.0],
+                           [-300.0, -310.0, 5.0, 1.0, 0.0]], device=device).to(dtype)
+    idx = torch.tensor([[0, 1, 2], [0, 3, 4], [0, 1, -1]], device=device)
+    gw = torch.tensor([[1.0, -2.0, 0.5], [0.25, 1.0, -1.0], [1.0, -0.5, 2.0]], device=device)
     for sf in SCORE_FUNCS:
         for norm in (False, True):
             kw = dict(score_func=sf, normalize=norm)

@@ -84,6 +84,16 @@ int64_t cuda_gate_max_ctas(int64_t n) {
   return g_gate_max_ctas.exchange(n);
 }
 
+// replay_native::cuda_kernel_image(int device) -> str: "" when this build can run its
+// kernels on CUDA device `device`, else the CUDA error a launch would give.
+std::string cuda_kernel_image(int64_t device) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  const cudaError_t err = replay_cuda::probe_kernel_image();
+  if (err == cudaSuccess) return "";
+  (void)cudaGetLastError();  // the probe's error is reported here, not to the next launch
+  return cudaGetErrorString(err);
+}
+
 void check_launch(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, "replay_ops native CUDA ", op, " failed: ",
               cudaGetErrorString(err));
@@ -227,6 +237,7 @@ std::tuple<at::Tensor, at::Tensor> unpermute_bwd(const at::Tensor& grad_out_in,
 TORCH_LIBRARY_FRAGMENT(replay_native, m) {
   m.def("cuda_gate_path(str name) -> str", &cuda_gate_path);
   m.def("cuda_gate_max_ctas(int n) -> int", &cuda_gate_max_ctas);
+  m.def("cuda_kernel_image(int device) -> str", &cuda_kernel_image);
 }
 
 TORCH_LIBRARY_IMPL(replay_native, CUDA, m) {

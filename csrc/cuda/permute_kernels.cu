@@ -168,6 +168,11 @@ constexpr int vec_of() {
 
 }  // namespace
 
+cudaError_t probe_kernel_image() {
+  cudaFuncAttributes attr;
+  return cudaFuncGetAttributes(&attr, _permute_fwd_kernel<uint4>);
+}
+
 cudaError_t permute_fwd(const void* hidden, int64_t elem_size, int64_t T, int64_t H,
                         const int32_t* sorted_slots, int64_t n_slots, int64_t K,
                         int64_t num_rows, void* out, cudaStream_t stream) {

@@ -92,4 +92,9 @@ cudaError_t unpermute_bwd(const void* grad_out, const void* x, DType dtype, int6
                           int64_t n_slots, int64_t T, int64_t K, const void* w_acc,
                           void* grad_x, void* grad_w_acc, cudaStream_t stream);
 
+// Whether this build holds a kernel image the current device can run (cudaSuccess), or
+// the error a launch would give (cudaErrorNoKernelImageForDevice on an architecture the
+// build did not target and could not JIT from PTX). Host-side, no launch.
+cudaError_t probe_kernel_image();
+
 }  // namespace replay_cuda

@@ -30,6 +30,20 @@
 #define RO_HD
 #endif
 
+// RO_DEVICE_MATH selects the device arithmetic below (reciprocal estimates refined with
+// FMA steps instead of IEEE division and square root). It is on in device code, and on the
+// host when RO_EMULATE_DEVICE_MATH is defined: then device_math_emulation.h supplies host
+// versions of the intrinsics, and tests/test_device_math.py runs the device sequences on
+// the CPU against the fp64 reference (extreme logits included).
+#if defined(__CUDA_ARCH__) || defined(RO_EMULATE_DEVICE_MATH)
+#define RO_DEVICE_MATH 1
+#else
+#define RO_DEVICE_MATH 0
+#endif
+#if defined(RO_EMULATE_DEVICE_MATH) && !defined(__CUDA_ARCH__)
+#include "device_math_emulation.h"
+#endif
+
 namespace replay_math {
 
 // Threshold above which softplus(x) is x, as in torch.nn.functional.softplus.
@@ -42,7 +56,7 @@ RO_HD inline double ro_exp(double x) { return exp(x); }
 // a slow-path call that spills registers; device code refines the hardware reciprocal
 // square-root estimate with FMA steps instead (within one ulp of sqrt). The host is exact.
 RO_HD inline float ro_sqrt(float x) {
-#if defined(__CUDA_ARCH__)
+#if RO_DEVICE_MATH
   const float r = rsqrtf(x);
   const float s = x * r;
   const float v = __fmaf_rn(0.5f * r, __fmaf_rn(-s, s, x), s);
@@ -52,7 +66,7 @@ RO_HD inline float ro_sqrt(float x) {
 #endif
 }
 RO_HD inline double ro_sqrt(double x) {
-#if defined(__CUDA_ARCH__)
+#if RO_DEVICE_MATH
   double r = rsqrt(x);
   r = r * __fma_rn(-0.5 * x * r, r, 1.5);
   const double s = x * r;
@@ -66,11 +80,33 @@ RO_HD inline double ro_sqrt(double x) {
 // a / b. NOTE: on the GPU an IEEE division carries a slow-path subroutine call, and the
 // registers live across that call are spilled to local memory (ptxas reports spill stores
 // in every kernel that divides). Device code therefore divides with a reciprocal estimate
-// and Newton/FMA refinement, which is call-free and differs from a / b by at most one ulp
-// (denominators here lie between 1e-30 and 1e30). The host divides exactly.
+// and Newton/FMA refinement, which is call-free and within one ulp of a / b. The estimate
+// is taken of b's mantissa alone (b = m * 2^k, |m| in [0.5, 1)), so it never overflows or
+// underflows whatever b's exponent (fp64 denominators far outside the float range
+// included); zero, infinite and NaN denominators give IEEE's answers. The host divides
+// exactly.
+#if RO_DEVICE_MATH
+template <typename T>
+RO_HD inline bool ro_div_special(T a, T b, T& out) {
+  if (b != b) {
+    out = b;  // NaN
+  } else if (b == T(0)) {
+    out = a * copysign(T(INFINITY), b);  // +-inf, or NaN for 0/0
+  } else if (b == T(INFINITY) || b == -T(INFINITY)) {
+    out = a * copysign(T(0), b);  // +-0, or NaN for inf/inf
+  } else {
+    return false;
+  }
+  return true;
+}
+#endif
 RO_HD inline float ro_div(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  const float r = __fdividef(1.0f, b);
+#if RO_DEVICE_MATH
+  float out;
+  if (ro_div_special(a, b, out)) return out;
+  int k;
+  const float m = frexpf(b, &k);
+  const float r = ldexpf(__fdividef(1.0f, m), -k);
   const float q = a * r;
   return __fmaf_rn(r, __fmaf_rn(-b, q, a), q);
 #else
@@ -78,10 +114,15 @@ RO_HD inline float ro_div(float a, float b) {
 #endif
 }
 RO_HD inline double ro_div(double a, double b) {
-#if defined(__CUDA_ARCH__)
-  double r = static_cast<double>(__fdividef(1.0f, static_cast<float>(b)));
-  r = __fma_rn(r, __fma_rn(-b, r, 1.0), r);
-  r = __fma_rn(r, __fma_rn(-b, r, 1.0), r);
+#if RO_DEVICE_MATH
+  double out;
+  if (ro_div_special(a, b, out)) return out;
+  int k;
+  const double m = frexp(b, &k);
+  double r = static_cast<double>(__fdividef(1.0f, static_cast<float>(m)));
+  r = __fma_rn(r, __fma_rn(-m, r, 1.0), r);
+  r = __fma_rn(r, __fma_rn(-m, r, 1.0), r);
+  r = ldexp(r, -k);
   const double q = a * r;
   return __fma_rn(r, __fma_rn(-b, q, a), q);
 #else
@@ -93,7 +134,7 @@ RO_HD inline double ro_div(double a, double b) {
 // ptxas spill check caught it); device code uses Kahan's form log(u) * x / (u - 1) with
 // u = 1 + x, accurate to a few ulp and call-free. The host uses log1p.
 RO_HD inline float ro_log1p(float x) {
-#if defined(__CUDA_ARCH__)
+#if RO_DEVICE_MATH
   const float u = 1.0f + x;
   return u == 1.0f ? x : logf(u) * ro_div(x, u - 1.0f);
 #else
@@ -101,7 +142,7 @@ RO_HD inline float ro_log1p(float x) {
 #endif
 }
 RO_HD inline double ro_log1p(double x) {
-#if defined(__CUDA_ARCH__)
+#if RO_DEVICE_MATH
   const double u = 1.0 + x;
   return u == 1.0 ? x : log(u) * ro_div(x, u - 1.0);
 #else

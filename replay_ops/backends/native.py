@@ -38,8 +38,38 @@ def available(device_type: str) -> Support:
             return Support(False, "replay_ops._C was built without the CUDA kernels")
         if not torch.cuda.is_available():
             return Support(False, "no CUDA device is present")
+        problems = cuda_image_problems()
+        if problems:
+            return Support(False, "; ".join(problems))
         return YES
     return Support(False, f"no native kernels for {device_type} tensors")
+
+
+_image_problems: list[str] | None = None
+
+
+def probe_kernel_image(device: int) -> str:
+    """"" when the extension has a kernel image device `device` can run, else the CUDA
+    error a launch would give (no launch happens)."""
+    return _ops.cuda_kernel_image(device)
+
+
+def cuda_image_problems() -> list[str]:
+    """Every visible CUDA device the build cannot run on, with the reason (probed once per
+    process: e.g. sm_75 and Blackwell GPUs with an arch list that has no PTX)."""
+    global _image_problems
+    if _image_problems is None:
+        problems = []
+        for d in range(torch.cuda.device_count()):
+            err = probe_kernel_image(d)
+            if err:
+                major, minor = torch.cuda.get_device_capability(d)
+                problems.append(
+                    f"replay_ops._C has no kernel image for cuda:{d} "
+                    f"({torch.cuda.get_device_name(d)}, sm_{major}{minor}): {err}; rebuild "
+                    f"with TORCH_CUDA_ARCH_LIST naming {major}.{minor} or ending in +PTX")
+        _image_problems = problems
+    return _image_problems
 
 
 def supports(op, device_type, shape, dtype) -> Support:

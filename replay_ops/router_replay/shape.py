@@ -13,9 +13,9 @@ by absolute layer id (`L == num_hidden_layers`, mapping "absolute"; dense rows i
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
-import torch
+from .._validate import BadRoute, first_bad_route  # noqa: F401  (the one value check)
 
 MAPPINGS = ("moe", "absolute")
 
@@ -93,68 +93,6 @@ class ModelShape:
     def layer_ids(self, mapping: str) -> list[int]:
         """The absolute layer id of each column of a routing tensor."""
         return list(self.moe_layer_ids) if mapping == "moe" else list(range(self.num_hidden_layers))
-
-
-class BadRoute(NamedTuple):
-    """The first bad entry of a routing tensor [n, L, K]: an expert id outside [-1, E)
-    (`kind` "range", at token, layer column, slot, with its value) or a token whose layer
-    repeats an expert (`kind` "repeat", `row` the layer's K ids)."""
-
-    kind: str
-    token: int
-    layer: int
-    slot: int
-    value: int
-    row: list
-
-
-CHECK_CHUNK_TOKENS = 1 << 16  # tokens checked per step: bounds the temporaries
-
-
-def first_bad_route(routing: torch.Tensor, num_experts: int,
-                    mask: torch.Tensor | None = None) -> BadRoute | None:
-    """Check routing values [n, L, K] (-1 = no route): every id in [-1, E), no expert twice
-    in a token's layer. Tokens where `mask` [n] is False are not checked. One host read
-    when the routing is valid (the tokens are checked in chunks, the flags read together);
-    the location of the first bad entry otherwise (range errors first, then repeats, each
-    in token order)."""
-    n = routing.shape[0]
-    if routing.numel() == 0:
-        return None
-    keep = None if mask is None else mask.to(torch.bool).to(routing.device)
-    flags = []
-    for t0 in range(0, n, CHECK_CHUNK_TOKENS):
-        bad, dup = _bad_entries(routing[t0:t0 + CHECK_CHUNK_TOKENS], num_experts,
-                                None if keep is None else keep[t0:t0 + CHECK_CHUNK_TOKENS])
-        flags += [bad.any(), dup.any()]
-    flags = torch.stack(flags).view(-1, 2).tolist()
-    for kind, col in (("range", 0), ("repeat", 1)):
-        for c, f in enumerate(flags):
-            if not f[col]:
-                continue
-            t0 = c * CHECK_CHUNK_TOKENS
-            r = routing[t0:t0 + CHECK_CHUNK_TOKENS].to(torch.int64)
-            bad, dup = _bad_entries(r, num_experts,
-                                    None if keep is None else keep[t0:t0 + CHECK_CHUNK_TOKENS])
-            if kind == "range":
-                t, layer, k = (int(v) for v in bad.nonzero()[0])
-                return BadRoute(kind, t0 + t, layer, k, int(r[t, layer, k]), r[t, layer].tolist())
-            t, layer = (int(v) for v in dup.nonzero()[0])
-            row = r[t, layer].tolist()
-            k = next(j for j, v in enumerate(row) if v >= 0 and v in row[:j])
-            return BadRoute(kind, t0 + t, layer, k, row[k], row)
-    return None
-
-
-def _bad_entries(r: torch.Tensor, num_experts: int, keep: torch.Tensor | None):
-    """([n, L, K] ids outside [-1, E), [n, L] layers that repeat an expert), masked."""
-    bad = (r < -1) | (r >= num_experts)
-    s = r.sort(dim=2).values
-    dup = ((s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)).any(dim=2)
-    if keep is not None:
-        bad = bad & keep[:, None, None]
-        dup = dup & keep[:, None]
-    return bad, dup
 
 
 def describe_bad_route(bad: BadRoute, num_experts: int, layer_ids: Sequence[int],

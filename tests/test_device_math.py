@@ -1,0 +1,124 @@
+"""The CUDA kernels' arithmetic, run on the CPU: csrc/tests/device_math_check.cpp is built
+with -DRO_EMULATE_DEVICE_MATH, so replay_math.h takes its device branches (the reciprocal
+estimates and FMA refinements the GPU runs, with host stand-ins for the intrinsics), and
+the gate's forward and backward sequences of the CUDA kernels are evaluated on extreme
+logits for every score function and normalize setting, against the fp64 reference.
+
+Before the device division was made safe, sigmoid(x) was NaN below -88.7 in fp32 (and the
+NaN spread to the token's weights and gradient with normalize=True), and the fp64 paths
+were NaN below -709.8; these cases are here."""
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from replay_ops import reference as ref
+from replay_ops import scores
+
+from _helpers import assert_fa_close
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "csrc" / "tests" / "device_math_check.cpp"
+
+# (dtype, logits [E], indices [K]): below -88 (fp32 exp underflow), below -709 (fp64),
+# every selected logit below -50, large positive logits, and mixes with empty slots.
+E = 6
+ROWS = [
+    (torch.float32, [-90.0, -100.0, -150.0, 2.0, 50.0, -60.0], [0, 1, 2]),
+    (torch.float32, [-90.0, -100.0, -150.0, 2.0, 50.0, -60.0], [3, 0, 5]),
+    (torch.float32, [-55.0, -60.0, -70.0, -80.0, -51.0, -52.0], [4, 5, 0]),
+    (torch.float32, [100.0, 88.8, 89.0, -100.0, 0.0, 1.0], [1, 2, -1]),
+    (torch.float32, [-200.0, 3.0, -1e4, 7.0, -0.5, 1e4], [0, 2, 5]),
+    (torch.float64, [-710.0, -720.0, -800.0, -745.0, 1.0, 2.0], [0, 1, 2]),
+    (torch.float64, [-708.0, -709.9, -730.0, 3.0, 0.0, -1.0], [1, 2, 3]),
+    (torch.float64, [-1e3, -2e3, 5.0, 800.0, -60.0, -55.0], [0, 1, -1]),
+]
+GRAD = [1.0, -2.0, 0.5]
+SCALE = 2.5
+
+
+@pytest.fixture(scope="module")
+def program(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler to build the device-arithmetic check")
+    headers = sorted((ROOT / "csrc" / "include").glob("*.h"))
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in [SRC, *headers])).hexdigest()[:16]
+    out = ROOT / "build" / "device_math" / f"check-{key}"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tmp_path_factory.mktemp("device_math") / "check"
+        # -ffp-contract=off: the CUDA build compiles with --fmad=false (no implicit FMA)
+        subprocess.run([cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-Wall", "-Wextra",
+                        "-Werror", "-DRO_EMULATE_DEVICE_MATH", f"-I{ROOT / 'csrc' / 'include'}",
+                        str(SRC), "-o", str(tmp)], check=True, timeout=300)
+        shutil.move(tmp, out)
+    return out
+
+
+def _cases():
+    return [(sf, norm, r) for sf in scores.NAMES for norm in (False, True) for r in ROWS]
+
+
+def _run(program, cases):
+    lines = []
+    for sf, norm, (dtype, x, idx) in cases:
+        bits = 64 if dtype == torch.float64 else 32
+        fields = [bits, scores.get(sf).id, int(norm), SCALE, E, len(idx), *x, *idx, *GRAD]
+        lines.append(" ".join(repr(float(v)) if isinstance(v, float) else str(v)
+                              for v in fields))
+    out = subprocess.run([str(program)], input="\n".join(lines) + "\n", capture_output=True,
+                         text=True, timeout=120, check=True)
+    return [[float(v) for v in line.split()] for line in out.stdout.splitlines()]
+
+
+def _reference(sf, norm, dtype, x, idx):
+    """(weights, logits gradient) of the reference in `cdt` (fp64 for the oracle, the
+    input dtype for the same-precision reference)."""
+    out = {}
+    for name, cdt in (("ref64", torch.float64), ("same", dtype)):
+        lg = torch.tensor([x], dtype=dtype).to(cdt).requires_grad_(True)
+        w = ref.gate(lg, torch.tensor([idx]), score_func=sf, normalize=norm,
+                     scaling_factor=SCALE, validate=False).weights
+        (w * torch.tensor([GRAD], dtype=cdt)).sum().backward()
+        out[name] = (w.detach()[0], lg.grad[0])
+    return out
+
+
+def test_device_arithmetic_on_extreme_logits(program):
+    cases = _cases()
+    results = _run(program, cases)
+    assert len(results) == len(cases)
+    for (sf, norm, (dtype, x, idx)), vals in zip(cases, results):
+        K = len(idx)
+        what = f"{sf} normalize={norm} {dtype} x={x} idx={idx}"
+        out_w = torch.tensor(vals[:K], dtype=torch.float64).to(dtype)
+        out_g = torch.tensor(vals[K:], dtype=torch.float64).to(dtype)
+        r = _reference(sf, norm, dtype, x, idx)
+        for name, out, same, r64 in (("weights", out_w, r["same"][0], r["ref64"][0]),
+                                     ("grad", out_g, r["same"][1], r["ref64"][1])):
+            finite = torch.isfinite(r64)
+            assert torch.isfinite(out[finite]).all(), f"{name} not finite: {out} ({what})"
+            assert_fa_close(out, same.to(dtype), r64, f"{name} ({what})")
+
+
+def test_device_division_edge_cases(program):
+    """The denominators that broke the old device division: an infinite one (1 + exp(800)
+    in sigmoid), and fp64 ones outside the float range (2 * sqrt(softplus(-720)) = 4.9e-157
+    in the sqrt-softplus gradient)."""
+    cases = [("sigmoid", True, (torch.float32, [-100.0, -95.0, -89.0, -120.0, 0.0, 1.0],
+                                [0, 1, 2])),
+             ("sqrtsoftplus", True, (torch.float64, [-720.0, -730.0, -700.0, 0.0, 1.0, 2.0],
+                                     [0, 1, 2]))]
+    for (sf, norm, (dtype, x, idx)), vals in zip(cases, _run(program, cases)):
+        assert all(v == v for v in vals), (sf, vals)  # no NaN
+        r = _reference(sf, norm, dtype, x, idx)
+        got = torch.tensor(vals[:3], dtype=torch.float64).to(dtype)
+        assert_fa_close(got, r["same"][0].to(dtype), r["ref64"][0], f"{sf} weights")
+        # the weights are not all zero: these rows have routes with non-negligible scores
+        assert (got.abs() > 0).any()
