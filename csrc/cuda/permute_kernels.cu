@@ -24,6 +24,16 @@ struct alignas(sizeof(scalar_t) * VEC) Pack {
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// One warp per row, grid-stride: this warp's first row, the stride, and its lane.
+struct WarpRows {
+  int64_t first, step;
+  int lane;
+};
+__device__ __forceinline__ WarpRows warp_rows() {
+  return {static_cast<int64_t>(blockIdx.x) * kRowsPerCta + (threadIdx.x >> 5),
+          static_cast<int64_t>(gridDim.x) * kRowsPerCta, static_cast<int>(threadIdx.x & 31)};
+}
+
 // ----------------------------------------------------------------------------- permute
 template <typename U>
 __global__ void __launch_bounds__(kThreads) _permute_fwd_kernel(
@@ -32,10 +42,9 @@ __global__ void __launch_bounds__(kThreads) _permute_fwd_kernel(
     int32_t K, int64_t num_rows,
     // outputs
     U* out) {
-  const int lane = threadIdx.x & 31;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kRowsPerCta;
-  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + (threadIdx.x >> 5);
-       r < num_rows; r += step) {
+  const WarpRows wr = warp_rows();
+  const int lane = wr.lane;
+  for (int64_t r = wr.first; r < num_rows; r += wr.step) {
     const int32_t slot = r < n_slots ? sorted_slots[r] : -1;
     const int64_t t = slot >= 0 ? rm::slot_token32(slot, K) : -1;
     U* o = out + r * units;
@@ -60,10 +69,9 @@ __global__ void __launch_bounds__(kThreads) _gather_sum_kernel(
     scalar_t* out) {
   using A = acc_t<scalar_t>;
   using P = Pack<scalar_t, VEC>;
-  const int lane = threadIdx.x & 31;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kRowsPerCta;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + (threadIdx.x >> 5); t < T;
-       t += step) {
+  const WarpRows wr = warp_rows();
+  const int lane = wr.lane;
+  for (int64_t t = wr.first; t < T; t += wr.step) {
     for (int64_t c = static_cast<int64_t>(lane) * VEC; c < H; c += 32 * VEC) {
       A acc[VEC];
 #pragma unroll
@@ -97,10 +105,9 @@ __global__ void __launch_bounds__(kThreads) _unpermute_bwd_x_kernel(
     scalar_t* grad_x) {
   using A = acc_t<scalar_t>;
   using P = Pack<scalar_t, VEC>;
-  const int lane = threadIdx.x & 31;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kRowsPerCta;
-  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + (threadIdx.x >> 5); r < R;
-       r += step) {
+  const WarpRows wr = warp_rows();
+  const int lane = wr.lane;
+  for (int64_t r = wr.first; r < R; r += wr.step) {
     const int32_t slot = r < n_slots ? sorted_slots[r] : -1;
     const int64_t t = slot >= 0 ? rm::slot_token32(slot, K) : -1;
     const bool has = t >= 0 && t < T;
@@ -129,10 +136,9 @@ __global__ void __launch_bounds__(kThreads) _unpermute_bwd_w_kernel(
     acc_t<scalar_t>* grad_w) {
   using A = acc_t<scalar_t>;
   using P = Pack<scalar_t, VEC>;
-  const int lane = threadIdx.x & 31;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kRowsPerCta;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + (threadIdx.x >> 5); t < T;
-       t += step) {
+  const WarpRows wr = warp_rows();
+  const int lane = wr.lane;
+  for (int64_t t = wr.first; t < T; t += wr.step) {
     for (int64_t k = 0; k < K; ++k) {
       const int32_t r = row_id_map[t * K + k];
       A d = A(0);

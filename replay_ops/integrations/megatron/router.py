@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 
 import replay_ops
+from replay_ops import scores as scores_table
 from replay_ops.plan import RoutingPlan
 
 from megatron.core.transformer.moe import moe_utils
@@ -222,7 +223,7 @@ class ReplayTopKRouter(TopKRouter):
             if sf == "sigmoid":
                 scores = torch.sigmoid(logits.float()).type_as(logits)
             else:
-                scores = replay_ops.reference.sqrt_softplus(logits.float()).type_as(logits)
+                scores = scores_table.SQRTSOFTPLUS.forward(logits.float()).type_as(logits)
             if self.expert_bias is not None:
                 scores = scores + self.expert_bias
         if cfg.moe_router_group_topk:
