@@ -90,6 +90,8 @@ def test_test_steps_are_make_test_gpu_split_by_sanitizer(tmp_path):
     assert "make not found" in " ".join(steps["test"].notes)
     (argv, _), = steps["bench"].commands
     assert argv[1:] == ["bench/bench_all.py", "--device", "cuda", "--out", "h100_bench"]
+    steps = by_name(gc.plan_steps(args("--bench-args", "--runs 2"), facts(), tmp_path, "h100"))
+    assert steps["bench"].commands[0][0][-3:] == ["h100_bench", "--runs", "2"]
     # pytest-xdist, where installed: workers share the GPU (fewer for the sanitizer runs)
     steps = by_name(gc.plan_steps(args(), facts(packages=dict(ALL_PACKAGES)), tmp_path, "h"))
     assert "-n 4" in steps["test"].commands[0][0][-1]
@@ -282,4 +284,9 @@ def test_the_command_line_with_the_gpu_steps_skipped(tmp_path):
 
     assert f"| torch | {torch.__version__} " in md
     assert "| git | " in md and "| packages not installed | " in md
+    out = subprocess.run([sys.executable, str(SCRIPT), "--skip-gpu", "--results-dir",
+                          str(tmp_path), "--name", "ci", "--git-sha", "abc123"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert out.returncode == 0 and "| git | abc123 (given with --git-sha) |" in (
+        tmp_path / "ci.md").read_text()
     assert str(tmp_path / "ci.md") in out.stdout

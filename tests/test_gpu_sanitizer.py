@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 import gpu_workloads as W  # noqa: E402
 
 # Per run; a run that hangs fails with its output instead of stalling the whole check.
-RUN_TIMEOUT_S = int(os.environ.get("REPLAY_OPS_SANITIZER_TIMEOUT_S", "420"))
+RUN_TIMEOUT_S = int(os.environ.get("REPLAY_OPS_SANITIZER_TIMEOUT_S", "300"))
 
 
 def _sanitizer() -> str | None:

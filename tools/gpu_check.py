@@ -7,18 +7,19 @@
 
 Steps, in order, each under its own time limit (and all of them under --budget, 1500 s):
 
-  build      (360 s) the CUDA extension, offline:
+  build      (330 s) the CUDA extension, offline:
              REPLAY_OPS_CUDA=1 TORCH_CUDA_ARCH_LIST=<capability of GPU 0, e.g. 9.0>
              MAX_JOBS=<cpus> python -m pip install --no-build-isolation --no-deps --no-index -v -e .
              then a native gate call on the GPU (the kernel image loads and runs)
-  test       (540 s) make test-gpu GPU_PYTEST_ARGS="-k 'not sanitizer' -n 4 ..."  (the GPU
+  test       (510 s) make test-gpu GPU_PYTEST_ARGS="-k 'not sanitizer' -n 4 ..."  (the GPU
              tests and the rest of the suite on CUDA tensors, without the compute-sanitizer
              runs; -n: pytest-xdist workers sharing the GPU, where pytest-xdist is installed)
   sanitizer  (330 s) make test-gpu GPU_PYTEST_ARGS="-k sanitizer -n 3 ..."  (compute-sanitizer
              memcheck, racecheck, initcheck and synccheck: tests/test_gpu_sanitizer.py and the
              runs of tests/test_native.py)
-  bench      (240 s) python bench/bench_all.py --device cuda --out <device>_bench  (the speed
-             target shapes; writes bench/results/<device>_bench.{json,md})
+  bench      (300 s) python bench/bench_all.py --device cuda --out <device>_bench  (the speed
+             target shapes; writes bench/results/<device>_bench.{json,md}; --bench-args adds
+             arguments, e.g. "--runs 2")
 
 Output: bench/results/<device>.md, one summary (device, driver, torch / Triton / CUDA
 versions, git SHA, pass or fail and duration of each step, the benchmark table, the last
@@ -72,7 +73,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 LOG_DIR = "gpu_check_logs"
 STEPS = ("build", "test", "sanitizer", "bench")
-LIMITS_S = {"build": 360, "test": 540, "sanitizer": 330, "bench": 240}  # 1470 s in all
+LIMITS_S = {"build": 330, "test": 510, "sanitizer": 330, "bench": 300}  # 1470 s in all
 BUDGET_S = 1500  # 25 minutes on one H100
 MIN_STEP_S = 20  # a step with less time left than this is not started
 PROBE_TIMEOUT_S = 180
@@ -369,7 +370,8 @@ def plan_steps(args, facts: dict, logs: Path, slug: str) -> list[Step]:
                              workers["sanitizer"]),
              limits["sanitizer"], junit=logs / f"{slug}.sanitizer.junit.xml"),
         Step("bench", "bench/bench_all.py at the speed-target shapes",
-             [([py, "bench/bench_all.py", "--device", "cuda", "--out", f"{slug}_bench"], {})],
+             [([py, "bench/bench_all.py", "--device", "cuda", "--out", f"{slug}_bench",
+                *shlex.split(args.bench_args)], {})],
              limits["bench"], bench_stem=f"{slug}_bench"),
     ]
     for s in steps[1:3]:
@@ -769,6 +771,10 @@ def parse_args(argv=None):
     ap.add_argument("--workers", type=int, default=4,
                     help="pytest-xdist workers of the test step (the sanitizer step uses at "
                          "most 3), where pytest-xdist is installed; 0: one process (default 4)")
+    ap.add_argument("--bench-args", default="",
+                    help='more arguments for bench/bench_all.py, e.g. "--runs 2"')
+    ap.add_argument("--git-sha", default=None,
+                    help="the commit to record where the tree is not a git checkout (a copy)")
     ap.add_argument("--fresh", action="store_true",
                     help="drop the results of earlier invocations for this device and commit")
     ap.add_argument("--quiet", action="store_true", help="do not echo the steps' output")
@@ -799,6 +805,8 @@ def main(argv=None) -> int:
     if args.wheels is not None and not args.skip_gpu:
         pythonpath, wheels_note = install_wheels(args.python, args.wheels, logs)
     facts = collect_facts(args.python, pythonpath)
+    if args.git_sha:
+        facts["git_sha"], facts["git_dirty"] = f"{args.git_sha} (given with --git-sha)", None
     if wheels_note:
         facts["wheels"] = wheels_note if pythonpath else f"not installed: {wheels_note}"
     slug = args.name or device_slug(facts)
@@ -846,6 +854,10 @@ def main(argv=None) -> int:
         if s.name not in args.steps or args.skip_gpu:
             continue
         left = args.budget - (time.monotonic() - started)
+        if s.bench_stem:  # no stale table from an earlier run
+            for d in {RESULTS, results_dir}:
+                for ext in ("json", "md"):
+                    (d / f"{s.bench_stem}.{ext}").unlink(missing_ok=True)
         res = run_step(s, logs, slug, left, echo=not args.quiet)
         if s.name == "build":
             probe_backends()
