@@ -84,7 +84,8 @@ def assert_finite_where_reference_is(out, ref64, what):
     [pytest.param(*c, id=f"cuda-{c[0]}-{c[1]}-T{c[2]}", marks=on_cuda(c[0]))
      for c in W.garbage_cases()],
 )
-@pytest.mark.parametrize("index_dtype", [torch.int16, torch.int32, torch.int64])
+@pytest.mark.parametrize("index_dtype", [torch.int16, torch.int32, torch.int64],
+                         ids=["int16", "int32", "int64"])
 def test_gpu_validate_false_garbage_indices_are_empty_slots(backend, path, T, E, K, index_dtype):
     W.check_case_path(backend, path, T, E, K)
     assert W.check_garbage_case(backend, W.native_path(backend, path), T, E, K, index_dtype) > 0
