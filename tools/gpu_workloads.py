@@ -12,9 +12,9 @@ chunked), and compares the results with `replay_ops.reference`: integers exactly
 the flash-attention rule of tests/_helpers.py against the fp64 reference. The inputs are built
 on the CPU and the results are copied back to the CPU before they are compared, so the device
 work of a case is the kernels under test, the copies, and the few PyTorch ops the public calls
-make (casts, `contiguous`). Under `compute-sanitizer --tool initcheck` a copy back of an
-output element that no kernel wrote is then reported too. The script prints
-`OK <n> cases` at the end and exits non-zero on the first failed check.
+make (casts, `contiguous`), and every output element is read back by a device-to-host copy,
+which initcheck also watches. The script prints `OK <n> cases` at the end and exits non-zero
+on the first failed check.
 """
 from __future__ import annotations
 
