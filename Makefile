@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_MIN ?= 2.6
 PIP = $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install-torch install install-test test test-gpu demo bench clean check-cuda score-header mutate
+.PHONY: install-torch install install-test test test-gpu gpu-check demo bench clean check-cuda score-header mutate
 
 install-torch:
 	@$(PY) -c "import sys, torch; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(0 if v >= tuple(int(x) for x in '$(TORCH_MIN)'.split('.')) else 1)" 2>/dev/null \
@@ -34,9 +34,19 @@ check-cuda:
 test: install-test check-cuda
 	$(PY) -m pytest -q tests
 
-# On a GPU machine: the CUDA-only tests, and the rest of the suite on CUDA tensors.
-test-gpu: install-test
-	$(PY) -m pytest -q -m gpu tests
+# On a GPU machine: the CUDA-only tests, and the rest of the suite on CUDA tensors. Nothing
+# is installed or downloaded (GPU machines may have no network): build the extension first
+# (`make gpu-check` does). GPU_PYTEST_ARGS adds pytest arguments, e.g. "-k 'not sanitizer'".
+GPU_PYTEST_ARGS ?=
+test-gpu:
+	$(PY) -m pytest -q -m gpu $(GPU_PYTEST_ARGS) tests
+
+# On a GPU machine, offline, within 25 minutes on one H100: build the CUDA extension, run
+# make test-gpu, the compute-sanitizer runs and bench/bench_all.py --device cuda, each under a
+# time limit; writes bench/results/<device>.md and the logs (tools/gpu_check.py --help).
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(PY) tools/gpu_check.py $(GPU_CHECK_ARGS)
 
 demo: install
 	$(PY) -m replay_ops demo

@@ -1,0 +1,292 @@
+"""The CPU-side parts of `make gpu-check` (tools/gpu_check.py), checked on any machine: the
+build step's command, why a step cannot run, the step runner (exit codes, time limits, logs),
+the summary with a failing step, results kept across invocations, and the command line with
+the GPU steps skipped. No step here needs CUDA; each test takes seconds."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tools" / "gpu_check.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gc = _load()
+
+H100 = {"name": "NVIDIA H100 80GB HBM3", "capability": "9.0", "memory_gib": 79.2, "sms": 132}
+ALL_PACKAGES = {d: "1.0" for _, d, _ in gc.PACKAGES}
+
+
+def facts(**over):
+    """Facts of a GPU machine like the ones the check is for (override what a test needs)."""
+    f = {"python": "3.12.3", "executable": "/usr/bin/python3", "torch": "2.11.0+cu130",
+         "torch_cuda": "13.0", "cuda_available": True, "devices": [H100],
+         "packages": dict(ALL_PACKAGES),
+         "nvidia_smi": "NVIDIA H100 80GB HBM3, 580.159.04, 81559 MiB",
+         "driver": "580.159.04", "nvcc": "/usr/local/cuda/bin/nvcc",
+         "nvcc_version": "Cuda compilation tools, release 13.0, V13.0.88",
+         "compute_sanitizer": "/usr/local/cuda/bin/compute-sanitizer",
+         "compute_sanitizer_version": "Version 2025.3.1", "make": "/usr/bin/make", "cpus": 16,
+         "git_sha": "0123456789abcdef", "git_dirty": False}
+    f.update(over)
+    return f
+
+
+def args(*argv):
+    return gc.parse_args(list(argv))
+
+
+def by_name(steps):
+    return {s.name: s for s in steps}
+
+
+# ----------------------------------------------------------------------------- planning
+def test_build_command_is_offline_and_targets_the_device(monkeypatch, tmp_path):
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.delenv("MAX_JOBS", raising=False)
+    steps = by_name(gc.plan_steps(args("--python", "/usr/bin/python3"), facts(), tmp_path, "h100"))
+    (install, env), (verify, _) = steps["build"].commands
+    assert install == ["/usr/bin/python3", "-m", "pip", "install", "--no-build-isolation",
+                       "--no-deps", "--no-index", "-v", "-e", "."]
+    assert env == {"REPLAY_OPS_CUDA": "1", "TORCH_CUDA_ARCH_LIST": "9.0", "MAX_JOBS": "16"}
+    assert verify == ["/usr/bin/python3", "tools/gpu_check.py", "--verify-build"]
+    assert all(s.skip is None for s in steps.values()), {n: s.skip for n, s in steps.items()}
+    line = gc.shell_line(install, env)
+    assert line.startswith("REPLAY_OPS_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 ")
+    # the arch: --arch, else $TORCH_CUDA_ARCH_LIST, else the device, else 9.0
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    assert gc.cuda_arch(facts(), None) == ("9.0a", "$TORCH_CUDA_ARCH_LIST")
+    assert gc.cuda_arch(facts(), "8.0;9.0+PTX")[0] == "8.0;9.0+PTX"
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    assert gc.cuda_arch(facts(devices=[]), None)[0] == gc.DEFAULT_ARCH
+
+
+def test_test_steps_are_make_test_gpu_split_by_sanitizer(tmp_path):
+    steps = by_name(gc.plan_steps(args(), facts(), tmp_path, "h100"))
+    (argv, _), = steps["test"].commands
+    assert argv[:2] == ["make", "test-gpu"]
+    assert any(a.startswith("GPU_PYTEST_ARGS=-k 'not sanitizer' --junitxml=") for a in argv)
+    (argv, _), = steps["sanitizer"].commands
+    assert any(a.startswith("GPU_PYTEST_ARGS=-k sanitizer ") for a in argv)
+    steps = by_name(gc.plan_steps(args(), facts(make=None), tmp_path, "h100"))
+    (argv, _), = steps["test"].commands
+    assert argv[1:6] == ["-m", "pytest", "-q", "-m", "gpu"] and argv[-1] == "tests"
+    assert "make not found" in " ".join(steps["test"].notes)
+    (argv, _), = steps["bench"].commands
+    assert argv[1:] == ["bench/bench_all.py", "--device", "cuda", "--out", "h100_bench"]
+    steps = by_name(gc.plan_steps(args("--bench-args", "--runs 2"), facts(), tmp_path, "h100"))
+    assert steps["bench"].commands[0][0][-3:] == ["h100_bench", "--runs", "2"]
+    # pytest-xdist, where installed: workers share the GPU (fewer for the sanitizer runs)
+    steps = by_name(gc.plan_steps(args(), facts(packages=dict(ALL_PACKAGES)), tmp_path, "h"))
+    assert "-n 4" in steps["test"].commands[0][0][-1]
+    assert "-n 3" in steps["sanitizer"].commands[0][0][-1]
+    steps = by_name(gc.plan_steps(args(), facts(packages=dict(
+        ALL_PACKAGES, **{"pytest-xdist": None})), tmp_path, "h"))
+    assert " -n " not in steps["test"].commands[0][0][-1]
+    steps = by_name(gc.plan_steps(args("--workers", "0"), facts(), tmp_path, "h"))
+    assert " -n " not in steps["test"].commands[0][0][-1]
+    assert sum(gc.LIMITS_S.values()) <= gc.BUDGET_S <= 25 * 60
+
+
+def test_a_step_that_cannot_run_says_why(tmp_path):
+    def skips(**over):
+        return {n: s.skip for n, s in by_name(gc.plan_steps(args(), facts(**over), tmp_path,
+                                                            "x")).items()}
+
+    s = skips(compute_sanitizer=None)
+    assert s["sanitizer"].startswith("compute-sanitizer not found")
+    assert s["test"] is None and s["build"] is None and s["bench"] is None
+    s = skips(nvcc=None)
+    assert s["build"].startswith("nvcc not found") and s["test"] is None
+    s = skips(torch="2.13.0+cpu", torch_cuda=None, cuda_available=False, devices=[])
+    assert "not a CUDA build" in s["build"]
+    assert all("no CUDA device" in s[n] for n in ("test", "sanitizer", "bench"))
+    s = skips(packages=dict(ALL_PACKAGES, pytest=None))
+    assert "missing Python packages: pytest" in s["test"] and "wheels" in s["test"]
+    assert s["sanitizer"].startswith("missing Python packages: pytest") and s["bench"] is None
+    s = skips(torch_error="ImportError: libcuda.so.1")
+    assert all("libcuda.so.1" in v for v in s.values())
+    # optional packages are named, the steps still run
+    steps = by_name(gc.plan_steps(args(), facts(packages=dict(
+        ALL_PACKAGES, omegaconf=None, **{"megatron-core": None})), tmp_path, "x"))
+    assert steps["test"].skip is None
+    note = " ".join(steps["test"].notes)
+    assert "omegaconf" in note and "megatron-core" in note
+    # --skip-gpu and --steps are requests, not missing needs
+    a = args("--skip-gpu")
+    for n, s in by_name(gc.select_steps(gc.plan_steps(a, facts(), tmp_path, "x"), a)).items():
+        assert s.requested and s.skip == "skipped (--skip-gpu)", n
+    a = args("--steps", "test")
+    steps = by_name(gc.select_steps(gc.plan_steps(a, facts(nvcc=None), tmp_path, "x"), a))
+    assert steps["test"].skip is None
+    assert steps["build"].requested and steps["build"].skip == "not selected (--steps)"
+
+
+# ------------------------------------------------------------------------------ running
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0"
+failures="1" skipped="2" tests="5"><testcase classname="tests.test_x" name="test_ok"/>
+<testcase classname="tests.test_x" name="test_bad[cuda-native]"><failure message="boom"/></testcase>
+</testsuite></testsuites>"""
+
+
+BENCH = {"copy_bandwidth": {"gbps": 2950.5, "bytes": 256 << 20},
+         "summary": ["gate fwd T=16384 E=64 K=2: native 0.100 ms vs torch 1.000 ms = 10.00x"],
+         "rows": [{"op": "gate", "mode": "fwd", "provider": "native", "T": 16384, "E": 64,
+                   "K": 2, "dtype": "bfloat16", "ms_median": 0.1, "gbps": 123.4567}]}
+
+
+def _fake_steps(logs, bench_skip=None):
+    junit = logs / "t.test.junit.xml"
+    bench_json = gc.RESULTS / "t_bench.json"
+    return [
+        gc.Step("build", "build", [(_py("print('compiled')"), {"REPLAY_OPS_CUDA": "1"}),
+                                   (_py("import os; print('env', os.environ['REPLAY_OPS_CUDA'])"),
+                                    {"REPLAY_OPS_CUDA": "1"})], 60),
+        gc.Step("test", "tests", [(_py(f"""
+            import pathlib, sys
+            pathlib.Path({str(junit)!r}).write_text({JUNIT!r})
+            print("\\n".join(f"line {{i}}" for i in range(100)))
+            sys.exit(3)
+            """), {})], 60, junit=junit),
+        gc.Step("sanitizer", "sanitizer", [(_py("import time; print('waiting', flush=True); "
+                                                "time.sleep(60)"), {})], 2),
+        gc.Step("bench", "bench", [(_py(f"""
+            import pathlib
+            pathlib.Path({str(bench_json)!r}).write_text({json.dumps(BENCH)!r})
+            """), {})], 60, skip=bench_skip, bench_stem="t_bench"),
+    ]
+
+
+@pytest.fixture
+def fake_machine(monkeypatch, tmp_path):
+    """A GPU machine as the check sees it: the facts of an H100, and steps that are small
+    commands (one passes, one fails with a pytest report, one runs past its limit, the
+    benchmark writes its results where bench_all.py writes them)."""
+    machine = {"bench_skip": None}
+    monkeypatch.setattr(gc, "collect_facts", lambda py, pythonpath=None: facts())
+    monkeypatch.setattr(gc, "probe_python", lambda *a, **k: {"active": {"cuda": "native"}})
+    monkeypatch.setattr(gc, "MIN_STEP_S", 1)
+    monkeypatch.setattr(gc, "RESULTS", tmp_path / "repo_results")
+    gc.RESULTS.mkdir()
+    monkeypatch.setattr(gc, "plan_steps", lambda a, f, logs, slug: _fake_steps(
+        logs, machine["bench_skip"]))
+    return SimpleNamespace(path=tmp_path, machine=machine)
+
+
+def test_failing_and_timed_out_steps_in_the_summary(fake_machine, capsys):
+    out = fake_machine.path / "results"
+    rc = gc.main(["--results-dir", str(out), "--name", "t", "--quiet"])
+    assert rc == 1
+    md = (out / "t.md").read_text()
+    assert "# GPU check: NVIDIA H100 80GB HBM3" in md
+    assert "Overall: **FAIL**" in md
+    for want in ("| driver | 580.159.04 |", "| torch | 2.11.0+cu130 (CUDA 13.0) |",
+                 "| git | 0123456789abcdef |", "Version 2025.3.1", "release 13.0"):
+        assert want in md, want
+    rows = {line.split("|")[1].strip(): line for line in md.splitlines()
+            if line.startswith("| ") and line.split("|")[1].strip() in gc.STEPS}
+    assert "| PASS |" in rows["build"]
+    assert "| FAIL |" in rows["test"]
+    assert "2 passed, 1 failed, 0 errors, 2 skipped; exit code 3" in rows["test"]
+    assert "| TIMEOUT |" in rows["sanitizer"] and "ran past its limit of 2 s" in rows["sanitizer"]
+    assert "| PASS |" in rows["bench"]
+    # the benchmark's results move next to the summary, and their table goes into it
+    assert (out / "t_bench.json").exists() and not (gc.RESULTS / "t_bench.json").exists()
+    assert "Copy bandwidth measured in the same run: 2950.5 GB/s" in md
+    assert "| gate | fwd | native | 16384 | 64 | 2 |  | bfloat16 | 0.1 |" in md
+    # the failing steps: their failed tests and the last lines of their logs
+    assert "### test: fail" in md and "`tests.test_x::test_bad[cuda-native]`" in md
+    assert "line 99" in md and "line 59" not in md  # the last 40 lines only
+    assert "### sanitizer: timeout" in md and "waiting" in md
+    assert "### build" not in md and "### bench" not in md
+    assert f"Last lines of the log ({gc.LOG_DIR}/t.test.log)" in md
+    logs = out / gc.LOG_DIR
+    build_log = (logs / "t.build.log").read_text()
+    assert "compiled" in build_log and "env 1" in build_log
+    assert "REPLAY_OPS_CUDA=1" in build_log  # each command is logged before it runs
+    assert not (logs / "t.test.junit.xml").exists()  # parsed into the summary, then removed
+    state = json.loads((logs / "t.state.json").read_text())
+    assert state["steps"]["test"]["status"] == "fail"
+    assert "summary:" in capsys.readouterr().out
+
+
+def test_results_of_earlier_invocations_are_kept(fake_machine):
+    out = fake_machine.path / "results"
+    fake_machine.machine["bench_skip"] = "no CUDA device: torch.cuda.is_available() is False"
+    assert gc.main(["--results-dir", str(out), "--name", "t", "--quiet", "--steps", "build"]) == 0
+    md = (out / "t.md").read_text()
+    assert "| build | PASS |" in md and "| test | skipped |" in md
+    rc = gc.main(["--results-dir", str(out), "--name", "t", "--quiet", "--steps", "bench"])
+    assert rc == 2  # bench cannot run; build passed earlier
+    md = (out / "t.md").read_text()
+    assert "| build | PASS (from an earlier run," in md
+    assert "| bench | cannot run |" in md and "no CUDA device" in md
+    rc = gc.main(["--results-dir", str(out), "--name", "t", "--quiet", "--steps", "bench",
+                  "--fresh"])
+    assert "| build | skipped |" in (out / "t.md").read_text()
+
+
+def test_bench_results_become_the_benchmark_table():
+    lines = gc.bench_markdown(BENCH)
+    assert lines[0].startswith("Copy bandwidth measured in the same run: 2950.5 GB/s")
+    assert any(line.startswith("- gate fwd T=16384") for line in lines)
+    assert "| gate | fwd | native | 16384 | 64 | 2 |  | bfloat16 | 0.1 |" in "\n".join(lines)
+
+
+def test_long_logs_are_capped(tmp_path, monkeypatch):
+    monkeypatch.setattr(gc, "LOG_HEAD", 100)
+    monkeypatch.setattr(gc, "LOG_TAIL", 200)
+    p = tmp_path / "x.log"
+    p.write_bytes(b"".join(f"{i:09d}\n".encode() for i in range(1000)))
+    gc.cap_log(p)
+    text = p.read_text()
+    assert text.startswith("000000000\n") and text.endswith("000000999\n")
+    assert "bytes left out" in text and len(text) < 400
+
+
+def test_the_command_line_with_the_gpu_steps_skipped(tmp_path):
+    """The script itself, on this machine: the machine facts, the assembled commands and the
+    summary, no step run."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_CUDA_ARCH_LIST", "MAX_JOBS")}
+    out = subprocess.run([sys.executable, str(SCRIPT), "--skip-gpu", "--results-dir",
+                          str(tmp_path), "--name", "ci"], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    md = (tmp_path / "ci.md").read_text()
+    assert "Overall: **NOT RUN (no step was run)**" in md
+    for step in gc.STEPS:
+        assert f"| {step} | skipped |" in md and f"- {step}: `" in md, step
+    assert "REPLAY_OPS_CUDA=1 TORCH_CUDA_ARCH_LIST=" in md
+    assert "-m pip install --no-build-isolation --no-deps --no-index -v -e ." in md
+    assert "make test-gpu" in md or "-m pytest -q -m gpu" in md
+    assert "bench/bench_all.py --device cuda" in md
+    import torch
+
+    assert f"| torch | {torch.__version__} " in md
+    assert "| git | " in md and "| packages not installed | " in md
+    out = subprocess.run([sys.executable, str(SCRIPT), "--skip-gpu", "--results-dir",
+                          str(tmp_path), "--name", "ci", "--git-sha", "abc123"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert out.returncode == 0 and "| git | abc123 (given with --git-sha) |" in (
+        tmp_path / "ci.md").read_text()
+    assert str(tmp_path / "ci.md") in out.stdout

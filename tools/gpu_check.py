@@ -1,0 +1,885 @@
+#!/usr/bin/env python3
+"""Check a GPU machine in one command: `make gpu-check` (this script). Nothing is downloaded.
+
+    make gpu-check                                 # every step, 25 minutes at most
+    make gpu-check GPU_CHECK_ARGS="--steps test"   # some steps
+    python tools/gpu_check.py --skip-gpu           # a machine without CUDA: facts and commands
+
+Steps, in order, each under its own time limit (and all of them under --budget, 1500 s):
+
+  build      (330 s) the CUDA extension, offline:
+             REPLAY_OPS_CUDA=1 TORCH_CUDA_ARCH_LIST=<capability of GPU 0, e.g. 9.0>
+             MAX_JOBS=<cpus> python -m pip install --no-build-isolation --no-deps --no-index -v -e .
+             then a native gate call on the GPU (the kernel image loads and runs)
+  test       (510 s) make test-gpu GPU_PYTEST_ARGS="-k 'not sanitizer' -n 4 ..."  (the GPU
+             tests and the rest of the suite on CUDA tensors, without the compute-sanitizer
+             runs; -n: pytest-xdist workers sharing the GPU, where pytest-xdist is installed)
+  sanitizer  (330 s) make test-gpu GPU_PYTEST_ARGS="-k sanitizer -n 3 ..."  (compute-sanitizer
+             memcheck, racecheck, initcheck and synccheck: tests/test_gpu_sanitizer.py and the
+             runs of tests/test_native.py)
+  bench      (300 s) python bench/bench_all.py --device cuda --out <device>_bench  (the speed
+             target shapes; writes bench/results/<device>_bench.{json,md}; --bench-args adds
+             arguments, e.g. "--runs 2")
+
+Output: bench/results/<device>.md, one summary (device, driver, torch / Triton / CUDA
+versions, git SHA, pass or fail and duration of each step, the benchmark table, the last
+lines of each failing step), and the logs in bench/results/gpu_check_logs/ (each capped at
+256 KiB). The summary is rewritten after every step. A step that cannot run (no GPU, no nvcc,
+no compute-sanitizer, a missing Python package) says why in the summary. Steps run one
+invocation at a time keep the results of the steps run earlier for the same device and git
+commit (`--fresh` drops them), so `--steps build`, then `--steps test`, and so on, add up to
+one summary.
+
+Exit status: 0 when every selected step passed; 1 when a step failed or ran past its limit
+(after the summary is written); 2 when none failed but a step could not run.
+
+What the GPU machine needs: a CUDA build of torch (2.6 or newer) and the CUDA toolkit that
+matches it (nvcc, compute-sanitizer), make, a C++ compiler, Python packages setuptools, pip,
+pytest, numpy, triton and safetensors (the test modules import it); transformers is optional
+(the Hugging Face tests skip without it), ninja makes the build parallel. omegaconf,
+pyyaml and megatron-core are used only by CPU tests. The check lists what is missing.
+
+A machine with no network gets a missing package as a wheel, built or downloaded elsewhere
+for its Python version and platform, for example on a machine with network:
+
+    python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
+        --implementation cp --platform manylinux_2_28_x86_64 -d wheels NAME==VERSION
+
+(`--no-deps` fetches none of the package's own requirements: name each missing one too), then
+on the GPU machine `python tools/gpu_check.py --wheels wheels`: the wheels are installed with
+`pip install --no-index --no-deps --target build/gpu_check_site` and that folder is put on
+PYTHONPATH for every step.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as _dt
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+LOG_DIR = "gpu_check_logs"
+STEPS = ("build", "test", "sanitizer", "bench")
+LIMITS_S = {"build": 330, "test": 510, "sanitizer": 330, "bench": 300}  # 1470 s in all
+BUDGET_S = 1500  # 25 minutes on one H100
+MIN_STEP_S = 20  # a step with less time left than this is not started
+PROBE_TIMEOUT_S = 180
+LOG_HEAD, LOG_TAIL = 64 * 1024, 192 * 1024  # bytes of a log that are kept
+TAIL_LINES = 40
+DEFAULT_ARCH = "9.0"  # H100 / H200, when no device tells its own
+WHEEL_SITE = ROOT / "build" / "gpu_check_site"
+
+# (import name, distribution, what needs it)
+PACKAGES = (
+    ("setuptools", "setuptools", "build"),
+    ("pip", "pip", "build"),
+    ("ninja", "ninja", "build: parallel compiles (without it the build is serial)"),
+    ("pytest", "pytest", "test, sanitizer"),
+    ("xdist", "pytest-xdist", "test, sanitizer: parallel pytest workers (serial without it)"),
+    ("numpy", "numpy", "test, sanitizer, bench: replay_ops' Triton launchers import it"),
+    ("triton", "triton", "test, sanitizer, bench: the Triton backend"),
+    ("safetensors", "safetensors", "test: tests/test_replay_files.py imports it"),
+    ("transformers", "transformers", "test: the Hugging Face tests (they skip without it)"),
+    ("yaml", "pyyaml", "CPU tests only (router replay config)"),
+    ("omegaconf", "omegaconf", "CPU tests only (router replay config)"),
+    ("megatron.core", "megatron-core", "CPU tests only (Megatron-Core)"),
+)
+REQUIRED = {
+    "build": ("setuptools", "pip"),
+    "test": ("pytest", "numpy"),
+    "sanitizer": ("pytest", "numpy"),
+    "bench": ("numpy",),
+}
+
+FACTS_PROBE = r"""
+import importlib.metadata as md, importlib.util, json, platform, sys
+facts = {"python": platform.python_version(), "executable": sys.executable, "packages": {}}
+for mod, dist in json.loads(sys.argv[1]):
+    try:
+        found = importlib.util.find_spec(mod) is not None
+    except Exception:
+        found = False
+    version = None
+    if found:
+        try:
+            version = md.version(dist)
+        except Exception:
+            version = "installed"
+    facts["packages"][dist] = version
+try:
+    import torch
+    facts["torch"] = torch.__version__
+    facts["torch_cuda"] = torch.version.cuda
+    facts["cuda_available"] = torch.cuda.is_available()
+    if facts["cuda_available"]:
+        facts["devices"] = []
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            facts["devices"].append({"name": p.name, "capability": f"{p.major}.{p.minor}",
+                                     "memory_gib": round(p.total_memory / 2**30, 1),
+                                     "sms": p.multi_processor_count})
+except Exception as e:
+    facts["torch_error"] = f"{type(e).__name__}: {e}"
+print("FACTS " + json.dumps(facts))
+"""
+
+BACKENDS_PROBE = r"""
+import json
+import replay_ops
+info = replay_ops.backends()
+try:
+    from replay_ops import _C
+    info["with_cuda_kernels"] = bool(_C.WITH_CUDA)
+except Exception as e:
+    info["with_cuda_kernels"] = f"{type(e).__name__}: {e}"
+print("BACKENDS " + json.dumps(info, default=str))
+"""
+
+
+def verify_build() -> int:
+    """After the build (`--verify-build`, run by the build step): the extension has its CUDA
+    kernels, and one native gate call runs on the GPU and gives the softmax over the selected
+    logits (a missing kernel image for this device shows here, not amid the tests)."""
+    import torch
+
+    import replay_ops
+    from replay_ops import _C
+
+    if not _C.WITH_CUDA:
+        print("replay_ops._C was built without the CUDA kernels")
+        return 1
+    print(f"replay_ops._C: CUDA kernels compiled in (E <= {_C.MAX_EXPERTS}, K <= {_C.MAX_TOPK})")
+    if torch.cuda.is_available():
+        logits = torch.randn(6, 8, device="cuda")
+        idx = torch.tensor([[0, 3], [1, -1], [7, 2], [-1, -1], [4, 5], [6, 0]], device="cuda")
+        got = replay_ops.gate(logits, idx, backend="native").weights
+        sel = logits.gather(1, idx.clamp_min(0)).masked_fill(idx < 0, float("-inf"))
+        want = torch.softmax(sel, dim=1).nan_to_num(0.0)
+        if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+            print(f"native gate on {torch.cuda.get_device_name(0)}: {got} != {want}")
+            return 1
+        print(f"native gate ran on {torch.cuda.get_device_name(0)}")
+    print(f"backends: {replay_ops.backends()['active']}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- facts
+def _run_quiet(argv, timeout=30, env=None) -> tuple[int | None, str]:
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                             env=env)
+        return out.returncode, (out.stdout + out.stderr).strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"{type(e).__name__}: {e}"
+
+
+def find_tool(name: str) -> str | None:
+    """`name` on PATH, else in $CUDA_HOME or /usr/local/cuda (bin/, or name/name)."""
+    exe = shutil.which(name)
+    if exe:
+        return exe
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if not home:
+            continue
+        for cand in (Path(home) / "bin" / name, Path(home) / name / name):
+            if cand.is_file() and os.access(cand, os.X_OK):
+                return str(cand)
+    return None
+
+
+def _last_line_with(text: str, word: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if word in ln]
+    return lines[-1] if lines else text.strip().splitlines()[-1] if text.strip() else ""
+
+
+def step_env(extra: dict | None = None, pythonpath: str | None = None) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("TRITON_INTERPRET", None)  # the GPU steps run compiled Triton kernels
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
+    env.update(extra or {})
+    return env
+
+
+def probe_python(py: str, code: str, tag: str, args=(), pythonpath=None) -> dict:
+    rc, out = _run_quiet([py, "-c", code, *args], timeout=PROBE_TIMEOUT_S,
+                         env=step_env(pythonpath=pythonpath))
+    for line in out.splitlines():
+        if line.startswith(tag + " "):
+            return json.loads(line[len(tag) + 1:])
+    return {"error": f"exit code {rc}: {out[-1500:]}"}
+
+
+def collect_facts(py: str, pythonpath: str | None = None) -> dict:
+    facts = probe_python(py, FACTS_PROBE, "FACTS",
+                         [json.dumps([[m, d] for m, d, _ in PACKAGES])], pythonpath)
+    if "error" in facts:
+        facts = {"probe_error": facts["error"], "packages": {}}
+    rc, out = _run_quiet(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                          "--format=csv,noheader"])
+    facts["nvidia_smi"] = out.splitlines()[0] if rc == 0 and out else None
+    facts["driver"] = facts["nvidia_smi"].split(",")[1].strip() if facts["nvidia_smi"] else None
+    nvcc = find_tool("nvcc")
+    facts["nvcc"] = nvcc
+    facts["nvcc_version"] = _last_line_with(_run_quiet([nvcc, "--version"])[1], "release") \
+        if nvcc else None
+    san = find_tool("compute-sanitizer")
+    facts["compute_sanitizer"] = san
+    facts["compute_sanitizer_version"] = _last_line_with(
+        _run_quiet([san, "--version"])[1], "ersion") if san else None
+    facts["make"] = shutil.which("make")
+    facts["cpus"] = os.cpu_count()
+    rc, sha = _run_quiet(["git", "rev-parse", "HEAD"])
+    facts["git_sha"] = sha if rc == 0 else "unknown (not a git checkout)"
+    rc, dirty = _run_quiet(["git", "status", "--porcelain", "--untracked-files=no"])
+    facts["git_dirty"] = bool(dirty) if rc == 0 else None
+    return facts
+
+
+def device_slug(facts: dict) -> str:
+    devs = facts.get("devices") or []
+    name = devs[0]["name"] if devs else "no-cuda-device"
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "gpu"
+
+
+def cuda_arch(facts: dict, override: str | None) -> tuple[str, str]:
+    """(TORCH_CUDA_ARCH_LIST for the build, where it came from)."""
+    if override:
+        return override, "--arch"
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return os.environ["TORCH_CUDA_ARCH_LIST"], "$TORCH_CUDA_ARCH_LIST"
+    devs = facts.get("devices") or []
+    if devs:
+        return devs[0]["capability"], "the capability of GPU 0"
+    return DEFAULT_ARCH, "the default: no GPU to ask"
+
+
+# ----------------------------------------------------------------------------- steps
+@dataclasses.dataclass
+class Step:
+    name: str
+    title: str
+    commands: list  # [(argv, env overrides)]
+    limit_s: int
+    skip: str | None = None  # why the step does not run
+    requested: bool = False  # skipped on request, not for a missing need
+    notes: list = dataclasses.field(default_factory=list)
+    junit: Path | None = None  # pytest's report, parsed for the counts
+    bench_stem: str | None = None
+
+
+@dataclasses.dataclass
+class Result:
+    name: str
+    title: str
+    status: str  # pass, fail, timeout, skipped, cannot run
+    seconds: float = 0.0
+    limit_s: int = 0
+    commands: list = dataclasses.field(default_factory=list)  # as shell lines
+    detail: str = ""
+    notes: list = dataclasses.field(default_factory=list)
+    tail: list = dataclasses.field(default_factory=list)
+    log: str | None = None
+    failed_tests: list = dataclasses.field(default_factory=list)
+    when: str = ""
+    earlier: bool = False  # taken from an earlier invocation
+
+
+def _quote(a) -> str:
+    a = str(a)
+    if a and not re.search(r"[^\w@%+=:,./-]", a):
+        return a
+    if not re.search(r'["$`\\]', a):
+        return f'"{a}"'
+    return shlex.quote(a)
+
+
+def shell_line(argv: list, env: dict | None = None) -> str:
+    """The command as one shell line (environment assignments first)."""
+    pre = " ".join(f"{k}={_quote(v)}" for k, v in (env or {}).items())
+    return (pre + " " if pre else "") + " ".join(_quote(a) for a in argv)
+
+
+def build_commands(py: str, arch: str, jobs: int) -> list:
+    """The build step: an offline editable install that must compile the CUDA kernels, then
+    a check that they load and run."""
+    env = {"REPLAY_OPS_CUDA": "1", "TORCH_CUDA_ARCH_LIST": arch, "MAX_JOBS": str(jobs)}
+    install = [py, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--no-index",
+               "-v", "-e", "."]
+    return [(install, env), ([py, "tools/gpu_check.py", "--verify-build"], {})]
+
+
+def pytest_commands(py: str, keyword: str, junit: Path, use_make: bool, workers: int = 0) -> list:
+    """`make test-gpu` with extra pytest arguments (or the same pytest call without make);
+    `workers` > 0: that many pytest-xdist workers, which share the GPU."""
+    extra = ["-k", keyword, f"--junitxml={junit}", "--continue-on-collection-errors"]
+    if workers > 0:
+        extra += ["-n", str(workers)]
+    if use_make:
+        return [(["make", "test-gpu", f"PY={shlex.quote(py)}",
+                  f"GPU_PYTEST_ARGS={shlex.join(extra)}"], {})]
+    return [([py, "-m", "pytest", "-q", "-m", "gpu", *extra, "tests"], {})]
+
+
+def select_steps(steps: list[Step], args) -> list[Step]:
+    """Mark the steps that were not asked for (--steps, --skip-gpu): skipped on request."""
+    for s in steps:
+        if s.name not in args.steps:
+            s.skip, s.requested = "not selected (--steps)", True
+        elif args.skip_gpu:
+            s.skip, s.requested = "skipped (--skip-gpu)", True
+    return steps
+
+
+def missing(facts: dict, step: str) -> list[str]:
+    pk = facts.get("packages") or {}
+    return [d for d in REQUIRED[step] if not pk.get(d)]
+
+
+def plan_steps(args, facts: dict, logs: Path, slug: str) -> list[Step]:
+    py = args.python
+    arch, arch_from = cuda_arch(facts, args.arch)
+    jobs = int(os.environ.get("MAX_JOBS") or facts.get("cpus") or 4)
+    use_make = bool(facts.get("make"))
+    limits = dict(LIMITS_S, **args.limit)
+    xdist = bool((facts.get("packages") or {}).get("pytest-xdist"))
+    workers = {"test": args.workers if xdist else 0,
+               "sanitizer": min(args.workers, 3) if xdist else 0}
+    steps = [
+        Step("build", "build the CUDA extension", build_commands(py, arch, jobs), limits["build"],
+             notes=[f"TORCH_CUDA_ARCH_LIST={arch} ({arch_from})"]),
+        Step("test", "make test-gpu (without the sanitizer runs)",
+             pytest_commands(py, "not sanitizer", logs / f"{slug}.test.junit.xml", use_make,
+                             workers["test"]),
+             limits["test"], junit=logs / f"{slug}.test.junit.xml"),
+        Step("sanitizer", "compute-sanitizer memcheck, racecheck, initcheck, synccheck",
+             pytest_commands(py, "sanitizer", logs / f"{slug}.sanitizer.junit.xml", use_make,
+                             workers["sanitizer"]),
+             limits["sanitizer"], junit=logs / f"{slug}.sanitizer.junit.xml"),
+        Step("bench", "bench/bench_all.py at the speed-target shapes",
+             [([py, "bench/bench_all.py", "--device", "cuda", "--out", f"{slug}_bench",
+                *shlex.split(args.bench_args)], {})],
+             limits["bench"], bench_stem=f"{slug}_bench"),
+    ]
+    for s in steps[1:3]:
+        if not use_make:
+            s.notes.append("make not found: pytest is called directly with the same arguments")
+        if workers[s.name]:
+            s.notes.append(f"{workers[s.name]} pytest-xdist workers")
+    pk = facts.get("packages") or {}
+    gone = [f"{d} ({why})" for _, d, why in PACKAGES if not pk.get(d)]
+    for s in steps:
+        if facts.get("probe_error") or facts.get("torch_error"):
+            s.skip = ("python with torch does not start: "
+                      f"{facts.get('probe_error') or facts.get('torch_error')}")
+            continue
+        need = missing(facts, s.name)
+        if need:
+            s.skip = (f"missing Python packages: {', '.join(need)} (bring them as wheels: "
+                      "tools/gpu_check.py --help)")
+            continue
+        if s.name == "build":
+            if not facts.get("torch_cuda"):
+                s.skip = f"the installed torch {facts.get('torch')} is not a CUDA build"
+            elif not facts.get("nvcc"):
+                s.skip = "nvcc not found (PATH, $CUDA_HOME or /usr/local/cuda)"
+            continue
+        if not facts.get("cuda_available"):
+            s.skip = "no CUDA device: torch.cuda.is_available() is False"
+            continue
+        if s.name == "sanitizer":
+            san = facts.get("compute_sanitizer")
+            if not san:
+                s.skip = "compute-sanitizer not found (PATH, $CUDA_HOME or /usr/local/cuda)"
+                continue
+            if shutil.which("compute-sanitizer") is None:  # found outside PATH: add its folder
+                s.commands = [(argv, dict(env, PATH=os.pathsep.join(
+                    [str(Path(san).parent), os.environ.get("PATH", "")])))
+                    for argv, env in s.commands]
+        if s.name in ("test", "sanitizer") and gone:
+            s.notes.append("not installed here: " + "; ".join(gone))
+    return steps
+
+
+# ---------------------------------------------------------------------------- running
+def run_command(argv, env, timeout: float, log, echo: bool) -> tuple[int | None, bool]:
+    """Run one command in its own process group, its output into `log` (and the console);
+    (exit code, timed out). On timeout the whole group is ended: TERM, then KILL."""
+    try:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    except OSError as e:
+        log.write(f"cannot start {argv[0]}: {e}\n".encode())
+        return 127, False
+
+    def pump():
+        for line in iter(proc.stdout.readline, b""):
+            log.write(line)
+            if echo:
+                sys.stdout.buffer.write(line)
+                sys.stdout.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        rc = proc.wait(timeout=max(1.0, timeout))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        rc = proc.poll()
+    reader.join(timeout=15)
+    return rc, timed_out
+
+
+def cap_log(path: Path) -> None:
+    """Keep the first LOG_HEAD and the last LOG_TAIL bytes of a long log."""
+    size = path.stat().st_size
+    if size <= LOG_HEAD + LOG_TAIL:
+        return
+    with open(path, "rb") as f:
+        head = f.read(LOG_HEAD)
+        f.seek(size - LOG_TAIL)
+        tail = f.read()
+    cut = f"\n[... {size - LOG_HEAD - LOG_TAIL} bytes left out ...]\n".encode()
+    path.write_bytes(head + cut + tail)
+
+
+def tail_lines(path: Path, n: int = TAIL_LINES) -> list[str]:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return lines[-n:]
+
+
+def parse_junit(path: Path) -> dict | None:
+    """Counts and failed test ids from pytest's JUnit XML report (None without one)."""
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    c = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    failed = []
+    for s in suites:
+        for k in c:
+            c[k] += int(s.get(k, 0) or 0)
+        for case in s.iter("testcase"):
+            if case.find("failure") is not None or case.find("error") is not None:
+                cls = case.get("classname") or ""
+                failed.append(f"{cls}::{case.get('name')}" if cls else case.get("name"))
+    c["passed"] = c["tests"] - c["failures"] - c["errors"] - c["skipped"]
+    c["failed_tests"] = failed
+    return c
+
+
+def run_step(step: Step, logs: Path, slug: str, time_left: float, echo: bool = True) -> Result:
+    n_cmds = len(step.commands)
+    res = Result(step.name, step.title, "skipped", limit_s=step.limit_s,
+                 commands=[shell_line(a, e) for a, e in step.commands], notes=list(step.notes),
+                 when=_now())
+    if step.skip:
+        res.status = "skipped" if step.requested else "cannot run"
+        res.detail = step.skip
+        return res
+    if time_left < MIN_STEP_S:
+        res.status, res.detail = "cannot run", f"no time left in the budget ({int(time_left)} s)"
+        return res
+    limit = min(step.limit_s, time_left)
+    res.limit_s = int(limit)
+    logs.mkdir(parents=True, exist_ok=True)
+    log_path = logs / f"{slug}.{step.name}.log"
+    if step.junit is not None and step.junit.exists():
+        step.junit.unlink()
+    t0 = time.monotonic()
+    status = "pass"
+    with open(log_path, "wb") as log:
+        for i, (argv, extra) in enumerate(step.commands):
+            left = limit - (time.monotonic() - t0)
+            log.write(f"$ {shell_line(argv, extra)}\n".encode())
+            log.flush()
+            if echo:
+                print(f"[gpu-check {step.name}] $ {shell_line(argv, extra)}", flush=True)
+            rc, timed_out = run_command(argv, step_env(extra), left, log, echo)
+            if timed_out:
+                status = "timeout"
+                log.write(f"\n[gpu-check: stopped after the step's limit of {int(limit)} s]\n"
+                          .encode())
+                break
+            if rc != 0:
+                status = "fail"
+                log.write(f"\n[gpu-check: exit code {rc}]\n".encode())
+                res.detail = f"exit code {rc}" + (f" (command {i + 1} of {n_cmds})"
+                                                  if n_cmds > 1 else "")
+                break
+    res.seconds = round(time.monotonic() - t0, 1)
+    res.status = status
+    if status == "timeout":
+        res.detail = f"ran past its limit of {int(limit)} s"
+    cap_log(log_path)
+    res.log = str(log_path)
+    if step.junit is not None:
+        counts = parse_junit(step.junit)
+        if counts is not None:
+            res.detail = (f"{counts['passed']} passed, {counts['failures']} failed, "
+                          f"{counts['errors']} errors, {counts['skipped']} skipped"
+                          + (f"; {res.detail}" if res.detail else ""))
+            res.failed_tests = counts["failed_tests"][:60]
+            if counts["tests"] == counts["skipped"] and status == "pass":
+                res.notes.append("every selected test was skipped")
+            step.junit.unlink()  # the counts and names are in the summary; the log keeps the rest
+    if status != "pass":
+        res.tail = tail_lines(log_path)
+    return res
+
+
+# ---------------------------------------------------------------------------- summary
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load_bench(results_dir: Path, stem: str) -> dict | None:
+    try:
+        return json.loads((results_dir / f"{stem}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+BENCH_COLS = ("op", "mode", "provider", "T", "E", "K", "H", "dtype", "ms_median", "ms_p20",
+              "ms_p80", "speedup_vs_reference", "gbps", "frac_of_copy_bw")
+
+
+def bench_markdown(doc: dict) -> list[str]:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return "" if v is None else str(v)
+
+    out = []
+    bw = doc.get("copy_bandwidth") or {}
+    if bw.get("gbps"):
+        out += [f"Copy bandwidth measured in the same run: {bw['gbps']:.1f} GB/s "
+                f"(read + write, {int(bw.get('bytes', 0)) >> 20} MiB buffer).", ""]
+    if doc.get("summary"):
+        out += [f"- {s}" for s in doc["summary"]] + [""]
+    rows = doc.get("rows") or []
+    if rows:
+        out.append("| " + " | ".join(BENCH_COLS) + " |")
+        out.append("|" + "---|" * len(BENCH_COLS))
+        out += ["| " + " | ".join(fmt(r.get(c)) for c in BENCH_COLS) + " |" for r in rows]
+    return out
+
+
+def _md_escape(s: str) -> str:
+    return str(s).replace("|", "\\|").replace("\n", " ")
+
+
+def render_summary(facts: dict, results: list[Result], meta: dict, bench: dict | None) -> str:
+    devs = facts.get("devices") or []
+    name = devs[0]["name"] if devs else "no CUDA device"
+    overall = overall_status(results)
+    lines = [f"# GPU check: {name}", "",
+             f"Command: `{meta['command']}`, started {meta['started']}, written {_now()}.", "",
+             f"Overall: **{overall}**.", ""]
+    dev_txt = "; ".join(f"GPU {i}: {d['name']} (compute capability {d['capability']}, "
+                        f"{d['memory_gib']} GiB, {d['sms']} SMs)" for i, d in enumerate(devs))
+    pk = facts.get("packages") or {}
+    gone = [d for _, d, _ in PACKAGES if not pk.get(d)]
+    rows = [
+        ("device", dev_txt or "none visible to torch"),
+        ("nvidia-smi", facts.get("nvidia_smi") or "not available"),
+        ("driver", facts.get("driver") or "unknown"),
+        ("torch", f"{facts.get('torch', 'not importable')} (CUDA {facts.get('torch_cuda')})"),
+        ("triton", pk.get("triton") or "not installed"),
+        ("nvcc", facts.get("nvcc_version") or "not found"),
+        ("compute-sanitizer", facts.get("compute_sanitizer_version") or "not found"),
+        ("python", f"{facts.get('python', '?')} ({facts.get('executable', '?')})"),
+        ("git", f"{facts.get('git_sha')}" + (" with uncommitted changes" if facts.get("git_dirty")
+                                              else "")),
+        ("CPUs", str(facts.get("cpus"))),
+        ("packages not installed", ", ".join(gone) or "none"),
+    ]
+    if facts.get("wheels"):
+        rows.append(("wheels installed for this run", facts["wheels"]))
+    if facts.get("backends"):
+        b = facts["backends"]
+        rows.append(("replay_ops backends (after the build)",
+                     f"active {b.get('active')}; CUDA kernels compiled in: "
+                     f"{b.get('with_cuda_kernels')}; not usable: {b.get('why')}"))
+    if facts.get("probe_error"):
+        rows.append(("python probe", facts["probe_error"]))
+    lines += ["## Machine", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {_md_escape(v)} |" for k, v in rows] + [""]
+    lines += ["## Steps", "", "| step | result | time | limit | details |", "|---|---|---|---|---|"]
+    for r in results:
+        status = r.status.upper() if r.status in ("pass", "fail", "timeout") else r.status
+        when = f" (from an earlier run, {r.when})" if r.earlier else ""
+        detail = "; ".join(x for x in [r.detail, *r.notes] if x)
+        lines.append(f"| {r.name} | {status}{when} | {r.seconds:.0f} s | {r.limit_s} s | "
+                     f"{_md_escape(detail)} |")
+    lines += ["", "Commands (run from the repository root):", ""]
+    for r in results:
+        for c in r.commands:
+            c = c.replace("\n", " ")
+            c = c if len(c) < 400 else c[:400] + " ..."
+            lines.append(f"- {r.name}: `{c}`")
+    lines.append("")
+    lines += ["## Benchmark", ""]
+    if bench:
+        lines += bench_markdown(bench) + [""]
+    else:
+        lines += ["No benchmark result from this run.", ""]
+    bad = [r for r in results if r.status in ("fail", "timeout")]
+    if bad:
+        lines += ["## Failing steps", ""]
+        for r in bad:
+            lines += [f"### {r.name}: {r.status}", ""]
+            if r.failed_tests:
+                lines += ["Failed tests:", ""] + [f"- `{t}`" for t in r.failed_tests] + [""]
+            where = f"{LOG_DIR}/{Path(r.log).name}" if r.log else "no log"
+            lines += [f"Last lines of the log ({where}):", "", "```"] + r.tail + ["```", ""]
+    logs = [r.log for r in results if r.log]
+    if logs:
+        lines += ["## Logs", ""] + [f"- {LOG_DIR}/{Path(p).name}" for p in logs] + [""]
+    return "\n".join(lines)
+
+
+def overall_status(results: list[Result]) -> str:
+    if any(r.status in ("fail", "timeout") for r in results):
+        return "FAIL"
+    if any(r.status == "cannot run" for r in results):
+        return "INCOMPLETE (a step could not run)"
+    if all(r.status == "pass" for r in results):
+        return "PASS"
+    if all(r.status == "skipped" for r in results):
+        return "NOT RUN (no step was run)"
+    return "PASS (some steps not run)"
+
+
+def exit_code(results: list[Result]) -> int:
+    now = [r for r in results if not r.earlier]
+    if any(r.status in ("fail", "timeout") for r in now):
+        return 1
+    if any(r.status == "cannot run" for r in now):
+        return 2
+    return 0
+
+
+# ------------------------------------------------------------------------------ state
+def load_state(path: Path, facts: dict, fresh: bool) -> dict:
+    """Results of earlier invocations for the same device and git commit."""
+    if fresh:
+        return {}
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if state.get("git_sha") != facts.get("git_sha") or state.get("device") != \
+            (facts.get("devices") or [{}])[0].get("name"):
+        return {}
+    return state.get("steps", {})
+
+
+def save_state(path: Path, facts: dict, results: list[Result], meta: dict) -> None:
+    state = {"git_sha": facts.get("git_sha"),
+             "device": (facts.get("devices") or [{}])[0].get("name"),
+             "started": meta["started"],
+             "steps": {r.name: dataclasses.asdict(r) for r in results
+                       if r.status not in ("skipped",)}}
+    write_text_atomic(path, json.dumps(state, indent=1) + "\n")
+
+
+# ------------------------------------------------------------------------------- main
+def install_wheels(py: str, wheels: Path, log_dir: Path) -> tuple[str | None, str]:
+    """pip install --no-index --no-deps --target build/gpu_check_site <wheels>/*.whl."""
+    files = sorted(str(p) for p in wheels.glob("*.whl"))
+    if not files:
+        return None, f"no .whl file in {wheels}"
+    WHEEL_SITE.mkdir(parents=True, exist_ok=True)
+    rc, out = _run_quiet([py, "-m", "pip", "install", "--no-index", "--no-deps", "--no-compile",
+                          "--upgrade", "--target", str(WHEEL_SITE), *files], timeout=300)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    (log_dir / "wheels.log").write_text(out[-20000:] + "\n")
+    if rc != 0:
+        return None, f"pip install of {len(files)} wheels failed (exit code {rc}): {out[-300:]}"
+    return str(WHEEL_SITE), ", ".join(Path(f).name for f in files)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(
+        description="Check a GPU machine: build, make test-gpu, compute-sanitizer, benchmarks.",
+        epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS),
+                    help="the steps to run (default: all, in order)")
+    ap.add_argument("--skip-gpu", action="store_true",
+                    help="run no step; collect the machine facts, assemble each step's command "
+                         "and write the summary (machines without CUDA)")
+    ap.add_argument("--budget", type=int, default=BUDGET_S,
+                    help=f"seconds for all the steps together (default {BUDGET_S})")
+    ap.add_argument("--limit", action="append", default=[], metavar="STEP=SECONDS",
+                    help="another time limit for one step, e.g. --limit test=600")
+    ap.add_argument("--arch", default=None,
+                    help="TORCH_CUDA_ARCH_LIST of the build (default: $TORCH_CUDA_ARCH_LIST, "
+                         f"else the capability of GPU 0, else {DEFAULT_ARCH})")
+    ap.add_argument("--results-dir", type=Path, default=RESULTS,
+                    help="where the summary and the logs go (default bench/results)")
+    ap.add_argument("--name", default=None, help="file name of the summary, without .md "
+                                                 "(default: the device name)")
+    ap.add_argument("--python", default=sys.executable,
+                    help="the Python with torch that runs every step (default: this one)")
+    ap.add_argument("--wheels", type=Path, default=None,
+                    help="a folder of .whl files to install offline for the steps")
+    ap.add_argument("--workers", type=int, default=4,
+                    help="pytest-xdist workers of the test step (the sanitizer step uses at "
+                         "most 3), where pytest-xdist is installed; 0: one process (default 4)")
+    ap.add_argument("--bench-args", default="",
+                    help='more arguments for bench/bench_all.py, e.g. "--runs 2"')
+    ap.add_argument("--git-sha", default=None,
+                    help="the commit to record where the tree is not a git checkout (a copy)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="drop the results of earlier invocations for this device and commit")
+    ap.add_argument("--quiet", action="store_true", help="do not echo the steps' output")
+    ap.add_argument("--verify-build", action="store_true",
+                    help="only check the built extension (the build step's second command)")
+    args = ap.parse_args(argv)
+    limits = {}
+    for item in args.limit:
+        step, _, sec = item.partition("=")
+        if step not in STEPS or not sec.isdigit():
+            ap.error(f"--limit {item!r}: expected STEP=SECONDS with STEP in {', '.join(STEPS)}")
+        limits[step] = int(sec)
+    args.limit = limits
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.verify_build:
+        return verify_build()
+    started = time.monotonic()
+    meta = {"started": _now(),
+            "command": shell_line(["python", "tools/gpu_check.py",
+                                   *(argv if argv is not None else sys.argv[1:])])}
+    results_dir = args.results_dir.resolve()
+    logs = results_dir / LOG_DIR
+    pythonpath, wheels_note = None, None
+    if args.wheels is not None and not args.skip_gpu:
+        pythonpath, wheels_note = install_wheels(args.python, args.wheels, logs)
+    facts = collect_facts(args.python, pythonpath)
+    if args.git_sha:
+        facts["git_sha"], facts["git_dirty"] = f"{args.git_sha} (given with --git-sha)", None
+    if wheels_note:
+        facts["wheels"] = wheels_note if pythonpath else f"not installed: {wheels_note}"
+    slug = args.name or device_slug(facts)
+    summary_path = results_dir / f"{slug}.md"
+    state_path = logs / f"{slug}.state.json"
+    earlier = load_state(state_path, facts, args.fresh)
+    steps = select_steps(plan_steps(args, facts, logs, slug), args)
+    if pythonpath:
+        for s in steps:
+            s.commands = [(a, dict(e, PYTHONPATH=os.pathsep.join(
+                p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p)))
+                for a, e in s.commands]
+    results: list[Result] = []
+    bench = None
+
+    def write():
+        shown = list(results)
+        done = {r.name for r in shown}
+        for s in steps:  # steps still to come, or not selected: an earlier result if any
+            if s.name in done:
+                continue
+            if s.name in earlier and s.name not in args.steps:
+                shown.append(Result(**dict(earlier[s.name], earlier=True)))
+            elif s.name not in args.steps or args.skip_gpu:
+                shown.append(run_step(s, logs, slug, 0, echo=False))
+            else:
+                shown.append(Result(s.name, s.title, "skipped", limit_s=s.limit_s,
+                                    commands=[shell_line(a, e) for a, e in s.commands],
+                                    detail="not run yet"))
+        order = {n: i for i, n in enumerate(STEPS)}
+        shown.sort(key=lambda r: order[r.name])
+        b = bench or (load_bench(results_dir, f"{slug}_bench") if "bench" in earlier else None)
+        write_text_atomic(summary_path, render_summary(facts, shown, meta, b))
+        save_state(state_path, facts, shown, meta)
+        return shown
+
+    def probe_backends():
+        facts["backends"] = probe_python(args.python, BACKENDS_PROBE, "BACKENDS",
+                                         pythonpath=pythonpath)
+
+    if not args.skip_gpu and "build" not in args.steps:
+        probe_backends()
+    write()
+    for s in steps:
+        if s.name not in args.steps or args.skip_gpu:
+            continue
+        left = args.budget - (time.monotonic() - started)
+        if s.bench_stem:  # no stale table from an earlier run
+            for d in {RESULTS, results_dir}:
+                for ext in ("json", "md"):
+                    (d / f"{s.bench_stem}.{ext}").unlink(missing_ok=True)
+        res = run_step(s, logs, slug, left, echo=not args.quiet)
+        if s.name == "build":
+            probe_backends()
+            if res.status in ("fail", "timeout"):
+                res.notes.append("the later steps use the extension that was there before "
+                                 "(the native CUDA tests skip if it has no CUDA kernels)")
+        if s.bench_stem and res.status != "cannot run":
+            for ext in ("json", "md"):  # bench_all writes to bench/results
+                src = RESULTS / f"{s.bench_stem}.{ext}"
+                if results_dir != RESULTS and src.exists():
+                    shutil.move(str(src), results_dir / src.name)
+            bench = load_bench(results_dir, s.bench_stem)
+        results.append(res)
+        write()
+        print(f"[gpu-check] {s.name}: {res.status} ({res.seconds:.0f} s) {res.detail}",
+              flush=True)
+    shown = write()
+    for r in shown:
+        print(f"[gpu-check] {r.name:9s} {r.status:10s} {r.detail}")
+    print(f"[gpu-check] summary: {summary_path}")
+    return exit_code(shown)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
