@@ -39,7 +39,8 @@ def git_sha() -> str:
     try:
         sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT,
                              capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "csrc", "replay_ops",
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                "csrc", "replay_ops",
                                 "triton_kernels", "bench"], cwd=ROOT, capture_output=True,
                                text=True, timeout=10).stdout.strip()
         return (sha or "unknown") + ("-dirty" if dirty else "")
