@@ -229,11 +229,7 @@ def parser():
     ap.add_argument("--align", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     ap.add_argument("--modes", nargs="+", choices=["fwd", "full"], default=["fwd", "full"])
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--out", default=None, help="stem under bench/results/")
+    harness.add_run_args(ap, reps=10, warmup=2)
     return ap
 
 

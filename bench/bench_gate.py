@@ -165,13 +165,8 @@ def parser():
     ap.add_argument("--normalize", type=int, default=1)
     ap.add_argument("--validate", type=int, default=0)
     ap.add_argument("--modes", nargs="+", default=["fwd", "bwd", "full"])
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--runs", type=int, default=3, help="independent interleaved runs; medians")
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--compile", action="store_true", help="add a torch.compile provider")
-    ap.add_argument("--out", default=None, help="stem under bench/results/ (default: print only)")
-    ap.set_defaults(copy_bw=None)
+    harness.add_run_args(ap, reps=20, warmup=3)
     return ap
 
 

@@ -189,12 +189,7 @@ def parser():
     ap.add_argument("--max-dispatch-T", type=int, default=4096,
                     help="largest T for the permute ops (memory/time on small machines)")
     ap.add_argument("--modes", nargs="+", default=["fwd", "full"])
-    ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--out", default=None)
-    ap.set_defaults(copy_bw=None)
+    harness.add_run_args(ap, reps=15, warmup=3)
     return ap
 
 

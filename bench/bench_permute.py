@@ -150,13 +150,8 @@ def parser():
     ap.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["float32", "bfloat16"])
     ap.add_argument("--modes", nargs="+", default=["fwd", "bwd", "full"])
     ap.add_argument("--separate", type=int, default=1, help="also time permute and unpermute alone")
-    ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--out", default=None)
-    ap.set_defaults(copy_bw=None)
+    ap.add_argument("--compile", action="store_true", help="add a torch.compile provider")
+    harness.add_run_args(ap, reps=15, warmup=2)
     return ap
 
 

@@ -217,6 +217,17 @@ def triton_available(device: str) -> bool:
     return bool(backends.available("triton", "cuda"))
 
 
+def add_run_args(ap, *, reps: int, warmup: int, runs: int = 3) -> None:
+    """The options every bench script shares: repetitions, warm-up, independent runs, CPU
+    threads and the results stem."""
+    ap.add_argument("--reps", type=int, default=reps, help="timed repetitions per run")
+    ap.add_argument("--warmup", type=int, default=warmup)
+    ap.add_argument("--runs", type=int, default=runs, help="independent interleaved runs; medians")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    ap.add_argument("--out", default=None, help="stem under bench/results/ (default: print only)")
+    ap.set_defaults(copy_bw=None)
+
+
 def cli_main(parser: Callable, run: Callable, cols: list[str], argv=None):
     """Shared `main` of the bench scripts: parse, run, print the table, save with --out."""
     args = parser().parse_args(argv)

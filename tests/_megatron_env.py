@@ -33,6 +33,7 @@ import sys
 import traceback
 import warnings
 
+import pytest
 import torch
 
 _INSTALLED = False
@@ -89,6 +90,27 @@ def set_torch_cuda_shims(on: bool) -> None:
         return
     for k, v in (_TORCH_CUDA_SHIMS if on else _TORCH_CUDA_ORIG).items():
         setattr(torch.cuda, k, v)
+
+
+@pytest.fixture(scope="module")
+def cuda_stand_ins():
+    """The torch.cuda stand-ins, on while one test module runs."""
+    set_torch_cuda_shims(True)
+    yield
+    set_torch_cuda_shims(False)
+
+
+@pytest.fixture
+def single_world(cuda_stand_ins):
+    """A one-process gloo world with Megatron's parallel state, and an empty global
+    RouterReplay list after each test. A module uses both fixtures with
+    `pytestmark = pytest.mark.usefixtures("single_world")`."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    init_single()
+    mp_init()
+    yield
+    RouterReplay.clear_global_router_replay_instances()
 
 
 def install_cpu_shims() -> None:

@@ -22,19 +22,9 @@ PATTERN = [0, 1, 1, 0, 1]  # dense, MoE, MoE, dense, MoE: layer numbers 2, 3, 5 
 S, B, V = 8, 2, 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _cuda_stand_ins():
-    env.set_torch_cuda_shims(True)
-    yield
-    env.set_torch_cuda_shims(False)
+from _megatron_env import cuda_stand_ins, single_world  # noqa: E402,F401  (fixtures)
 
-
-@pytest.fixture(autouse=True)
-def _world(_cuda_stand_ins):
-    env.init_single()
-    env.mp_init()
-    yield
-    RouterReplay.clear_global_router_replay_instances()
+pytestmark = pytest.mark.usefixtures("single_world")
 
 
 def build_gpt(mtp: bool = True, replay: bool = True, seed: int = 7):

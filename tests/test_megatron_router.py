@@ -25,19 +25,9 @@ S, B, H = 6, 2, 16
 T = S * B
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _cuda_stand_ins():
-    env.set_torch_cuda_shims(True)
-    yield
-    env.set_torch_cuda_shims(False)
+from _megatron_env import cuda_stand_ins, single_world  # noqa: E402,F401  (fixtures)
 
-
-@pytest.fixture(autouse=True)
-def _world(_cuda_stand_ins):
-    env.init_single()
-    env.mp_init()
-    yield
-    RouterReplay.clear_global_router_replay_instances()
+pytestmark = pytest.mark.usefixtures("single_world")
 
 
 def hidden(seed=0, s=S, b=B):
