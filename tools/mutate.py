@@ -87,7 +87,7 @@ MUTANTS = [
       ("tests/test_gate.py", "-k", "replay_mask or fallback"),
       "replay_mask fallback (sync-free path): recorded and native rows swapped"),
     M("M10", "replay_ops/_validate.py",
-      "(idx < -1) | (idx >= num_experts)", "(idx < -1) | (idx > num_experts)",
+      "bad = (r < -1) | (r >= num_experts)", "bad = (r < -1) | (r > num_experts)",
       ("tests/test_validation.py",), "validation: index == E accepted"),
     M("M11", "replay_ops/_validate.py",
       "first_bad_route(idx[:, None, :], num_experts, replay_mask)",
