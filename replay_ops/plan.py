@@ -76,8 +76,10 @@ class RoutingPlan(NamedTuple):
         T, E = self.num_tokens, self.num_experts
         valid = self.expert_indices >= 0
         idx = self.expert_indices.clamp_min(0).long()
+        # Empty slots add an exact 0 at expert 0, so the float sums are order-independent;
+        # in-place into fresh zeros (differentiable in the weights), no [T, E] temporaries.
         probs = torch.zeros(T, E, dtype=self.weights.dtype, device=self.weights.device)
-        probs = probs.scatter_add(1, idx, torch.where(valid, self.weights, 0))
-        hits = torch.zeros(T, E, dtype=torch.int32, device=idx.device)
-        routing_map = hits.scatter_add(1, idx, valid.to(torch.int32)) > 0
+        probs.scatter_add_(1, idx, torch.where(valid, self.weights, 0))
+        hits = torch.zeros(T, E, dtype=torch.uint8, device=idx.device)
+        routing_map = hits.scatter_add_(1, idx, valid.to(torch.uint8)).bool()
         return probs, routing_map

@@ -261,8 +261,13 @@ def test_gate_to_dense(dev_backend):
     T, E, K = (11, 9, 3)
     logits = make_logits(T, E, device=device)
     idx = make_indices(T, E, K, device=device, empty=0.3)
+    # empty slots land on expert 0's column: they must not hide or change a real expert 0
+    idx[0] = torch.tensor([-1, 0, -1], dtype=idx.dtype)
+    idx[1] = torch.tensor([0, -1, 5], dtype=idx.dtype)
+    idx[2] = torch.tensor([-1, -1, -1], dtype=idx.dtype)
     plan = replay_ops.gate(logits, idx, score_func="sigmoid", backend=backend)
     probs, rmap = plan.to_dense()
+    assert rmap[0].tolist() == [True] + [False] * (E - 1) and rmap[2].sum() == 0
     want_probs, want_map = dense_by_loops(plan.weights.cpu(), idx.cpu(), E)
     assert probs.dtype == plan.weights.dtype and rmap.dtype == torch.bool
     assert torch.equal(probs.cpu(), want_probs)

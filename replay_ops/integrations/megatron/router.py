@@ -331,12 +331,13 @@ class ReplayTopKRouter(TopKRouter):
         logits = self.apply_z_loss(logits, padding_mask=padding_mask)
 
         plan = self._plan(logits)
-        probs, routing_map = plan.to_dense()
         # A routed weight that underflowed to exactly 0 (fp16, or a far-off logit) would be
         # lost by the flex dispatcher's torch.topk over probs: raise it to the smallest
-        # normal value of the dtype.
-        tiny = torch.finfo(probs.dtype).tiny
-        probs = torch.where(routing_map & (probs == 0), torch.full_like(probs, tiny), probs)
+        # normal value of the dtype. Every slot is a valid expert here (the padding policy
+        # filled the rest), so this is done on the [T, K] weights, before the dense layout.
+        w = plan.weights
+        plan = plan._replace(weights=torch.where(w == 0, torch.finfo(w.dtype).tiny, w))
+        probs, routing_map = plan.to_dense()
 
         dropped = False
         if self.config.moe_expert_capacity_factor is not None:
