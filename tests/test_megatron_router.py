@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is installed by `make test`")
 
 import _megatron_env as env  # noqa: E402
+from _helpers import HostSyncCounter  # noqa: E402
 
 env.install_cpu_shims()
 env.set_torch_cuda_shims(False)  # on only while this module runs (fixture below)
@@ -201,14 +202,39 @@ def test_padding_error_policy_names_row():
         env.run_layer(ours, hidden(1), t)
 
 
-def test_out_of_range_and_shape_errors():
+# (padding, validate, host reads of one routing call)
+HOST_READS = [("topk", True, 1), ("topk", False, 0), ("spread", True, 1), ("spread", False, 0),
+              ("error", True, 1), ("error", False, 1)]
+
+
+@pytest.mark.parametrize("padding,validate,reads", HOST_READS)
+def test_host_reads_per_routing_call(padding, validate, reads):
+    """The range check and the padding rows share one host read; a device-side policy
+    without validation reads nothing (CUDA-graph safe). Counted on the router's routing
+    step (no aux loss: no grad), with padding rows present where the policy allows them."""
     cfg = env.moe_config()
-    _, ours = env.build_pair(cfg)
-    t = env.random_routes(T, E, K, seed=2)
-    t[3, 1] = E  # a physical replica id, not a logical one
-    with pytest.raises(rom.ReplayRoutingError, match=r"token 3, slot 1 holds expert id 8, outside "
-                                                     r"0..7.*logical expert ids"):
-        env.run_layer(ours, hidden(1), t)
+    _, ours = env.build_pair(cfg, options=rom.ReplayOptions(padding=padding, validate=validate))
+    t = env.random_routes(T, E, K, seed=2) if padding == "error" else bad_target()
+    rr = ours.router.router_replay
+    rr.set_target_indices(t)
+    rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    logits = torch.randn(S, B, E, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), HostSyncCounter() as c:
+        probs, rmap = ours.router.routing(logits)
+    assert c.count == reads, c.events
+    check_k_distinct(probs, rmap)
+
+
+@pytest.mark.parametrize("padding", ["topk", "spread", "error"])
+def test_out_of_range_and_shape_errors(padding):
+    cfg = env.moe_config()
+    _, ours = env.build_pair(cfg, options=rom.ReplayOptions(padding=padding))
+    for bad_rows in (False, True):  # alone, and beside padding rows (the range error first)
+        t = bad_target() if bad_rows else env.random_routes(T, E, K, seed=2)
+        t[3, 1] = E  # a physical replica id, not a logical one
+        with pytest.raises(rom.ReplayRoutingError, match=r"token 3, slot 1 holds expert id 8, "
+                                                         r"outside 0..7.*logical expert ids"):
+            env.run_layer(ours, hidden(1), t)
     with pytest.raises(rom.ReplayRoutingError, match=r"shape \(11, 2\) but this call routes T=12"):
         env.run_layer(ours, hidden(1), env.random_routes(T - 1, E, K))
     ours.router.router_replay.clear_indices()

@@ -78,9 +78,11 @@ class ReplayOptions:
         selection for that row (expert bias and group limits included); "spread" = K
         distinct experts spread evenly over the EP ranks (deterministic, rotated per
         layer); "error" = raise, naming the layer and the row (one host read per call).
-    validate: check that every recorded id is in -1..E-1 (one host read per call) and
-        raise otherwise. With False there is no host read (CUDA-graph safe); an
-        out-of-range id then makes its row a padding row.
+    validate: check that every recorded id is in -1..E-1 and raise otherwise (one host
+        read per call, shared with the padding rows that "error" and "topk" read). With
+        False, "topk" and "spread" read nothing from the device (CUDA-graph safe); an
+        out-of-range id then makes its row a padding row. At most one host read per call
+        whatever the options.
     backend: replay_ops backend for the gate (None = automatic).
     """
 
@@ -253,26 +255,30 @@ class ReplayTopKRouter(TopKRouter):
                 f"splits and the micro-batch)")
         idx = target.to(device=logits.device)
         opts = self.replay_options
-        if opts.validate:
-            from .data import check_expert_range, LayoutError
-
-            try:
-                check_expert_range(idx, E, who=f"{self._where()}: {action.name} target indices")
-            except LayoutError as e:
-                raise ReplayRoutingError(str(e)) from None
         bad = _bad_rows(idx, E)
+        # At most one host read per call: the range check (validate) and the padding rows
+        # the policy needs on the host ('error', or 'topk' with validate) share it.
+        out_of_range = ((idx < -1) | (idx >= E)).any().view(1) if opts.validate else None
+        host_rows = opts.padding == "error" or (opts.padding == "topk" and opts.validate)
+        if host_rows:
+            # T row flags, then T+1 copies of the range flag: the rows' count, which
+            # nonzero reads anyway, exceeds T exactly when an id is out of range.
+            flags = bad if out_of_range is None else torch.cat([bad, out_of_range.expand(T + 1)])
+            rows = flags.nonzero().flatten()  # the one host read
+            if rows.numel() > T:
+                self._raise_out_of_range(idx, E, action)
+        elif out_of_range is not None and bool(out_of_range):  # the one host read
+            self._raise_out_of_range(idx, E, action)
         if opts.padding == "error":
-            if bool(bad.any()):
-                t = int(bad.nonzero()[0, 0])
+            if rows.numel():
+                t = int(rows[0])
                 raise ReplayRoutingError(
                     f"{self._where()}: {action.name}: row {t} has no usable route "
                     f"{idx[t].tolist()} (a -1 slot or a repeated expert) and padding='error'; "
-                    f"{int(bad.sum())} of {T} rows are like this")
+                    f"{rows.numel()} of {T} rows are like this")
             return idx.long()
         if opts.padding == "topk":
-            if opts.validate:
-                # host reads happen anyway: run the native top-k on the padding rows only
-                rows = bad.nonzero().flatten()
+            if host_rows:  # run the native top-k on the padding rows only
                 out = idx.long()
                 if rows.numel():
                     out = out.clone()
@@ -285,6 +291,16 @@ class ReplayTopKRouter(TopKRouter):
             offset = ((self.layer_number or 1) - 1) * K
             fill = spread_experts(bad, E, K, self.ep_size, offset)
         return torch.where(bad[:, None], fill, idx.long())
+
+    def _raise_out_of_range(self, idx: torch.Tensor, num_experts: int, action) -> None:
+        from .data import LayoutError, check_expert_range
+
+        try:
+            check_expert_range(idx, num_experts,
+                               who=f"{self._where()}: {action.name} target indices")
+        except LayoutError as e:
+            raise ReplayRoutingError(str(e)) from None
+        raise AssertionError("an out-of-range id was flagged but not found")  # unreachable
 
     def _plan(self, logits: torch.Tensor) -> RoutingPlan:
         rr = self.router_replay
