@@ -85,7 +85,8 @@ class DispatchHandle:
     received row, experts = local experts); `local_offsets` = local_plan.expert_offsets
     ([E/W + 1], int32, the grouped-GEMM offsets) and `tokens_per_local_expert` =
     local_plan.tokens_per_expert. `plan` is the sender-side plan without padding rows (the
-    caller's plan itself when it has align = 1).
+    caller's plan itself when it has align = 1). `x_local` is the tensor dispatch returned;
+    combine links its backward to it, so every rank runs dispatch's backward exchange.
     """
 
     group: object | None
@@ -100,8 +101,8 @@ class DispatchHandle:
     align: int
     hidden_size: int
     dtype: torch.dtype
-    backward_collectives: bool
     backend: str | None = None
+    x_local: torch.Tensor | None = dataclasses.field(default=None, repr=False)
 
     @property
     def local_offsets(self) -> torch.Tensor:
@@ -178,6 +179,23 @@ class _FromLocal(torch.autograd.Function):
         return g, None, None, None
 
 
+class _Join(torch.autograd.Function):
+    """Returns `y` unchanged and makes `x_local` (dispatch's output) a graph input with a zero
+    gradient, so that the backward always reaches dispatch's exchange: a rank whose expert
+    output does not depend on its received rows (no rows, say) still sends the gradients of
+    the rows it received back to their owners, as every other rank expects."""
+
+    @staticmethod
+    def forward(ctx, y, x_local):
+        ctx.x_meta = (x_local.shape, x_local.dtype, x_local.device)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.x_meta
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
+
+
 # ----------------------------------------------------------------------------- plans
 def _compact_plan(plan: RoutingPlan) -> RoutingPlan:
     """The same routing with align = 1: padding rows removed, every valid slot renumbered
@@ -241,6 +259,11 @@ class CheckedRoutingPlan(RoutingPlan):
     on every rank. `deferred_check` is int64 [4]: (code, row, column, value)."""
 
     deferred_check: torch.Tensor
+
+    def _replace(self, **fields) -> "CheckedRoutingPlan":
+        out = super()._replace(**fields)
+        out.deferred_check = self.deferred_check
+        return out
 
 
 def gate(
@@ -432,6 +455,11 @@ def dispatch(
             send_plan = _compact_plan(plan)
             send_counts = plan.tokens_per_expert.view(world, E_l).sum(1)
         deferred = getattr(plan, "deferred_check", None)
+        if isinstance(plan, CheckedRoutingPlan) and deferred is None:
+            raise ValueError(
+                "plan is a CheckedRoutingPlan without its deferred checks (a copy made "
+                "with type(plan)(*plan) or _make loses them); use plan._replace(...), or "
+                "the plan replay_ops.distributed.gate returned")
         grad = torch.is_grad_enabled()
         header = hd.build(
             hidden.device, rank=rank, world=world, E=plan.num_experts, K=plan.top_k,
@@ -472,7 +500,8 @@ def dispatch(
         send_counts=send, recv_counts=recv, num_rows=num_rows,
         local_experts=range(rank * E_l, (rank + 1) * E_l), align=align,
         hidden_size=hidden.shape[1], dtype=hidden.dtype,
-        backward_collectives=bool(rows[0][10] or rows[0][11]), backend=backend,
+        backend=backend,
+        x_local=x_local,
     )
     return x_local, handle
 
@@ -482,10 +511,14 @@ def combine(expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     """Send the local experts' outputs back and sum them per token, weighted by the gate
     weights: out[t] = sum_k weights[t, k] * y(t, k), accumulated in fp32 in the recorded
     column order (`replay_ops.unpermute`). `expert_out` is [handle.num_rows, H] in the
-    layout `dispatch` returned (padding rows are ignored). No host sync.
+    layout `dispatch` returned (padding rows are ignored). It is cast to the dtype of the
+    `hidden` given to dispatch (the same on every rank), which the output has. No host
+    sync.
 
     Differentiable with respect to `expert_out` and, through the plan's weights, the
-    router logits; the backward is a dispatch of the output gradient.
+    router logits; the backward is a dispatch of the output gradient. With gradients
+    enabled every rank takes part in both backward exchanges, whatever its experts did
+    (an output not in the graph is attached; the output is linked to `x_local`).
 
     A rank whose `expert_out` has the wrong shape still takes part in the exchange (with
     NaN rows, so the other ranks do not wait and get NaN, never a plausible value) and
@@ -513,11 +546,19 @@ def combine(expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
                              dtype=handle.dtype, device=dev)
             _a2a(nan, handle.send_counts, handle.recv_counts, handle.group)
         raise ValueError(error)
-    if (handle.backward_collectives and torch.is_grad_enabled() and handle.world_size > 1
-            and not expert_out.requires_grad):
-        # Every rank must run the backward exchange, or the others wait for this one: a rank
-        # whose expert output is not attached to the graph (no rows, say) joins it anyway.
-        expert_out = expert_out.detach().requires_grad_(True)
+    # The rows travel in the dtype every rank agreed on at dispatch (hidden's): ranks whose
+    # experts return another dtype (autocast, or a rank with no rows returning its fp32
+    # input) would otherwise exchange byte streams of different lengths.
+    expert_out = expert_out.to(handle.dtype)
+    if torch.is_grad_enabled() and handle.world_size > 1:
+        # Every rank must run both backward exchanges, or the others wait for this one. The
+        # combine exchange: a rank whose expert output is not in the graph (no rows, frozen
+        # experts) joins it anyway, since the experts of other ranks may need its gradient.
+        if not expert_out.requires_grad:
+            expert_out = expert_out.detach().requires_grad_(True)
+        # The dispatch exchange: reached even when the output does not use x_local.
+        if handle.x_local is not None and handle.x_local.requires_grad:
+            expert_out = _Join.apply(expert_out, handle.x_local)
     y_recv = _FromLocal.apply(expert_out, handle.local_plan, handle.num_rows, handle.backend)
     y_back = _exchange(y_recv, handle.send_counts, handle.recv_counts, handle.group,
                        handle.world_size)
