@@ -337,6 +337,46 @@ def test_gradient_checkpointing_replays_from_queue(arch):
     assert_grads_close(grads(model), ref_grads)
 
 
+def _checkpointed(model):
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+def test_gradient_checkpointing_ignores_a_forward_never_backpropagated():
+    """A grad-enabled replayed forward whose graph is dropped without a backward (a skipped
+    step, an evaluation forward without no_grad) leaves nothing for the next step's
+    recompute: its queue entry dies with its graph. Before, the next recompute popped it
+    and replayed the other batch's routing (a token permutation of the real one passes
+    torch's checkpoint checks), so the gradients were silently wrong."""
+    base = make_model("qwen3_moe")
+    ids = make_ids(2, 12, seed=41)
+    _, routing = capture_routing(base, ids)
+    routing = routing.to(torch.int32)
+    stale = routing.flip(0).contiguous()  # same per-expert row counts, other tokens
+
+    def step(model, skipped_first):
+        with hf.patch_model(_checkpointed(model), "R3") as patch:
+            rr = patch.replay
+            rr.set_action(ReplayAction.REPLAY_FORWARD)
+            if skipped_first:
+                rr.set_routing(stale)
+                model(ids)  # grad enabled, never backpropagated; the output is dropped
+                assert all(rr.queue_depth(lid) == 0 for lid in patch.moe_layer_ids)
+            rr.set_routing(routing)
+            loss_of(model(ids).logits, ids).backward()
+            assert all(rr.queue_depth(lid) == 0 for lid in patch.moe_layer_ids)
+        return grads(model)
+
+    clean = step(copy.deepcopy(base), False)
+    after_skip = step(copy.deepcopy(base), True)
+    assert clean.keys() == after_skip.keys()
+    for name in clean:
+        assert torch.equal(after_skip[name], clean[name]), name
+
+
 def test_gradient_checkpointing_record_records_once():
     model = make_model("mixtral")
     ref_model = copy.deepcopy(model)

@@ -351,6 +351,31 @@ def test_fifo_not_filled_without_grad_or_recompute_and_bounded():
     assert rr2.queue_depth(1) == 0
 
 
+def test_fifo_entry_lives_as_long_as_its_forward_graph():
+    """With logits in the autograd graph, an entry dies when its forward's graph is freed:
+    a dropped forward is never replayed by a later recompute, and forwards without
+    activation recompute cannot fill the queue. Pipelined forwards still pop in order."""
+    rr = make("R3", max_queue=2)
+    rr.set_action(ReplayAction.REPLAY_FORWARD)
+    a, b = distinct_rows(2, 3, 7), distinct_rows(2, 3, 8)
+    logits = torch.randn(2, E, requires_grad=True)
+    rr.set_routing(a)
+    for _ in range(5):  # more than max_queue: each plan (and its graph) is dropped at once
+        rr.route(1, logits * 1.0)
+    assert rr.queue_depth(1) == 0
+    kept_a = rr.route(1, logits * 1.0)  # two live forwards, then the recompute
+    rr.set_routing(b)
+    kept_b = rr.route(1, logits * 1.0)
+    assert rr.queue_depth(1) == 2
+    rr.set_action(ReplayAction.REPLAY_BACKWARD)
+    assert torch.equal(rr.route(1, logits).expert_indices, a[:, 0])
+    del kept_b  # the second forward is dropped before its recompute
+    assert rr.queue_depth(1) == 0
+    with pytest.raises(RouterReplayError, match="queue is empty"):
+        rr.route(1, logits)
+    del kept_a
+
+
 # ------------------------------------------------------------------ R2 in memory, state
 def test_r2_record_then_replay_under_router_drift():
     """R2: record in the forward-only pass, replay in the update pass. The router drifted

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import os
+import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -121,7 +122,11 @@ class RouterReplay:
             q.clear()
 
     def queue_depth(self, layer_id: int) -> int:
-        return len(self._queues[self._check_layer(layer_id, "queue_depth")])
+        """Entries waiting for a recompute (entries whose forward's graph is gone are not
+        counted: they can never be recomputed)."""
+        q = self._queues[self._check_layer(layer_id, "queue_depth")]
+        _drop_dead(q)
+        return len(q)
 
     def calls(self, layer_id: int) -> int:
         """How many times `route` served this layer with replay or record since the
@@ -385,6 +390,7 @@ class RouterReplay:
         plan = self._gate(logits, idx, replay_mask=mask, **opts)
         if self.config.recompute and torch.is_grad_enabled():
             q = self._queues[layer_id]
+            _drop_dead(q)
             if len(q) >= self.config.max_queue:
                 raise RouterReplayError(
                     f"RouterReplay.route: layer {layer_id}: {len(q)} replayed forwards are "
@@ -392,20 +398,24 @@ class RouterReplay:
                     f"without activation recompute set recompute=False, or call "
                     f"clear_queues() after each step"
                 )
-            q.append(plan.expert_indices.detach())
+            entry = _QueueEntry(plan.expert_indices.detach())
+            if plan.weights.requires_grad:
+                plan = plan._replace(weights=_bind_to_graph(plan.weights, entry))
+            q.append(entry)
         return plan
 
     def _route_replay_backward(self, layer_id, logits, opts) -> RoutingPlan:
         """Activation recompute: the indices of the matching REPLAY_FORWARD, first in,
         first out."""
         q = self._queues[layer_id]
+        _drop_dead(q)
         if not q:
             raise RouterReplayError(
                 f"RouterReplay.route: layer {layer_id}: REPLAY_BACKWARD but the layer's "
                 f"queue is empty: the recompute has no matching REPLAY_FORWARD (forwards "
                 f"are queued only when grad is enabled and recompute=True)"
             )
-        idx = q.popleft()
+        idx = q.popleft().indices
         if idx.shape[0] != logits.shape[0]:
             raise RouterReplayError(
                 f"RouterReplay.route: layer {layer_id}: REPLAY_BACKWARD pops {idx.shape[0]} "
@@ -553,3 +563,59 @@ def _describe_source(source: str | None) -> str:
     if source == "recorded":
         return "the recording (RECORD forwards of this RouterReplay)"
     return "set_routing()"
+
+
+# ----------------------------------------------------------------------------- recompute queue
+class _QueueEntry:
+    """The indices a REPLAY_FORWARD used, waiting for its recompute. `alive` turns False
+    when the autograd graph of that forward is freed (backpropagated, or dropped without a
+    backward: a skipped step, an evaluation forward with grad enabled): such an entry can
+    never be recomputed, and popping it would replay another batch's routing."""
+
+    __slots__ = ("indices", "alive", "token_ref", "__weakref__")
+
+    def __init__(self, indices: torch.Tensor):
+        self.indices = indices
+        self.alive = True
+        self.token_ref = None  # set by _bind_to_graph; kept so that its callback fires
+
+
+class _GraphToken:
+    """Held by a node of the forward's graph; its deletion marks the queue entry dead."""
+
+    __slots__ = ("__weakref__",)
+
+
+class _Bind(torch.autograd.Function):
+    """Identity on the gate weights whose node holds a token: the node lives exactly as
+    long as the forward's graph."""
+
+    @staticmethod
+    def forward(ctx, weights, token):
+        ctx.token = token
+        return weights.view_as(weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _bind_to_graph(weights: torch.Tensor, entry: _QueueEntry) -> torch.Tensor:
+    token = _GraphToken()
+    entry_ref = weakref.ref(entry)
+
+    def _freed(_ref, entry_ref=entry_ref):
+        e = entry_ref()
+        if e is not None:
+            e.alive = False
+
+    entry.token_ref = weakref.ref(token, _freed)
+    return _Bind.apply(weights, token)
+
+
+def _drop_dead(q: collections.deque) -> None:
+    """Discard the entries whose forward's graph is gone, keeping the order of the rest."""
+    if any(not e.alive for e in q):
+        live = [e for e in q if e.alive]
+        q.clear()
+        q.extend(live)
