@@ -119,6 +119,14 @@ def _hf_checks(rank, world):
             assert "holds only this rank's experts" in str(exc), str(exc)
         else:
             raise AssertionError(f"{where} sharded experts ran after remove()")
+        # ... and patching the sharded model again without the group is refused (it ran
+        # expert e + E/W on rank 1 with the global ids, silently, before)
+        try:
+            hf.patch_model(model, "R3")
+        except hf.UnsupportedModelError as exc:
+            assert "sharded for expert parallelism" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"{where} a sharded model was patched without ep_group")
         done.append(arch)
     return done
 

@@ -166,6 +166,39 @@ def test_patch_twice_and_mismatched_replay():
     assert getattr(model, "_replay_ops_patch", None) is None
 
 
+def test_block_with_its_own_forward_is_refused_and_later_wrappers_are_kept():
+    """A forward installed on the block instance (accelerate's device_map/offload hooks do
+    this) would be bypassed by the patch and dropped by remove(): refused, naming the
+    layer. A wrapper installed after patching wraps the patched forward and survives
+    remove()."""
+    model = make_model("qwen3_moe")
+    lid, block = next(iter(hf.moe_layout(model).blocks.items()))
+    calls = []
+    inner = block.forward
+
+    def hooked(*a, **k):
+        calls.append(1)
+        return inner(*a, **k)
+
+    block.forward = hooked
+    with pytest.raises(hf.UnsupportedModelError, match=rf"layer {lid}'s MoE block already has a "
+                                                       r"forward of its own instance"):
+        hf.patch_model(model, "R3")
+    del block.forward
+    ids = make_ids(1, 5)
+    patch = hf.patch_model(model, "R3")
+    patched = block.forward
+    block.forward = lambda *a, **k: (calls.append(1), patched(*a, **k))[1]
+    with pytest.warns(UserWarning, match="wrapped after patching"):
+        patch.remove()
+    with torch.no_grad():
+        model(ids)
+    assert calls, "the later wrapper was dropped"
+    del block.forward
+    hf.patch_model(model, "R3").remove()  # patchable again once the wrapper is gone
+    assert "forward" not in block.__dict__
+
+
 def test_unsupported_expert_layout_is_an_error():
     model = make_model("qwen3_moe")
     experts = hf.moe_layout(model).blocks[0].experts

@@ -99,7 +99,10 @@ def enable_expert_parallel(patch, group=None, *, shard_weights: bool = True):
 
 
 def _ep_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    patch, lid = block._replay_ops_layer
+    layer = block.__dict__.get("_replay_ops_layer")
+    if layer is None:  # removed, but called through a wrapper installed after patching
+        return type(block).forward(block, hidden_states)  # sharded experts raise there
+    patch, lid = layer
     st: EPState = block._replay_ops_ep
     spec = patch.layout.spec
     try:
@@ -126,6 +129,9 @@ def _ep_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Te
     else:
         out = routed
     return out.reshape(r.hidden_states.shape)
+
+
+_ep_forward._replay_ops_forward = True  # unpatching removes it
 
 
 def _local_experts(experts, x_local: torch.Tensor, handle: ep.DispatchHandle,

@@ -61,6 +61,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import types
+import warnings
 from typing import Callable
 
 import torch
@@ -277,6 +278,25 @@ def moe_layout(model: torch.nn.Module) -> MoELayout:
     )
 
 
+def _check_patchable(lid: int, block: torch.nn.Module) -> None:
+    """Refuse a block that patching would silently get wrong."""
+    ep_state = getattr(block, "_replay_ops_ep", None)
+    if ep_state is not None and ep_state.sharded:
+        raise UnsupportedModelError(
+            f"replay_ops.integrations.hf.patch_model: layer {lid}'s experts were sharded for "
+            f"expert parallelism (this rank holds experts {ep_state.local_experts.start}.."
+            f"{ep_state.local_experts.stop - 1} of {int(block.gate.num_experts)}); a patch "
+            f"without them would run the wrong experts. Load the model again to patch it "
+            f"differently")
+    if "forward" in block.__dict__:
+        raise UnsupportedModelError(
+            f"replay_ops.integrations.hf.patch_model: layer {lid}'s MoE block already has a "
+            f"forward of its own instance ({block.__dict__['forward']!r}), e.g. accelerate's "
+            f"device_map/offload hooks; patching would bypass it and removing the patch would "
+            f"drop it. Patch the model before installing such hooks (accelerate then wraps "
+            f"the patched forward)")
+
+
 def _check_block(name: str, block: torch.nn.Module) -> None:
     experts = getattr(block, "experts", None)
     gate = getattr(block, "gate", None)
@@ -359,9 +379,19 @@ class ReplayPatch:
         """Restore every block's original forward."""
         if not self.active:
             return
-        for block in self.layout.blocks.values():
-            block.__dict__.pop("forward", None)
+        for lid, block in self.layout.blocks.items():
+            fwd = block.__dict__.get("forward")
+            if getattr(getattr(fwd, "__func__", None), "_replay_ops_forward", False):
+                del block.__dict__["forward"]
+            elif fwd is not None:  # wrapped after patching (accelerate, say): left as it is
+                warnings.warn(f"replay_ops.integrations.hf: layer {lid}'s forward was wrapped "
+                              f"after patching ({fwd!r}); the wrapper is left in place and the "
+                              f"patched forward inside it now runs the original forward",
+                              stacklevel=2)
             block.__dict__.pop("_replay_ops_layer", None)
+            ep_state = block.__dict__.get("_replay_ops_ep")
+            if ep_state is not None and not ep_state.sharded:
+                del block.__dict__["_replay_ops_ep"]  # all experts are still here
         if getattr(self.model, "_replay_ops_patch", None) is self:
             del self.model._replay_ops_patch
         self.active = False
@@ -399,6 +429,8 @@ def patch_model(
             "unpatch_model(model) first"
         )
     lay = moe_layout(model)
+    for lid, block in lay.blocks.items():
+        _check_patchable(lid, block)
     if not isinstance(replay, RouterReplay):
         replay = make_router_replay(model, replay)
     else:
@@ -489,7 +521,10 @@ def route_block(patch: ReplayPatch, lid: int, block: torch.nn.Module,
 
 
 def _patched_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    patch, lid = block._replay_ops_layer
+    layer = block.__dict__.get("_replay_ops_layer")
+    if layer is None:  # removed, but called through a wrapper installed after patching
+        return type(block).forward(block, hidden_states)
+    patch, lid = layer
     replay = patch.replay
     if not replay.enabled or replay.action is None:
         return type(block).forward(block, hidden_states)
@@ -501,6 +536,9 @@ def _patched_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> tor
     out = routed if spec.add_shared is None else spec.add_shared(block, r.x, r.hidden_states,
                                                                  routed)
     return out.reshape(r.hidden_states.shape)
+
+
+_patched_forward._replay_ops_forward = True  # remove() takes only its own forward
 
 
 def run_expert_segments(experts: torch.nn.Module, rows: torch.Tensor, offsets: list[int],
