@@ -499,6 +499,36 @@ def test_r2_two_steps_without_clear_replay_each_steps_own_recording():
     assert rr.recorded().shape[0] == 8  # step 2's recording alone, not both steps
 
 
+def test_r2_micro_batches_without_clear_replay_each_steps_own_recording():
+    """Micro-batched R2 slices the recording and sets each slice (set_routing), so the
+    routing source is not "recorded". Without clear(), the next step's RECORD must still
+    start a new recording; before, it appended to the old one and recorded()[0:T] gave
+    the previous step's routes."""
+    torch.manual_seed(1)
+    rr = make("R2")
+    model = TinyMoE(replay=rr)
+    T = 4
+    for step in range(2):
+        mbs = [torch.randn(T, 16), torch.randn(T, 16)]
+        rr.set_action(ReplayAction.RECORD)
+        this_step = []  # the indices each micro-batch's RECORD used, per layer
+        with torch.no_grad():
+            for x in mbs:
+                model(x)
+                this_step.append({lid: model.plans[lid].expert_indices for lid in MOE_IDS})
+        rec = rr.recorded()
+        assert rec.shape[0] == 2 * T, f"step {step}: {rec.shape[0]} recorded rows"
+        rr.set_action(ReplayAction.REPLAY_FORWARD)
+        for i, x in enumerate(mbs):
+            rr.set_routing(rec[i * T:(i + 1) * T])
+            model(x)
+            for n, lid in enumerate(MOE_IDS):
+                assert torch.equal(model.plans[lid].expert_indices, this_step[i][lid]), (
+                    f"step {step}, micro-batch {i}, layer {lid}: replayed another step's route")
+        rr.clear_queues()
+    assert rr.step == 1
+
+
 # ------------------------------------------------------------------ errors name the layer
 def test_bad_replayed_routing_names_the_layer_and_the_source(tmp_path):
     T = 4

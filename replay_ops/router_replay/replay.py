@@ -109,6 +109,7 @@ class RouterReplay:
         }
         self._forget_routing()
         self._calls = collections.Counter()
+        self._replayed = False  # a REPLAY_FORWARD ran since the recording started
 
     def _forget_routing(self) -> None:
         self._routing: torch.Tensor | None = None
@@ -346,9 +347,11 @@ class RouterReplay:
                 f"RouterReplay.route: layer {layer_id}: RECORD needs topk_fn, the layer's "
                 f"native top-k selection"
             )
-        if self.routing_source == "recorded":
-            # R2: the last recording was replayed; this RECORD starts the next step, whose
-            # routing replaces it (a forgotten clear() must not replay the old step).
+        if self._replayed and self.mode is ReplayMode.R2:
+            # R2: a replay ran since this recording started (of the recording itself, or of
+            # routing set from slices of it, as micro-batches do); this RECORD starts the
+            # next step, whose routing replaces it (a forgotten clear() must not replay the
+            # old step).
             self._start_new_recording()
         with torch.no_grad():
             idx = self._check_native(layer_id, topk_fn(logits.detach()), logits.shape[0])
@@ -359,12 +362,14 @@ class RouterReplay:
         for lid in self.moe_layer_ids:
             self._records[lid].clear()
         self._forget_routing()
+        self._replayed = False
         self.step += 1
 
     def _route_replay_forward(self, layer_id, logits, topk_fn, opts) -> RoutingPlan:
         """The routing set (or recorded) for this layer; fallback rows use native top-k.
         With grad enabled and recompute=True the indices used go onto the layer's queue."""
         T = logits.shape[0]
+        self._replayed = True
         if self._routing is None and self.mode is ReplayMode.R2 and self._has_records():
             self._use_recorded()
         if self._routing is not None and self._routing.device != logits.device:
