@@ -321,6 +321,26 @@ def test_replaying_other_routing_matches_forced_reference(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_top1_replay_reproduces_unpatched(arch):
+    """top_k = 1 with each architecture's default normalization: DeepSeek-V3 normalizes a
+    single sigmoid weight (s / (s + 1e-20), then the scaling); the gate alone would not."""
+    model = make_model(arch, top_k=1)
+    ids = make_ids(2, 7, seed=5)
+    ref, ref_routing = capture_routing(model, ids)
+    rtol, atol = TOL[torch.float32]
+    with hf.patch_model(model, "R2") as patch:
+        patch.replay.set_action(ReplayAction.RECORD)
+        with torch.no_grad():
+            out_rec = model(ids).logits
+        assert torch.equal(patch.replay.recorded(), ref_routing.to(torch.int32))
+        patch.replay.set_action(ReplayAction.REPLAY_FORWARD)
+        with torch.no_grad():
+            out_rep = model(ids).logits
+    torch.testing.assert_close(out_rec, ref, rtol=rtol, atol=atol)
+    torch.testing.assert_close(out_rep, ref, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_replay_gradients_match_unpatched(arch):
     model = make_model(arch)
     ref_model = copy.deepcopy(model)

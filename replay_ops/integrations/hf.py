@@ -500,6 +500,13 @@ def route_block(patch: ReplayPatch, lid: int, block: torch.nn.Module,
     action = replay.action if replay.enabled else None
     opts = dict(score_func=spec.score_func, normalize=spec.normalize(gate),
                 scaling_factor=spec.scaling_factor(gate))
+    # DeepSeek-V3 normalizes its sigmoid weights even for top-1: w = s / (s + 1e-20), then
+    # the scaling. replay_ops.gate, as Megatron-Core, leaves a row with one slot as it is;
+    # gate unnormalized and unscaled, then apply the model's own formula (below).
+    top1_norm = spec.score_func == "sigmoid" and opts["normalize"] and int(gate.top_k) == 1
+    if top1_norm:
+        scaling = opts["scaling_factor"]
+        opts.update(normalize=False, scaling_factor=1.0)
     recompute = patch.auto_recompute and action in (
         ReplayAction.REPLAY_FORWARD, ReplayAction.RECORD) and _in_backward()
     if action is None:
@@ -517,6 +524,9 @@ def route_block(patch: ReplayPatch, lid: int, block: torch.nn.Module,
                             **opts)
     else:
         plan = replay.route(lid, logits, action=action, topk_fn=topk_fn, **opts)
+    if top1_norm and plan is not None:
+        w = plan.weights
+        plan = plan._replace(weights=(w / (w + 1e-20)) * scaling)
     return BlockRouting(hidden_states, x, logits, native_w, native_idx, plan, recompute)
 
 
