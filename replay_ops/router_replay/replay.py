@@ -418,7 +418,9 @@ class RouterReplay:
             raise RouterReplayError(
                 f"RouterReplay.route: layer {layer_id}: REPLAY_BACKWARD but the layer's "
                 f"queue is empty: the recompute has no matching REPLAY_FORWARD (forwards "
-                f"are queued only when grad is enabled and recompute=True)"
+                f"are queued only when grad is enabled and recompute=True; reentrant "
+                f"activation checkpointing, use_reentrant=True, runs the forward without "
+                f"grad and is not supported: use use_reentrant=False)"
             )
         idx = q.popleft().indices
         if idx.shape[0] != logits.shape[0]:
