@@ -241,13 +241,13 @@ def r2_round_trip(cfg, model, patch, seqs, prompt_lens, batch, pad_id, device) -
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask, position_ids=pos)
         replayed_after = p.last_routing()
+        source = rr.routing_source  # (the RECORD below starts a new step and drops it)
         # Update pass, native routing (what R2 prevents).
         rr.set_action(ReplayAction.RECORD)
         rr.clear_records()
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask, position_ids=pos)
         native_after = rr.recorded()
-        source = rr.routing_source
     with torch.no_grad():  # restore the weights for anything that runs after
         for n, q in model.named_parameters():
             q.copy_(snapshot[n])
