@@ -216,3 +216,54 @@ def check_hidden(
             f"replay_ops.{name}: tensors on different devices: {arg} on {x.device}, "
             f"the plan on {device}"
         )
+
+
+def check_dense_inputs(logits, expert_indices, replay_mask, fallback, score_func, align,
+                       padding, ep_size, spread_offset) -> None:
+    """The checks of replay_ops.gate, plus the dense mode's own options."""
+    from .plan import PADDING_MODES
+
+    check_gate_inputs(logits, expert_indices, replay_mask, score_func, align)
+    if padding not in PADDING_MODES:
+        raise ValueError(f"replay_ops.gate_dense: unknown padding={padding!r}; expected one of "
+                         f"{tuple(PADDING_MODES)}")
+    E = logits.shape[1]
+    if not isinstance(ep_size, int) or ep_size < 1 or E % ep_size:
+        raise ValueError(f"replay_ops.gate_dense: ep_size={ep_size!r} must be a positive "
+                         f"integer dividing the number of experts E={E}")
+    if not isinstance(spread_offset, int) or spread_offset < 0:
+        raise ValueError(f"replay_ops.gate_dense: spread_offset must be an integer >= 0, got "
+                         f"{spread_offset!r}")
+    if padding == "fallback" and fallback is None:
+        raise ValueError("replay_ops.gate_dense: padding='fallback' needs the fallback "
+                         "indices (fallback=[T, K] expert ids)")
+    if fallback is not None:
+        if fallback.dtype not in INDEX_DTYPES or tuple(fallback.shape) != tuple(
+                expert_indices.shape):
+            raise ValueError(
+                f"replay_ops.gate_dense: fallback must be an int16/int32/int64 tensor shaped "
+                f"like expert_indices {tuple(expert_indices.shape)}, got {fallback.dtype} "
+                f"{tuple(fallback.shape)}")
+        if fallback.device != logits.device:
+            raise ValueError(
+                f"replay_ops.gate_dense: tensors on different devices: logits on "
+                f"{logits.device}, fallback on {fallback.device}")
+
+
+def check_row_flags(row_flags: torch.Tensor, expert_indices: torch.Tensor, num_experts: int,
+                    replay_mask: torch.Tensor | None, padding: str) -> None:
+    """validate=True of the dense gate: one host read of the row flags; an id outside
+    [-1, E) is an error, and so is a repeated expert with padding="empty" (the other modes
+    fill such rows). The message is check_index_values' (which reads more, on the error
+    path only)."""
+    from .plan import ROW_OUT_OF_RANGE, ROW_REPEAT
+
+    if row_flags.numel() == 0:
+        return
+    flags = row_flags.numpy(force=True)  # the one host read
+    bad = ROW_OUT_OF_RANGE | (ROW_REPEAT if padding == "empty" else 0)
+    if not (flags & bad).any():
+        return
+    # range errors are reported first, so a repeat alone never raises in the filling modes
+    check_index_values(expert_indices, num_experts, replay_mask)
+    raise AssertionError("replay_ops.gate_dense: a row was flagged but no bad entry was found")

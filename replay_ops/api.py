@@ -6,6 +6,8 @@ Host synchronisation (a read of device memory by the host, which stalls a CUDA s
     gate(..., validate=True)        one read: the index checks (range, duplicates); with a
                                     replay_mask one more, finding the fallback rows
     gate(..., validate=False)       none (the fallback top-k then runs on every row)
+    gate_dense(..., validate=True)  one read: the row flags the kernel wrote
+    gate_dense(..., validate=False) none
     permute(hidden, plan)           one read: the rows used, plan.expert_offsets[E]
     permute(hidden, plan, num_rows) none (with validate=True, one read when num_rows is
                                     below plan.max_rows, to check it is large enough)
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .plan import RoutingPlan
+from .plan import DenseRouting, RoutingPlan
 
 
 def gate(
@@ -52,21 +54,81 @@ def gate(
     return RoutingPlan(*out)
 
 
+def gate_dense(
+    logits: torch.Tensor,
+    expert_indices: torch.Tensor,
+    *,
+    score_func: str = "softmax",
+    normalize: bool = True,
+    scaling_factor: float = 1.0,
+    replay_mask: torch.Tensor | None = None,
+    padding: str = "empty",
+    fallback: torch.Tensor | None = None,
+    ep_size: int = 1,
+    spread_offset: int = 0,
+    underflow_guard: bool = False,
+    align: int = 1,
+    with_plan: bool = True,
+    validate: bool = True,
+    backend: str | None = None,
+) -> DenseRouting:
+    """Megatron-Core's routing contract written by the gate kernel itself: dense `probs`
+    [T, E] (logits dtype) and a bool `routing_map` [T, E], with per-row flags and the
+    dispatch plan of the same routing, in one kernel call.
+
+    Weights are those of `gate` (same score functions and options). Each row's flags
+    (`DenseRouting.row_flags`, bits of replay_ops.plan: 1 a -1 slot, 2 an id outside
+    [-1, E), 4 a repeated expert, 8 replay_mask False) describe its recorded ids; a row
+    with any flag is a padding row and is routed by `padding`:
+
+    * "empty": its ids in [0, E) (nothing for a masked row); a repeated expert's weights
+      add up in probs;
+    * "spread": K distinct experts spread over `ep_size` expert-parallel ranks, by a
+      per-row formula (replay_ops.reference.spread_expert) rotated by `spread_offset`;
+    * "fallback": the row of `fallback` [T, K].
+
+    A masked row (replay_mask False) takes its `fallback` row whenever `fallback` is given.
+    With `underflow_guard`, a routed probability that rounds to exactly 0 becomes the
+    dtype's smallest normal value (so index recovery from probs, e.g. Megatron's flex
+    dispatcher, keeps it); its gradient passes through. The plan (`with_plan`) has
+    weights=None: the dispatcher applies probs itself. The backward reads the gradient of
+    probs at the routed experts inside the kernel.
+
+    `validate=True` reads the row flags once and raises for an id outside [-1, E), and with
+    padding="empty" for a repeated expert; `validate=False` reads nothing."""
+    out = torch.ops.replay.gate_dense(
+        logits, expert_indices, replay_mask, fallback, score_func, bool(normalize),
+        float(scaling_factor), padding, int(ep_size), int(spread_offset),
+        bool(underflow_guard), align, bool(with_plan), bool(validate), backend or "auto")
+    probs, rmap, flags, idx = out[:4]
+    plan = RoutingPlan(None, idx, *out[4:]) if with_plan else None
+    return DenseRouting(probs, rmap, flags, idx, plan)
+
+
 def permute(
     hidden: torch.Tensor,
     plan: RoutingPlan,
     num_rows: int | None = None,
     *,
+    probs: torch.Tensor | None = None,
     validate: bool = True,
     backend: str | None = None,
-) -> torch.Tensor:
+):
     """Expert-major copy of `hidden` [T, H]: row r is hidden[plan.sorted_slots[r] // K],
     zero for padding rows. It has `plan.expert_offsets[E]` rows (a host read), or the
-    static `num_rows` (for CUDA graphs and torch.compile; `plan.max_rows` always fits)."""
+    static `num_rows` (for CUDA graphs and torch.compile; `plan.max_rows` always fits).
+
+    With the dense `probs` [T, E] of the same routing, returns `(rows, row_probs)`: also
+    the probability of each row, probs[t, e] of its token and expert (0 for padding rows),
+    differentiable into `probs` (its backward writes the dense [T, E] gradient row by row)."""
     if num_rows is None:
         num_rows = plan.num_rows()
     elif validate:
         _check_rows("permute", f"num_rows={num_rows}", num_rows, plan)
+    if probs is not None:
+        return torch.ops.replay.permute_probs(
+            hidden, probs, plan.sorted_slots, plan.row_id_map, plan.expert_indices, num_rows,
+            backend or "auto")
     return torch.ops.replay.permute(
         hidden, plan.sorted_slots, plan.row_id_map, num_rows, backend or "auto"
     )
@@ -81,7 +143,9 @@ def unpermute(
 ) -> torch.Tensor:
     """[T, H]: out[t] = sum_k plan.weights[t, k] * expert_out[plan.row_id_map[t, k]],
     accumulated in fp32 in the recorded column order. Differentiable with respect to
-    `expert_out` and, through `plan.weights`, the logits. With `validate`, an `expert_out`
+    `expert_out` and, through `plan.weights`, the logits. With `plan.weights` None (the
+    plan of `gate_dense`, or `plan._replace(weights=None)`: the experts applied the
+    probs), the plain sum, and the backward skips the weight-gradient kernel. With `validate`, an `expert_out`
     with fewer rows than the plan uses is an error (a host read, only when it has fewer
     than `plan.max_rows` rows); without it, rows past its end count as empty slots."""
     if validate and expert_out.dim() == 2:

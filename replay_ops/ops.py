@@ -1,7 +1,9 @@
 """Op registration: `torch.ops.replay.*`, with fake kernels and autograd.
 
-Forward ops:   replay::gate, replay::permute, replay::unpermute
-Backward ops:  replay::gate_backward, replay::permute_backward, replay::unpermute_backward
+Forward ops:   replay::gate, replay::permute, replay::unpermute, replay::gate_dense,
+               replay::permute_probs
+Backward ops:  replay::gate_backward, replay::permute_backward, replay::unpermute_backward,
+               replay::gate_dense_backward, replay::permute_probs_backward
 
 Each op runs the backend that `backends.select` picks for the op, the input's device and
 sizes. The ops are opaque to `torch.compile` (their fake kernels give static output shapes),
@@ -16,10 +18,12 @@ from torch import Tensor
 
 from ._validate import (
     PLAN_DTYPE,
+    check_dense_inputs,
     check_gate_inputs,
     check_hidden,
     check_index_values,
     check_plan_tensors,
+    check_row_flags,
 )
 from .backends import OpShape, select
 from .fallback import resolve_indices
@@ -76,13 +80,15 @@ def _gate_setup(ctx, inputs, output):
     logits, _, _, score_func, normalize, scaling_factor, _, _, backend = inputs
     ctx.save_for_backward(logits, output[1])
     ctx.opts = (score_func, normalize, scaling_factor, backend)
+    # The five integer outputs have no gradient: do not make autograd fill zeros for them.
+    ctx.set_materialize_grads(False)
 
 
 def _gate_backward(ctx, grad_weights, *_int_grads):
     logits, idx = ctx.saved_tensors
     score_func, normalize, scaling_factor, backend = ctx.opts
     grad = None
-    if ctx.needs_input_grad[0]:
+    if ctx.needs_input_grad[0] and grad_weights is not None:
         grad = gate_backward(
             grad_weights.contiguous(), logits, idx, score_func, normalize, scaling_factor, backend
         )
@@ -177,19 +183,25 @@ def _(grad_out, row_id_map, backend):
 # ------------------------------------------------------------------------ unpermute
 @torch.library.custom_op(f"{LIB}::unpermute", mutates_args=())
 def unpermute(
-    expert_out: Tensor, row_id_map: Tensor, sorted_slots: Tensor, weights: Tensor, backend: str
+    expert_out: Tensor, row_id_map: Tensor, sorted_slots: Tensor, weights: Tensor | None,
+    backend: str
 ) -> Tensor:
     """[T, H]: out[t] = sum_k weights[t, k] * expert_out[row_id_map[t, k]] (fp32 accumulation,
-    column order)."""
+    column order); with weights None, the plain sum (the weights were applied before)."""
     _check_unpermute(expert_out, row_id_map, sorted_slots, weights)
-    impl = select("unpermute_fwd", expert_out.device.type, _row_shape(row_id_map, expert_out),
-                  expert_out.dtype, backend)
+    shape = _row_shape(row_id_map, expert_out)
+    if weights is None:  # the unweighted gather-sum is the permute backward kernel
+        impl = select("permute_bwd", expert_out.device.type, shape, expert_out.dtype, backend)
+        return impl.permute_bwd(expert_out, row_id_map)
+    impl = select("unpermute_fwd", expert_out.device.type, shape, expert_out.dtype, backend)
     return impl.unpermute_fwd(expert_out, row_id_map, weights)
 
 
 def _check_unpermute(expert_out, row_id_map, sorted_slots, weights):
     check_plan_tensors("unpermute", row_id_map, sorted_slots)
     check_hidden("unpermute", "expert_out", expert_out, None, "rows", row_id_map.device)
+    if weights is None:
+        return
     if weights.shape != row_id_map.shape or not weights.is_floating_point():
         raise ValueError(
             f"replay_ops.unpermute: weights must be a float [T, K] tensor like row_id_map "
@@ -210,12 +222,23 @@ def _(expert_out, row_id_map, sorted_slots, weights, backend):
 
 def _unpermute_setup(ctx, inputs, output):
     expert_out, row_id_map, sorted_slots, weights, backend = inputs
-    ctx.save_for_backward(expert_out, row_id_map, sorted_slots, weights)
+    # Unweighted, the backward needs no expert_out (nor keeps it alive).
+    ctx.save_for_backward(None if weights is None else expert_out, row_id_map, sorted_slots,
+                          weights)
+    ctx.rows = expert_out.shape[0]
     ctx.backend = backend
 
 
 def _unpermute_backward(ctx, grad_out):
     expert_out, row_id_map, sorted_slots, weights = ctx.saved_tensors
+    if weights is None:
+        # grad_x[r] = grad_out[s // K] for the slot s of row r: the permute forward. No
+        # weight gradient, so the dot-product kernel does not run.
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = permute(grad_out.contiguous(), sorted_slots, row_id_map, ctx.rows,
+                             ctx.backend)
+        return grad_x, None, None, None, None
     grad_x, grad_w = unpermute_backward(
         grad_out.contiguous(), expert_out, row_id_map, sorted_slots, weights, ctx.backend
     )
@@ -249,3 +272,182 @@ def unpermute_backward(
 @unpermute_backward.register_fake
 def _(grad_out, expert_out, row_id_map, sorted_slots, weights, backend):
     return torch.empty_like(expert_out), torch.empty_like(weights)
+
+
+# ----------------------------------------------------------------------- dense gate
+@torch.library.custom_op(f"{LIB}::gate_dense", mutates_args=())
+def gate_dense(
+    logits: Tensor,
+    expert_indices: Tensor,
+    replay_mask: Tensor | None,
+    fallback: Tensor | None,
+    score_func: str,
+    normalize: bool,
+    scaling_factor: float,
+    padding: str,
+    ep_size: int,
+    spread_offset: int,
+    underflow_guard: bool,
+    align: int,
+    with_plan: bool,
+    validate: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(probs [T, E], routing_map [T, E] bool, row_flags [T] uint8, expert_indices int32,
+    tokens_per_expert, expert_offsets, row_id_map, sorted_slots); see replay_ops.gate_dense."""
+    check_dense_inputs(logits, expert_indices, replay_mask, fallback, score_func, align,
+                       padding, ep_size, spread_offset)
+    (T, E), K = logits.shape, expert_indices.shape[1]
+    impl = select("gate_dense_fwd", logits.device.type, OpShape(T, E, K), logits.dtype, backend)
+    out = impl.gate_dense_fwd(logits, expert_indices, replay_mask, fallback, score_func,
+                              normalize, scaling_factor, padding, ep_size,
+                              spread_offset % max(E, 1), underflow_guard, align, with_plan)
+    if validate:
+        check_row_flags(out[2], expert_indices, E, replay_mask, padding)
+    return out
+
+
+@gate_dense.register_fake
+def _(logits, expert_indices, replay_mask, fallback, score_func, normalize, scaling_factor,
+      padding, ep_size, spread_offset, underflow_guard, align, with_plan, validate, backend):
+    check_dense_inputs(logits, expert_indices, replay_mask, fallback, score_func, align,
+                       padding, ep_size, spread_offset)
+    T, E = logits.shape
+    K = expert_indices.shape[1]
+    dev = logits.device
+    i32 = dict(dtype=PLAN_DTYPE, device=dev)
+    if with_plan:
+        plan = (torch.empty(E, **i32), torch.empty(E + 1, **i32), torch.empty(T, K, **i32),
+                torch.empty(plan_capacity(T, K, E, align), **i32))
+    else:
+        plan = (torch.empty(0, **i32), torch.empty(0, **i32), torch.empty(0, K, **i32),
+                torch.empty(0, **i32))
+    return (logits.new_empty(T, E), torch.empty(T, E, dtype=torch.bool, device=dev),
+            torch.empty(T, dtype=torch.uint8, device=dev), torch.empty(T, K, **i32), *plan)
+
+
+def _gate_dense_setup(ctx, inputs, output):
+    logits, _, _, _, score_func, normalize, scaling_factor = inputs[:7]
+    ctx.save_for_backward(logits, output[3])
+    ctx.opts = (score_func, normalize, scaling_factor, inputs[-1])
+    ctx.set_materialize_grads(False)  # only probs has a gradient
+
+
+def _gate_dense_backward(ctx, grad_probs, *_other):
+    logits, idx = ctx.saved_tensors
+    grad = None
+    if ctx.needs_input_grad[0] and grad_probs is not None:
+        grad = gate_dense_backward(grad_probs, logits, idx, *ctx.opts)
+    return (grad,) + (None,) * 14
+
+
+gate_dense.register_autograd(_gate_dense_backward, setup_context=_gate_dense_setup)
+
+
+@torch.library.custom_op(f"{LIB}::gate_dense_backward", mutates_args=())
+def gate_dense_backward(
+    grad_probs: Tensor,
+    logits: Tensor,
+    expert_indices: Tensor,
+    score_func: str,
+    normalize: bool,
+    scaling_factor: float,
+    backend: str,
+) -> Tensor:
+    """Dense [T, E] gradient of the logits given the gradient of the dense [T, E] probs (read
+    at the routed experts inside the kernel; any strides)."""
+    (T, E), K = logits.shape, expert_indices.shape[1]
+    impl = select("gate_dense_bwd", logits.device.type, OpShape(T, E, K), logits.dtype, backend)
+    return impl.gate_dense_bwd(grad_probs.to(logits.dtype), logits, expert_indices, score_func,
+                               normalize, scaling_factor)
+
+
+@gate_dense_backward.register_fake
+def _(grad_probs, logits, expert_indices, score_func, normalize, scaling_factor, backend):
+    return torch.empty_like(logits)
+
+
+# ------------------------------------------------------------- permute with probs
+@torch.library.custom_op(f"{LIB}::permute_probs", mutates_args=())
+def permute_probs(
+    hidden: Tensor,
+    probs: Tensor,
+    sorted_slots: Tensor,
+    row_id_map: Tensor,
+    expert_indices: Tensor,
+    num_rows: int,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    """([num_rows, H] rows of hidden, [num_rows] probs): row r takes token t = s // K of its
+    slot s = sorted_slots[r] and probs[t, expert_indices[t, s % K]]; zero for padding rows."""
+    _check_permute_probs(hidden, probs, sorted_slots, row_id_map, expert_indices, num_rows)
+    shape = _row_shape(row_id_map, hidden)
+    dev = hidden.device.type
+    out = select("permute_fwd", dev, shape, hidden.dtype, backend).permute_fwd(
+        hidden, sorted_slots, row_id_map, num_rows)
+    pshape = OpShape(row_id_map.shape[0], probs.shape[1], row_id_map.shape[1], 1)
+    out_probs = select("permute_probs_fwd", dev, pshape, probs.dtype, backend).permute_probs_fwd(
+        probs, sorted_slots, expert_indices, num_rows)
+    return out, out_probs
+
+
+def _check_permute_probs(hidden, probs, sorted_slots, row_id_map, expert_indices, num_rows):
+    _check_permute(hidden, sorted_slots, row_id_map, num_rows)
+    T, K = row_id_map.shape
+    if probs.dim() != 2 or probs.shape[0] != T or not probs.is_floating_point():
+        raise ValueError(
+            f"replay_ops.permute: probs must be a float [T, E] tensor with T={T} rows (the "
+            f"dense probs of the routing), got {probs.dtype} {tuple(probs.shape)}")
+    if expert_indices.dtype != PLAN_DTYPE or tuple(expert_indices.shape) != (T, K):
+        raise ValueError(
+            f"replay_ops.permute: expert_indices must be the plan's int32 [T, K] = ({T}, {K}), "
+            f"got {expert_indices.dtype} {tuple(expert_indices.shape)}")
+    for name, t in (("probs", probs), ("expert_indices", expert_indices)):
+        if t.device != row_id_map.device:
+            raise ValueError(f"replay_ops.permute: tensors on different devices: {name} on "
+                             f"{t.device}, the plan on {row_id_map.device}")
+
+
+@permute_probs.register_fake
+def _(hidden, probs, sorted_slots, row_id_map, expert_indices, num_rows, backend):
+    _check_permute_probs(hidden, probs, sorted_slots, row_id_map, expert_indices, num_rows)
+    return hidden.new_empty(num_rows, hidden.shape[1]), probs.new_empty(num_rows)
+
+
+def _permute_probs_setup(ctx, inputs, output):
+    _, probs, _, row_id_map, expert_indices, _, backend = inputs
+    ctx.save_for_backward(row_id_map, expert_indices)
+    ctx.num_experts = probs.shape[1]
+    ctx.backend = backend
+    ctx.set_materialize_grads(False)
+
+
+def _permute_probs_backward(ctx, grad_out, grad_probs):
+    row_id_map, expert_indices = ctx.saved_tensors
+    gh = gp = None
+    if ctx.needs_input_grad[0] and grad_out is not None:
+        gh = permute_backward(grad_out.contiguous(), row_id_map, ctx.backend)
+    if ctx.needs_input_grad[1] and grad_probs is not None:
+        gp = permute_probs_backward(grad_probs.contiguous(), row_id_map, expert_indices,
+                                    ctx.num_experts, ctx.backend)
+    return gh, gp, None, None, None, None, None
+
+
+permute_probs.register_autograd(_permute_probs_backward, setup_context=_permute_probs_setup)
+
+
+@torch.library.custom_op(f"{LIB}::permute_probs_backward", mutates_args=())
+def permute_probs_backward(
+    grad: Tensor, row_id_map: Tensor, expert_indices: Tensor, num_experts: int, backend: str
+) -> Tensor:
+    """Dense [T, E]: grad[row_id_map[t, k]] at (t, expert_indices[t, k]), 0 elsewhere; each
+    token row is written by one program (no memset, no scatter, no atomics)."""
+    T, K = row_id_map.shape
+    impl = select("permute_probs_bwd", grad.device.type, OpShape(T, num_experts, K, 1),
+                  grad.dtype, backend)
+    return impl.permute_probs_bwd(grad, row_id_map, expert_indices, num_experts)
+
+
+@permute_probs_backward.register_fake
+def _(grad, row_id_map, expert_indices, num_experts, backend):
+    return grad.new_empty(row_id_map.shape[0], num_experts)

@@ -83,3 +83,33 @@ class RoutingPlan(NamedTuple):
         hits = torch.zeros(T, E, dtype=torch.uint8, device=idx.device)
         routing_map = hits.scatter_add_(1, idx, valid.to(torch.uint8)).bool()
         return probs, routing_map
+
+
+# ----------------------------------------------------------------------------- dense mode
+# Bits of `DenseRouting.row_flags` (uint8 [T]): what the gate found in each recorded row.
+# A row with any bit set is a padding row, filled by the padding mode (see `gate_dense`).
+ROW_EMPTY_SLOT = 1  # a slot holds -1
+ROW_OUT_OF_RANGE = 2  # a slot holds an id outside [-1, E)
+ROW_REPEAT = 4  # an expert id in [0, E) appears twice
+ROW_MASKED = 8  # replay_mask is False for the row (its recorded ids are not looked at)
+ROW_FLAG_NAMES = {ROW_EMPTY_SLOT: "a -1 slot", ROW_OUT_OF_RANGE: "an id outside [-1, E)",
+                  ROW_REPEAT: "a repeated expert", ROW_MASKED: "replay_mask False"}
+# How the dense gate fills a padding row (`gate_dense(padding=...)`); the codes are the
+# native kernels' (csrc/include/replay_math.h: kPadEmpty, kPadSpread, kPadFallback).
+PADDING_MODES = {"empty": 0, "spread": 1, "fallback": 2}
+
+
+def describe_row_flags(flags: int) -> str:
+    """'a -1 slot, a repeated expert' for flags 5."""
+    return ", ".join(name for bit, name in ROW_FLAG_NAMES.items() if flags & bit) or "none"
+
+
+class DenseRouting(NamedTuple):
+    """The result of `replay_ops.gate_dense`: Megatron-Core's routing contract plus the
+    per-row flags and the dispatch plan of the same routing."""
+
+    probs: torch.Tensor  # [T, E], logits dtype: the gate weight of each routed expert, else 0
+    routing_map: torch.Tensor  # [T, E] bool: the experts each token is routed to
+    row_flags: torch.Tensor  # [T] uint8: ROW_* bits of the recorded row (before filling)
+    expert_indices: torch.Tensor  # [T, K] int32: the routed experts in slot order, -1 empty
+    plan: "RoutingPlan | None"  # the dispatch plan of that routing (weights=None), or None

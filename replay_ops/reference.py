@@ -13,7 +13,16 @@ import torch
 import torch.nn.functional as F
 
 from ._validate import check_gate_inputs, check_index_values
-from .plan import RoutingPlan, plan_capacity
+from .plan import (
+    PADDING_MODES,
+    ROW_EMPTY_SLOT,
+    ROW_MASKED,
+    ROW_OUT_OF_RANGE,
+    ROW_REPEAT,
+    DenseRouting,
+    RoutingPlan,
+    plan_capacity,
+)
 
 NORM_EPS = 1e-20
 
@@ -193,3 +202,137 @@ def permute(hidden: torch.Tensor, plan: RoutingPlan, num_rows: int | None = None
 def unpermute(expert_out: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
     """out[t] = sum_k weights[t, k] * expert_out[row_id_map[t, k]]."""
     return combine(expert_out, plan.row_id_map, plan.weights)
+
+
+# ----------------------------------------------------------------------------- dense mode
+# Multiplier of the per-cycle rotation of the spread padding (2^32 / golden ratio).
+SPREAD_HASH = 2654435769
+
+
+def spread_expert(t: int, k: int, top_k: int, num_experts: int, ep_size: int,
+                  offset: int = 0) -> int:
+    """Expert of slot k of padding row t under padding="spread".
+
+    Row t takes the K consecutive values i = offset + t*K + k + W(c) (mod E), where
+    c = (t*K) // E counts how often the rows before it have cycled through the E values and
+    W(c) = ((c * 2654435769) mod 2^32) * E // 2^32 rotates each cycle. Value i is expert
+    (i mod ep) * (E / ep) + i // ep: consecutive values sit on consecutive EP ranks."""
+    E = num_experts
+    s = t * top_k
+    c = s // E
+    w = ((c * SPREAD_HASH) % 2**32) * E >> 32
+    i = (offset + s + k + w) % E
+    local = E // ep_size
+    return (i % ep_size) * local + i // ep_size
+
+
+def dense_row_experts(expert_indices: torch.Tensor, num_experts: int,
+                      replay_mask: torch.Tensor | None = None,
+                      fallback: torch.Tensor | None = None, padding: str = "empty",
+                      ep_size: int = 1, spread_offset: int = 0):
+    """(row_flags uint8 [T], int32 [T, K] experts actually routed) by the definitions of
+    `replay_ops.gate_dense`, one row at a time."""
+    E = num_experts
+    rows = expert_indices.to(torch.int64).tolist()
+    mask = None if replay_mask is None else replay_mask.tolist()
+    fb = None if fallback is None else fallback.to(torch.int64).tolist()
+    T, K = expert_indices.shape
+    flags, out = [], []
+
+    def in_range(row):
+        return [v if 0 <= v < E else -1 for v in row]
+
+    for t in range(T):
+        rec = rows[t]
+        if mask is not None and not mask[t]:
+            f = ROW_MASKED
+        else:
+            f = 0
+            if any(v == -1 for v in rec):
+                f |= ROW_EMPTY_SLOT
+            if any(v < -1 or v >= E for v in rec):
+                f |= ROW_OUT_OF_RANGE
+            ids = [v for v in rec if 0 <= v < E]
+            if len(set(ids)) < len(ids):
+                f |= ROW_REPEAT
+        if f & ROW_MASKED and fb is not None:
+            row = in_range(fb[t])
+        elif f == 0:
+            row = rec
+        elif padding == "spread":
+            row = [spread_expert(t, k, K, E, ep_size, spread_offset) for k in range(K)]
+        elif padding == "fallback":
+            row = in_range(fb[t])
+        elif f & ROW_MASKED:
+            row = [-1] * K
+        else:
+            row = in_range(rec)
+        flags.append(f)
+        out.append(row)
+    dev = expert_indices.device
+    return (torch.tensor(flags, dtype=torch.uint8, device=dev).view(T),
+            torch.tensor(out, dtype=torch.int32, device=dev).view(T, K))
+
+
+def dense_probs(weights: torch.Tensor, idx: torch.Tensor, num_experts: int):
+    """(probs [T, E], routing_map bool [T, E]) from the [T, K] gate weights (compute
+    dtype): probs[t, e] = the sum of the weights of the slots of row t routed to e, in slot
+    order (0 where none is). Differentiable in `weights`."""
+    T, K = idx.shape
+    acc = torch.zeros(T, num_experts, dtype=weights.dtype, device=weights.device)
+    rmap = torch.zeros(T, num_experts, dtype=torch.bool, device=weights.device)
+    for k in range(K):
+        rows = (idx[:, k] >= 0).nonzero().flatten()
+        cols = idx[rows, k].long()
+        acc = acc.index_put((rows, cols), weights[rows, k], accumulate=True)
+        rmap[rows, cols] = True
+    return acc, rmap
+
+
+def gate_dense(
+    logits: torch.Tensor,
+    expert_indices: torch.Tensor,
+    *,
+    score_func: str = "softmax",
+    normalize: bool = True,
+    scaling_factor: float = 1.0,
+    replay_mask: torch.Tensor | None = None,
+    padding: str = "empty",
+    fallback: torch.Tensor | None = None,
+    ep_size: int = 1,
+    spread_offset: int = 0,
+    underflow_guard: bool = False,
+    align: int = 1,
+) -> DenseRouting:
+    """Megatron's dense routing (probs, routing_map), the row flags and the plan: the
+    experts of each row by `dense_row_experts`, their weights by `gate_weights` (compute
+    dtype), summed per expert by `dense_probs` and rounded once to the logits dtype. With
+    `underflow_guard` a routed entry that rounds to exactly 0 becomes the dtype's smallest
+    normal value; its gradient passes through unchanged."""
+    check_gate_inputs(logits, expert_indices, replay_mask, score_func, align)
+    if padding not in PADDING_MODES:
+        raise ValueError(f"unknown padding {padding!r}")
+    E = logits.shape[1]
+    flags, idx = dense_row_experts(expert_indices, E, replay_mask, fallback, padding, ep_size,
+                                   spread_offset)
+    cdt = compute_dtype(logits.dtype)
+    w = gate_weights(logits.to(cdt), idx, score_func, normalize, scaling_factor)
+    acc, rmap = dense_probs(w, idx, E)
+    probs = acc.to(logits.dtype)
+    if underflow_guard:
+        tiny = torch.finfo(logits.dtype).tiny
+        probs = probs + torch.where(rmap & (probs == 0), tiny, 0.0).to(logits.dtype).detach()
+    plan = RoutingPlan(None, idx, *build_plan(idx, E, align))
+    return DenseRouting(probs, rmap, flags, idx, plan)
+
+
+def permute_probs(probs: torch.Tensor, plan: RoutingPlan, num_rows: int) -> torch.Tensor:
+    """[num_rows]: row r holds probs[t, e] of its slot s = sorted_slots[r] (t = s // K,
+    e = expert_indices[t, s % K]); 0 for padding rows and past the end. Differentiable."""
+    K = plan.top_k
+    out = probs.new_zeros(num_rows)
+    slots = plan.sorted_slots[:num_rows].long()
+    rows = (slots >= 0).nonzero().flatten()
+    t = slots[rows] // K
+    e = plan.expert_indices.reshape(-1)[slots[rows]].long()
+    return out.index_put((rows,), probs[t, e])

@@ -117,3 +117,12 @@ def unpermute_fwd(expert_out, row_id_map, weights):
 
 def unpermute_bwd(grad_out, expert_out, row_id_map, sorted_slots, weights):
     return tuple(_ops.unpermute_bwd(grad_out, expert_out, row_id_map, sorted_slots, weights))
+
+
+# Dense-mode kernels (filled in below as they are written).
+from .torch import (  # noqa: E402,F401
+    gate_dense_bwd,
+    gate_dense_fwd,
+    permute_probs_bwd,
+    permute_probs_fwd,
+)

@@ -25,6 +25,23 @@ Kernel signatures (T tokens, E experts, K slots, H hidden size, R permuted rows)
     unpermute_fwd(expert_out [R,H], row_id_map, weights [T,K]) -> [T,H]
     unpermute_bwd(grad_out [T,H], expert_out, row_id_map, sorted_slots, weights)
         -> (grad_expert_out [R,H], grad_weights [T,K])
+
+Dense mode (Megatron-Core's contract; replay_ops.gate_dense):
+
+    gate_dense_fwd(logits [T,E], expert_indices [T,K] int16/32/64 any strides,
+                   replay_mask [T] bool or None, fallback [T,K] int or None, score_func,
+                   normalize, scaling_factor, padding: "empty" | "spread" | "fallback",
+                   ep_size: int, spread_offset: int (>= 0), underflow_guard: bool,
+                   align: int, with_plan: bool)
+        -> (probs [T,E] logits dtype, routing_map [T,E] bool, row_flags [T] uint8,
+            expert_indices int32 [T,K], tokens_per_expert, expert_offsets, row_id_map,
+            sorted_slots)   (the four plan tensors have size 0 with with_plan=False)
+    gate_dense_bwd(grad_probs [T,E] logits dtype any strides, logits, expert_indices int32,
+                   score_func, normalize, scaling_factor) -> grad_logits [T,E]
+    permute_probs_fwd(probs [T,E], sorted_slots, expert_indices int32 [T,K], num_rows)
+        -> [num_rows]: probs[s // K, expert_indices[s]] for the slot s of each row, else 0
+    permute_probs_bwd(grad [R], row_id_map, expert_indices int32, num_experts)
+        -> [T,E] in grad's dtype: grad[row_id_map[t,k]] at (t, expert_indices[t,k]), else 0
 """
 from __future__ import annotations
 
@@ -33,7 +50,8 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import torch
 
 # The ops a backend serves, by the name `supports` is asked with.
-OPS = ("gate_fwd", "gate_bwd", "permute_fwd", "permute_bwd", "unpermute_fwd", "unpermute_bwd")
+OPS = ("gate_fwd", "gate_bwd", "permute_fwd", "permute_bwd", "unpermute_fwd", "unpermute_bwd",
+       "gate_dense_fwd", "gate_dense_bwd", "permute_probs_fwd", "permute_probs_bwd")
 # Everything the registry requires of a backend module.
 REQUIRED = ("NAME", "available", "supports") + OPS
 
@@ -87,6 +105,17 @@ class Backend(Protocol):
     def unpermute_fwd(self, expert_out, row_id_map, weights): ...
 
     def unpermute_bwd(self, grad_out, expert_out, row_id_map, sorted_slots, weights): ...
+
+    def gate_dense_fwd(self, logits, expert_indices, replay_mask, fallback, score_func,
+                       normalize, scaling_factor, padding, ep_size, spread_offset,
+                       underflow_guard, align, with_plan): ...
+
+    def gate_dense_bwd(self, grad_probs, logits, expert_indices, score_func, normalize,
+                       scaling_factor): ...
+
+    def permute_probs_fwd(self, probs, sorted_slots, expert_indices, num_rows): ...
+
+    def permute_probs_bwd(self, grad, row_id_map, expert_indices, num_experts): ...
 
 
 def check_contract(module) -> None:

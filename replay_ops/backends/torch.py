@@ -185,3 +185,134 @@ def unpermute_bwd(grad_out, expert_out, row_id_map, sorted_slots, weights):
     rows, valid = _gather_rows(expert_out, row_id_map)
     grad_w = torch.where(valid, (go[:, None, :] * rows.to(cdt)).sum(dim=-1), 0.0)
     return grad_x, grad_w.to(weights.dtype)
+
+
+# ------------------------------------------------------------------------- dense mode
+# The row flags of replay_ops.plan (ROW_EMPTY_SLOT, ROW_OUT_OF_RANGE, ROW_REPEAT, ROW_MASKED).
+_EMPTY, _RANGE, _REPEAT, _MASKED = 1, 2, 4, 8
+_SPREAD_HASH = 2654435769
+
+
+def spread_rows(T: int, E: int, K: int, ep_size: int, offset: int, device) -> torch.Tensor:
+    """int64 [T, K]: the experts of every row under padding="spread" (the formula of
+    replay_ops.reference.spread_expert), computed for all rows at once, no host read."""
+    s = torch.arange(T, device=device, dtype=torch.long)[:, None] * K
+    c = torch.div(s, E, rounding_mode="floor")
+    w = torch.bitwise_right_shift((c * _SPREAD_HASH) % (1 << 32) * E, 32)
+    i = (offset % E + s + torch.arange(K, device=device) + w) % E
+    local = E // ep_size
+    return (i % ep_size) * local + torch.div(i, ep_size, rounding_mode="floor")
+
+
+def row_flags(expert_indices, replay_mask, E: int) -> torch.Tensor:
+    """uint8 [T]: the ROW_* bits of each recorded row (ROW_MASKED alone where the mask is
+    False)."""
+    idx = expert_indices.long()
+    T, K = idx.shape
+    ok = (idx >= 0) & (idx < E)
+    flags = (idx == -1).any(dim=1).to(torch.uint8) * _EMPTY
+    flags |= ((idx < -1) | (idx >= E)).any(dim=1).to(torch.uint8) * _RANGE
+    if K > 1:
+        # ids outside [0, E) get distinct negative stand-ins, so only real experts can repeat
+        key = torch.where(ok, idx, -1 - torch.arange(K, device=idx.device))
+        s = key.sort(dim=1).values
+        flags |= (s[:, 1:] == s[:, :-1]).any(dim=1).to(torch.uint8) * _REPEAT
+    if replay_mask is not None:
+        flags = torch.where(replay_mask, flags, _MASKED).to(torch.uint8)
+    return flags
+
+
+def dense_experts(expert_indices, replay_mask, fallback, E, padding, ep_size, offset):
+    """(row_flags uint8 [T], int32 [T, K] experts routed: -1 or in [0, E))."""
+    T, K = expert_indices.shape
+    flags = row_flags(expert_indices, replay_mask, E)
+    rec = in_range_or_empty(expert_indices, E).long()
+    fb = None if fallback is None else in_range_or_empty(fallback, E).long()
+    if padding == "spread":
+        fill = spread_rows(T, E, K, ep_size, offset, expert_indices.device)
+    elif padding == "fallback":
+        fill = fb
+    else:  # "empty": the row's ids in [0, E); nothing for a masked row
+        fill = rec if replay_mask is None else torch.where(replay_mask[:, None], rec, -1)
+    out = torch.where((flags != 0)[:, None], fill, rec)
+    if replay_mask is not None and fb is not None:
+        out = torch.where(replay_mask[:, None], out, fb)
+    return flags, out.to(torch.int32).contiguous()
+
+
+def _per_expert_sum(v, idx):
+    """[T, K]: for each valid slot, the sum of v over the slots of its row with the same
+    expert, in slot order; and the mask of the first slot of each expert in its row."""
+    K = idx.shape[1]
+    valid = idx >= 0
+    same = (idx[:, :, None] == idx[:, None, :]) & valid[:, :, None] & valid[:, None, :]
+    tot = torch.zeros_like(v)
+    for j in range(K):  # slot order, so a repeated expert adds up as the kernels do
+        tot = tot + torch.where(same[:, :, j], v[:, j:j + 1], 0.0)
+    earlier = torch.tril(same, diagonal=-1).any(dim=2)
+    return tot, valid & ~earlier
+
+
+def _scatter_rows(vals, idx, first, E, dtype):
+    """[T, E] of dtype: vals[t, k] at (t, idx[t, k]) for the first slots, 0 elsewhere."""
+    T = idx.shape[0]
+    safe = torch.where(first, idx, E).long()  # other slots write into a column cut off below
+    out = torch.zeros(T, E + 1, dtype=dtype, device=idx.device)
+    return out.scatter(1, safe, torch.where(first, vals, 0.0).to(dtype))[:, :E]
+
+
+def gate_dense_fwd(logits, expert_indices, replay_mask, fallback, score_func, normalize,
+                   scaling_factor, padding, ep_size, spread_offset, underflow_guard, align,
+                   with_plan):
+    sf = scores.get(score_func)
+    T, E = logits.shape
+    flags, idx = dense_experts(expert_indices, replay_mask, fallback, E, padding, ep_size,
+                               spread_offset)
+    x = logits.to(scores.compute_dtype(logits.dtype))
+    w = _weights(x, idx, sf, normalize) * scaling_factor
+    tot, first = _per_expert_sum(w, idx)
+    probs = _scatter_rows(tot, idx, first, E, logits.dtype)
+    rmap = _scatter_rows(torch.ones_like(tot), idx, first, E, torch.uint8).bool()
+    if underflow_guard:
+        probs = torch.where(rmap & (probs == 0), torch.finfo(logits.dtype).tiny, probs)
+    if with_plan:
+        plan = build_plan(idx, E, align)
+    else:
+        plan = empty_plan(logits.device, idx.shape[1])
+    return (probs, rmap, flags, idx, *plan)
+
+
+def empty_plan(device, K: int):
+    """The plan outputs of gate_dense_fwd with with_plan=False (sizes 0)."""
+    i32 = dict(dtype=torch.int32, device=device)
+    return (torch.empty(0, **i32), torch.empty(0, **i32), torch.empty(0, K, **i32),
+            torch.empty(0, **i32))
+
+
+def gate_dense_bwd(grad_probs, logits, idx, score_func, normalize, scaling_factor):
+    valid = idx >= 0
+    g = grad_probs.gather(1, idx.clamp_min(0).long())
+    return gate_bwd(torch.where(valid, g, 0.0), logits, idx, score_func, normalize,
+                    scaling_factor)
+
+
+def permute_probs_fwd(probs, sorted_slots, expert_indices, num_rows):
+    T, E = probs.shape
+    K = expert_indices.shape[1]
+    tok, has, slot = _rows_of_slots(sorted_slots, num_rows, K, T)
+    if T == 0:
+        return probs.new_zeros(num_rows)
+    e = expert_indices.reshape(-1)[slot.clamp(0, T * K - 1)].long()
+    ok = has & (e >= 0) & (e < E)
+    return torch.where(ok, probs[tok, e.clamp(0, max(E - 1, 0))], 0.0)
+
+
+def permute_probs_bwd(grad, row_id_map, expert_indices, num_experts):
+    R = grad.shape[0]
+    row = row_id_map.long()
+    ok = (row >= 0) & (row < R) & (expert_indices >= 0)
+    idx = torch.where(ok, expert_indices, -1)
+    cdt = scores.compute_dtype(grad.dtype)
+    v = grad.to(cdt)[row.clamp(0, max(R - 1, 0))] if R else torch.zeros_like(row, dtype=cdt)
+    tot, first = _per_expert_sum(torch.where(ok, v, 0.0), idx)
+    return _scatter_rows(tot, idx, first, num_experts, grad.dtype)

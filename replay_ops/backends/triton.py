@@ -18,7 +18,8 @@ from .protocol import YES, Support
 
 NAME = "triton"
 __all__ = ["NAME", "available", "supports", "describe", "gate_fwd", "gate_bwd", "permute_fwd",
-           "permute_bwd", "unpermute_fwd", "unpermute_bwd"]
+           "permute_bwd", "unpermute_fwd", "unpermute_bwd", "gate_dense_fwd", "gate_dense_bwd",
+           "permute_probs_fwd", "permute_probs_bwd"]
 
 
 def available(device_type: str) -> Support:
@@ -40,3 +41,12 @@ def describe() -> dict:
 
     return {"version": triton.__version__,
             "interpreter": os.environ.get("TRITON_INTERPRET", "0") == "1"}
+
+
+# Dense-mode kernels (filled in below as they are written).
+from .torch import (  # noqa: E402,F401
+    gate_dense_bwd,
+    gate_dense_fwd,
+    permute_probs_bwd,
+    permute_probs_fwd,
+)
