@@ -283,7 +283,8 @@ def test_integer_outputs_get_no_zero_gradients():
 
     lg = make_logits(12, 8).requires_grad_(True)
     idx = make_indices(12, 8, 2)
-    for fn in (lambda: replay_ops.gate(lg, idx, validate=False).weights,):
+    for fn in (lambda: replay_ops.gate(lg, idx, validate=False).weights,
+               lambda: replay_ops.gate_dense(lg, idx, validate=False, backend="native").probs):
         out = fn()
         go = torch.ones_like(out)
         with LaunchCounter() as c:

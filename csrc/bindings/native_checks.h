@@ -142,6 +142,77 @@ inline void check_unpermute_bwd(const at::Tensor& grad_out, const at::Tensor& ex
   check_float_tensor(weights, "unpermute_backward", "weights", device);
 }
 
+inline void check_gate_dense_fwd(const at::Tensor& logits, const at::Tensor& expert_indices,
+                                 const c10::optional<at::Tensor>& replay_mask,
+                                 const c10::optional<at::Tensor>& fallback, int64_t padding,
+                                 int64_t ep_size, int64_t spread_offset,
+                                 const c10::Device& device) {
+  check_gate_fwd(logits, expert_indices, device);
+  const int64_t T = logits.size(0), E = logits.size(1), K = expert_indices.size(1);
+  TORCH_CHECK_VALUE(padding >= replay_math::kPadEmpty && padding <= replay_math::kPadFallback,
+                    "replay_ops native gate_dense: unknown padding mode ", padding);
+  TORCH_CHECK_VALUE(ep_size >= 1 && E % ep_size == 0 && spread_offset >= 0,
+                    "replay_ops native gate_dense: ep_size=", ep_size, " must divide E=", E,
+                    " and spread_offset=", spread_offset, " must be >= 0");
+  TORCH_CHECK_VALUE(K <= E, "replay_ops native gate_dense: K=", K, " slots exceed E=", E);
+  if (replay_mask) {
+    check_device(*replay_mask, "gate_dense", "replay_mask", device);
+    TORCH_CHECK_VALUE(replay_mask->scalar_type() == at::kBool && replay_mask->dim() == 1 &&
+                          replay_mask->size(0) == T,
+                      "replay_ops native gate_dense: replay_mask must be bool [T]");
+  }
+  TORCH_CHECK_VALUE(fallback || padding != replay_math::kPadFallback,
+                    "replay_ops native gate_dense: padding 'fallback' needs fallback indices");
+  if (fallback) {
+    check_index_tensor(*fallback, "gate_dense", "fallback", device);
+    TORCH_CHECK_VALUE(fallback->sizes() == expert_indices.sizes(),
+                      "replay_ops native gate_dense: fallback must be [T, K] like "
+                      "expert_indices, got ", fallback->sizes());
+  }
+}
+
+inline void check_gate_dense_bwd(const at::Tensor& grad_probs, const at::Tensor& logits,
+                                 const at::Tensor& expert_indices, const c10::Device& device) {
+  TORCH_CHECK_VALUE(logits.dim() == 2 && expert_indices.dim() == 2 &&
+                        expert_indices.size(0) == logits.size(0) &&
+                        grad_probs.sizes() == logits.sizes(),
+                    "replay_ops native gate_dense_backward: expected logits and grad_probs "
+                    "[T, E], expert_indices [T, K]; got ", logits.sizes(), ", ",
+                    grad_probs.sizes(), ", ", expert_indices.sizes());
+  check_float_tensor(logits, "gate_dense_backward", "logits", device);
+  check_device(grad_probs, "gate_dense_backward", "grad_probs", device);
+  TORCH_CHECK_VALUE(grad_probs.scalar_type() == logits.scalar_type(),
+                    "replay_ops native gate_dense_backward: grad_probs must have the logits "
+                    "dtype ", logits.scalar_type(), ", got ", grad_probs.scalar_type());
+  check_plan_tensor(expert_indices, "gate_dense_backward", "expert_indices", device);
+}
+
+inline void check_permute_probs_fwd(const at::Tensor& probs, const at::Tensor& sorted_slots,
+                                    const at::Tensor& expert_indices, int64_t num_rows,
+                                    const c10::Device& device) {
+  TORCH_CHECK_VALUE(probs.dim() == 2 && sorted_slots.dim() == 1 && expert_indices.dim() == 2 &&
+                        expert_indices.size(0) == probs.size(0) && num_rows >= 0,
+                    "replay_ops native permute_probs: expected probs [T, E], sorted_slots [N], "
+                    "expert_indices [T, K], num_rows >= 0; got ", probs.sizes(), ", ",
+                    sorted_slots.sizes(), ", ", expert_indices.sizes(), ", ", num_rows);
+  check_float_tensor(probs, "permute_probs", "probs", device);
+  check_plan_tensor(sorted_slots, "permute_probs", "sorted_slots", device);
+  check_plan_tensor(expert_indices, "permute_probs", "expert_indices", device);
+}
+
+inline void check_permute_probs_bwd(const at::Tensor& grad, const at::Tensor& row_id_map,
+                                    const at::Tensor& expert_indices, int64_t num_experts,
+                                    const c10::Device& device) {
+  TORCH_CHECK_VALUE(grad.dim() == 1 && row_id_map.dim() == 2 &&
+                        expert_indices.sizes() == row_id_map.sizes() && num_experts >= 0,
+                    "replay_ops native permute_probs_backward: expected grad [R], row_id_map "
+                    "and expert_indices [T, K], num_experts >= 0; got ", grad.sizes(), ", ",
+                    row_id_map.sizes(), ", ", expert_indices.sizes(), ", ", num_experts);
+  check_float_tensor(grad, "permute_probs_backward", "grad", device);
+  check_plan_tensor(row_id_map, "permute_probs_backward", "row_id_map", device);
+  check_plan_tensor(expert_indices, "permute_probs_backward", "expert_indices", device);
+}
+
 // ------------------------------------------------------------------ gate outputs
 // The six outputs of gate_fwd, allocated on the logits' device: weights [T, K] in the
 // logits dtype, then int32 indices [T, K], counts [E], offsets [E + 1], row_id_map [T, K]
@@ -163,6 +234,32 @@ struct GateOutputs {
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> tuple()
       const {
     return {weights, idx32, counts, offsets, row_id_map, sorted_slots};
+  }
+};
+
+// The eight outputs of gate_dense_fwd: probs [T, E] (logits dtype), routing_map [T, E] bool,
+// row_flags [T] uint8, int32 indices [T, K], then the plan (sizes 0 without with_plan).
+struct DenseGateOutputs {
+  at::Tensor probs, routing_map, row_flags, idx32, counts, offsets, row_id_map, sorted_slots;
+
+  DenseGateOutputs(const at::Tensor& logits, int64_t K, int64_t align, bool with_plan) {
+    const int64_t T = logits.size(0), E = logits.size(1);
+    const auto i32 = logits.options().dtype(at::kInt);
+    probs = at::empty({T, E}, logits.options());
+    routing_map = at::empty({T, E}, logits.options().dtype(at::kBool));
+    row_flags = at::empty({T}, logits.options().dtype(at::kByte));
+    idx32 = at::empty({T, K}, i32);
+    const int64_t n = checked_plan_capacity(T, K, E, align);
+    counts = at::empty({with_plan ? E : 0}, i32);
+    offsets = at::empty({with_plan ? E + 1 : 0}, i32);
+    row_id_map = at::empty({with_plan ? T : 0, K}, i32);
+    sorted_slots = at::empty({with_plan ? n : 0}, i32);
+  }
+
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+             at::Tensor>
+  tuple() const {
+    return {probs, routing_map, row_flags, idx32, counts, offsets, row_id_map, sorted_slots};
   }
 };
 

@@ -23,6 +23,16 @@ TORCH_LIBRARY(replay_native, m) {
   m.def("unpermute_fwd(Tensor expert_out, Tensor row_id_map, Tensor weights) -> Tensor");
   m.def("unpermute_bwd(Tensor grad_out, Tensor expert_out, Tensor row_id_map, "
         "Tensor sorted_slots, Tensor weights) -> (Tensor, Tensor)");
+  m.def("gate_dense_fwd(Tensor logits, Tensor expert_indices, Tensor? replay_mask, "
+        "Tensor? fallback, int score_func, bool normalize, float scaling_factor, int padding, "
+        "int ep_size, int spread_offset, bool underflow_guard, int align, bool with_plan) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("gate_dense_bwd(Tensor grad_probs, Tensor logits, Tensor expert_indices, "
+        "int score_func, bool normalize, float scaling_factor) -> Tensor");
+  m.def("permute_probs_fwd(Tensor probs, Tensor sorted_slots, Tensor expert_indices, "
+        "int num_rows) -> Tensor");
+  m.def("permute_probs_bwd(Tensor grad, Tensor row_id_map, Tensor expert_indices, "
+        "int num_experts) -> Tensor");
   // A process-wide knob for tests and benchmarks: the x86 vector ISA of the CPU row kernels
   // ("" queries, a name sets; see row_kernels.h).
   m.def("cpu_isa(str name) -> str", &replay_cpu::cpu_isa);
@@ -35,6 +45,10 @@ TORCH_LIBRARY_IMPL(replay_native, CPU, m) {
   m.impl("permute_bwd", &replay_cpu::permute_bwd);
   m.impl("unpermute_fwd", &replay_cpu::unpermute_fwd);
   m.impl("unpermute_bwd", &replay_cpu::unpermute_bwd);
+  m.impl("gate_dense_fwd", &replay_cpu::gate_dense_fwd);
+  m.impl("gate_dense_bwd", &replay_cpu::gate_dense_bwd);
+  m.impl("permute_probs_fwd", &replay_cpu::permute_probs_fwd);
+  m.impl("permute_probs_bwd", &replay_cpu::permute_probs_bwd);
 }
 
 // `import replay_ops._C` loads this library (and so runs the registrations above).

@@ -11,6 +11,14 @@
 // The result (expert-major, ascending flat slot t*K+k within an expert, padding rows at the
 // end of each expert segment, -1 in padding and tail) never depends on thread timing: the
 // chunks are fixed by the sizes, every write has exactly one owner, and there are no atomics.
+//
+// Dense mode (gate_dense_fwd, Megatron-Core's contract): phase 1 also writes the row's flags,
+// routes a flagged row by the padding mode (replay_math.h dense_slot_expert), and writes the
+// whole dense row of probs [T, E] and routing_map [T, E] (zeros, then the routed experts;
+// a repeated expert's weights summed in slot order, rounded once; the underflow guard). The
+// plan phases run only with with_plan. Its backward reads the dense probs gradient at the
+// routed experts (any strides) and runs the gate backward of gate_bwd.
+#include <limits>
 #include <vector>
 
 #include "../bindings/native_checks.h"
@@ -46,20 +54,72 @@ struct GateFwd {
   int32_t* SS;   // sorted_slots [n_sorted]
   int64_t tok_per_chunk, nch;
   std::vector<int32_t> hist;  // [nch][E]: the chunk's count, then its first row, per expert
+  // dense mode (P != nullptr)
+  scalar_t* P = nullptr;      // probs [T, E]
+  bool* MAP = nullptr;        // routing_map [T, E]
+  uint8_t* FLAGS = nullptr;   // row_flags [T]
+  const bool* MASK = nullptr;   // replay_mask [T] or nullptr
+  const int64_t* FB = nullptr;  // fallback [T, K] (contiguous int64) or nullptr
+  int padding = rm::kPadEmpty;
+  int64_t ep = 1, offset_mod = 0;
+  bool guard = false, with_plan = true;
 
-  // Gate weights and int32 indices of token row t; counts its slots into h[E].
+  // The int32 experts of row t into I32: the recorded ids (a value outside [0, E) is an
+  // empty slot; the range test sees the full-width index), or in dense mode the row's flags
+  // and its experts after the padding rule.
+  void resolve_row(int64_t t) const {
+    int32_t* out = I32 + t * K;
+    const index_t* ip = I + t * st;
+    if (P == nullptr) {
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t e = static_cast<int64_t>(ip[k * sk]);
+        out[k] = rm::takes_row(e, E) ? static_cast<int32_t>(e) : -1;
+      }
+      return;
+    }
+    const uint8_t f = rm::row_flags(ip, sk, K, E, MASK != nullptr && !MASK[t]);
+    FLAGS[t] = f;
+    const int64_t* fb = FB ? FB + t * K : nullptr;
+    for (int64_t k = 0; k < K; ++k)
+      out[k] = static_cast<int32_t>(rm::dense_slot_expert<uint64_t>(
+          ip, sk, fb, 1, f, padding, t, k, K, E, ep, offset_mod));
+  }
+
+  // Dense row t: zeros, then each routed expert's weight (the slots of a repeated expert
+  // summed in slot order in the compute type, rounded once), the underflow guard.
+  void write_dense_row(int64_t t, const acc_t* w) const {
+    scalar_t* p = P + t * E;
+    bool* m = MAP + t * E;
+    std::fill(p, p + E, scalar_t(0));
+    std::fill(m, m + E, false);
+    const int32_t* idx = I32 + t * K;
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t e = idx[k];
+      if (e < 0 || m[e]) continue;  // empty, or a repeat already written
+      acc_t sum = acc_t(0);
+      for (int64_t j = k; j < K; ++j)
+        if (idx[j] == e) sum += w[j];
+      scalar_t v = static_cast<scalar_t>(sum);
+      if (guard && v == scalar_t(0)) v = std::numeric_limits<scalar_t>::min();
+      p[e] = v;
+      m[e] = true;
+    }
+  }
+
+  // Gate weights of token row t (in dense mode also its flags and dense row); counts its
+  // slots into h[E] (h == nullptr: no plan).
   void gate_row(int64_t t, int32_t* h, acc_t* z, char* valid) const {
     const scalar_t* x = X + t * E;
+    resolve_row(t);
+    const int32_t* idx = I32 + t * K;
     int nvalid = 0;
     for (int64_t k = 0; k < K; ++k) {
-      // The range test sees the full-width index; a value outside [0, E) is an empty slot.
-      const int64_t e = static_cast<int64_t>(I[t * st + k * sk]);
-      valid[k] = rm::takes_row(e, E);
-      I32[t * K + k] = valid[k] ? static_cast<int32_t>(e) : -1;
+      const int32_t e = idx[k];
+      valid[k] = e >= 0;
       z[k] = valid[k] ? static_cast<acc_t>(x[e]) : acc_t(0);
       if (valid[k]) {
         ++nvalid;
-        ++h[e];
+        if (h) ++h[e];
       }
     }
     acc_t m = acc_t(0), s = acc_t(0);
@@ -82,8 +142,13 @@ struct GateFwd {
     for (int64_t k = 0; k < K; ++k) {
       const acc_t w = valid[k] ? rm::gate_weight(sf, normalize, z[k], m, s, nvalid, scale)
                                : acc_t(0);
-      W[t * K + k] = static_cast<scalar_t>(w);
+      if (P) {
+        z[k] = w;  // reuse: the weights of the dense row
+      } else {
+        W[t * K + k] = static_cast<scalar_t>(w);
+      }
     }
+    if (P) write_dense_row(t, z);
   }
 
   // Phase 1 for chunk c: weights, indices and the chunk's slot count per expert.
@@ -135,6 +200,18 @@ struct GateFwd {
   }
 
   void run() {
+    if (!with_plan) {  // dense rows only: each chunk's rows, no histograms
+      at::parallel_for(0, nch, 1, [&](int64_t c0, int64_t c1) {
+        std::vector<acc_t> z(static_cast<size_t>(K));
+        std::vector<char> valid(static_cast<size_t>(K));
+        for (int64_t c = c0; c < c1; ++c) {
+          const int64_t t_end = std::min(T, (c + 1) * tok_per_chunk);
+          for (int64_t t = c * tok_per_chunk; t < t_end; ++t)
+            gate_row(t, nullptr, z.data(), valid.data());
+        }
+      });
+      return;
+    }
     at::parallel_for(0, nch, 1, [&](int64_t c0, int64_t c1) {
       std::vector<acc_t> z(static_cast<size_t>(K));
       std::vector<char> valid(static_cast<size_t>(K));
@@ -148,12 +225,10 @@ struct GateFwd {
   }
 };
 
+// The sizes, options and inputs of a gate call; the outputs are set by the caller.
 template <typename scalar_t, typename index_t>
-void gate_fwd_impl(const at::Tensor& logits, const at::Tensor& idx, int sf, bool normalize,
-                   double scaling, int64_t align, at::Tensor& weights, at::Tensor& idx32,
-                   at::Tensor& counts, at::Tensor& offsets, at::Tensor& row_id_map,
-                   at::Tensor& sorted_slots) {
-  GateFwd<scalar_t, index_t> g;
+void gate_setup(GateFwd<scalar_t, index_t>& g, const at::Tensor& logits, const at::Tensor& idx,
+                int sf, bool normalize, double scaling, int64_t align, int64_t n_sorted) {
   g.X = logits.data_ptr<scalar_t>();
   g.I = idx.data_ptr<index_t>();
   g.st = idx.stride(0);
@@ -162,29 +237,76 @@ void gate_fwd_impl(const at::Tensor& logits, const at::Tensor& idx, int sf, bool
   g.E = logits.size(1);
   g.K = idx.size(1);
   g.align = align;
-  g.n_sorted = sorted_slots.numel();
+  g.n_sorted = n_sorted;
   g.sf = sf;
   g.normalize = normalize;
   g.scale = static_cast<acc_type_t<scalar_t>>(scaling);
   g.rk = row_kernels<scalar_t>();
+  g.tok_per_chunk = std::max<int64_t>(1, kSlotsPerChunk / g.K);
+  g.nch = num_chunks(g.T, g.tok_per_chunk);
+}
+
+template <typename scalar_t, typename index_t>
+void gate_fwd_impl(const at::Tensor& logits, const at::Tensor& idx, int sf, bool normalize,
+                   double scaling, int64_t align, at::Tensor& weights, at::Tensor& idx32,
+                   at::Tensor& counts, at::Tensor& offsets, at::Tensor& row_id_map,
+                   at::Tensor& sorted_slots) {
+  GateFwd<scalar_t, index_t> g;
+  gate_setup(g, logits, idx, sf, normalize, scaling, align, sorted_slots.numel());
   g.W = weights.data_ptr<scalar_t>();
   g.I32 = idx32.data_ptr<int32_t>();
   g.CNT = counts.data_ptr<int32_t>();
   g.OFF = offsets.data_ptr<int32_t>();
   g.RID = row_id_map.data_ptr<int32_t>();
   g.SS = sorted_slots.data_ptr<int32_t>();
-  g.tok_per_chunk = std::max<int64_t>(1, kSlotsPerChunk / g.K);
-  g.nch = num_chunks(g.T, g.tok_per_chunk);
   g.hist.assign(static_cast<size_t>(g.nch * g.E), 0);
   g.run();
 }
 
-template <typename scalar_t>
-void gate_bwd_impl(const at::Tensor& g_acc, const at::Tensor& logits, const at::Tensor& idx32,
-                   int sf, bool normalize, double scaling, at::Tensor& grad) {
+// The options of the dense mode beyond those of the gate.
+struct DenseOpts {
+  const bool* mask;
+  const int64_t* fallback;
+  int padding;
+  int64_t ep, offset_mod;
+  bool guard, with_plan;
+};
+
+template <typename scalar_t, typename index_t>
+void gate_dense_impl(const at::Tensor& logits, const at::Tensor& idx, int sf, bool normalize,
+                     double scaling, int64_t align, const DenseOpts& d,
+                     replay_native::DenseGateOutputs& o) {
+  GateFwd<scalar_t, index_t> g;
+  gate_setup(g, logits, idx, sf, normalize, scaling, align, o.sorted_slots.numel());
+  g.P = o.probs.data_ptr<scalar_t>();
+  g.MAP = o.routing_map.data_ptr<bool>();
+  g.FLAGS = o.row_flags.data_ptr<uint8_t>();
+  g.MASK = d.mask;
+  g.FB = d.fallback;
+  g.padding = d.padding;
+  g.ep = d.ep;
+  g.offset_mod = d.offset_mod;
+  g.guard = d.guard;
+  g.with_plan = d.with_plan;
+  g.I32 = o.idx32.data_ptr<int32_t>();
+  if (d.with_plan) {
+    g.CNT = o.counts.data_ptr<int32_t>();
+    g.OFF = o.offsets.data_ptr<int32_t>();
+    g.RID = o.row_id_map.data_ptr<int32_t>();
+    g.SS = o.sorted_slots.data_ptr<int32_t>();
+    g.hist.assign(static_cast<size_t>(g.nch * g.E), 0);
+  }
+  g.run();
+}
+
+// The gate backward. `grad_at(t, k, e)` is the gradient of slot k of row t (routed to
+// expert e >= 0) in the compute type: the [T, K] weight gradient, or the dense probs
+// gradient at column e.
+template <typename scalar_t, typename GradAt>
+void gate_bwd_impl(GradAt grad_at, const at::Tensor& logits, const at::Tensor& idx32, int sf,
+                   bool normalize, double scaling, at::Tensor& grad) {
   using acc_t = acc_type_t<scalar_t>;
   const int64_t T = logits.size(0), E = logits.size(1), K = idx32.size(1);
-  const acc_t* G = g_acc.data_ptr<acc_t>();
   const scalar_t* X = logits.data_ptr<scalar_t>();
   const int32_t* I = idx32.data_ptr<int32_t>();
   scalar_t* GR = grad.data_ptr<scalar_t>();
@@ -203,7 +325,7 @@ void gate_bwd_impl(const at::Tensor& g_acc, const at::Tensor& logits, const at::
         const int32_t e = I[t * K + k];
         valid[k] = rm::takes_row(e, E);
         z[k] = valid[k] ? static_cast<acc_t>(x[e]) : acc_t(0);
-        g[k] = valid[k] ? G[t * K + k] * scale : acc_t(0);
+        g[k] = valid[k] ? static_cast<acc_t>(grad_at(t, k, e)) * scale : acc_t(0);
         nvalid += valid[k] ? 1 : 0;
       }
       if (sf == rm::kSoftmax && !normalize) {
@@ -285,7 +407,63 @@ at::Tensor gate_bwd(const at::Tensor& grad_weights, const at::Tensor& logits_in,
   at::Tensor grad = at::empty_like(logits);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(),
                                   "replay_native_gate_bwd", [&] {
-    gate_bwd_impl<scalar_t>(g_acc, logits, idx32, sf, normalize, scaling_factor, grad);
+    using acc_t = acc_type_t<scalar_t>;
+    const acc_t* G = g_acc.data_ptr<acc_t>();
+    const int64_t K = idx32.size(1);
+    gate_bwd_impl<scalar_t>([G, K](int64_t t, int64_t k, int32_t) { return G[t * K + k]; },
+                            logits, idx32, sf, normalize, scaling_factor, grad);
+  });
+  return grad;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+           at::Tensor>
+gate_dense_fwd(const at::Tensor& logits_in, const at::Tensor& expert_indices,
+               const c10::optional<at::Tensor>& replay_mask,
+               const c10::optional<at::Tensor>& fallback, int64_t score_func, bool normalize,
+               double scaling_factor, int64_t padding, int64_t ep_size, int64_t spread_offset,
+               bool underflow_guard, int64_t align, bool with_plan) {
+  const c10::Device cpu(c10::kCPU);
+  replay_native::check_gate_dense_fwd(logits_in, expert_indices, replay_mask, fallback, padding,
+                                      ep_size, spread_offset, cpu);
+  const int sf = replay_native::checked_score_func(score_func);
+  const at::Tensor logits = logits_in.contiguous();
+  const at::Tensor mask = replay_mask ? replay_mask->contiguous() : at::Tensor();
+  const at::Tensor fb = fallback ? fallback->to(at::kLong).contiguous() : at::Tensor();
+  replay_native::DenseGateOutputs o(logits, expert_indices.size(1), align, with_plan);
+  const DenseOpts d{mask.defined() ? mask.data_ptr<bool>() : nullptr,
+                    fb.defined() ? fb.data_ptr<int64_t>() : nullptr,
+                    static_cast<int>(padding), ep_size,
+                    logits.size(1) ? spread_offset % logits.size(1) : 0, underflow_guard,
+                    with_plan};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(),
+                                  "replay_native_gate_dense_fwd", [&] {
+    dispatch_index(expert_indices, "expert_indices", [&](auto index_tag) {
+      using index_t = decltype(index_tag);
+      gate_dense_impl<scalar_t, index_t>(logits, expert_indices, sf, normalize, scaling_factor,
+                                         align, d, o);
+    });
+  });
+  return o.tuple();
+}
+
+at::Tensor gate_dense_bwd(const at::Tensor& grad_probs, const at::Tensor& logits_in,
+                          const at::Tensor& expert_indices, int64_t score_func, bool normalize,
+                          double scaling_factor) {
+  const c10::Device cpu(c10::kCPU);
+  replay_native::check_gate_dense_bwd(grad_probs, logits_in, expert_indices, cpu);
+  const int sf = replay_native::checked_score_func(score_func);
+  const at::Tensor logits = logits_in.contiguous();
+  const at::Tensor idx32 = expert_indices.contiguous();
+  at::Tensor grad = at::empty_like(logits);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(),
+                                  "replay_native_gate_dense_bwd", [&] {
+    // read in place, any strides (an expanded or transposed gradient is not copied)
+    const scalar_t* G = grad_probs.data_ptr<scalar_t>();
+    const int64_t sgt = grad_probs.stride(0), sge = grad_probs.stride(1);
+    gate_bwd_impl<scalar_t>(
+        [G, sgt, sge](int64_t t, int64_t, int32_t e) { return G[t * sgt + e * sge]; }, logits,
+        idx32, sf, normalize, scaling_factor, grad);
   });
   return grad;
 }

@@ -5,6 +5,9 @@
 // unpermute_fwd out[t]      = sum_k weights[t, k] * expert_out[row_id_map[t, k]]
 // unpermute_bwd grad_x[r]   = weights[s] * grad_out[s / K] for the slot s of row r
 //               grad_w[t,k] = <grad_out[t], expert_out[row_id_map[t, k]]>
+// permute_probs_fwd  out[r] = probs[t, e] of the slot s of row r (t = s / K, e = idx[t, s % K])
+// permute_probs_bwd  grad_probs[t, e] = sum_k grad[row_id_map[t, k]] over the slots of row t
+//                    routed to e (dense [T, E], each row written whole by one task)
 // Sums over k run in column order k = 0..K-1 in fp32 (fp64 for fp64), like the reference;
 // a row id outside [0, rows), and a slot whose token is outside [0, T), contributes nothing
 // and is never read. Every output element has one owner, so the results are the same for
@@ -198,6 +201,77 @@ std::tuple<at::Tensor, at::Tensor> unpermute_bwd(const at::Tensor& grad_out_in,
     });
   });
   return {grad_x, grad_w_acc.to(weights.scalar_type())};
+}
+
+at::Tensor permute_probs_fwd(const at::Tensor& probs_in, const at::Tensor& sorted_slots_in,
+                             const at::Tensor& expert_indices_in, int64_t num_rows) {
+  replay_native::check_permute_probs_fwd(probs_in, sorted_slots_in, expert_indices_in, num_rows,
+                                         kCpu);
+  const at::Tensor ss = sorted_slots_in.contiguous();
+  const at::Tensor idx = expert_indices_in.contiguous();
+  const int64_t T = probs_in.size(0), E = probs_in.size(1), K = idx.size(1), n_ss = ss.numel();
+  at::Tensor out = at::empty({num_rows}, probs_in.options());
+  if (num_rows == 0) return out;
+  RO_DISPATCH_FLOAT(probs_in.scalar_type(), "replay_native_permute_probs_fwd", [&] {
+    const scalar_t* P = probs_in.data_ptr<scalar_t>();  // read in place, any strides
+    const int64_t spt = probs_in.stride(0), spe = probs_in.stride(1);
+    const int32_t* S = ss.data_ptr<int32_t>();
+    const int32_t* I = idx.data_ptr<int32_t>();
+    scalar_t* O = out.data_ptr<scalar_t>();
+    at::parallel_for(0, num_rows, 1 << 14, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t s = r < n_ss ? S[r] : -1;
+        const int64_t t = s >= 0 && K > 0 ? rm::slot_token(s, K) : -1;
+        const int64_t e = t >= 0 && t < T ? I[s] : -1;
+        O[r] = rm::takes_row(e, E) ? P[t * spt + e * spe] : scalar_t(0);
+      }
+    });
+  });
+  return out;
+}
+
+at::Tensor permute_probs_bwd(const at::Tensor& grad_in, const at::Tensor& row_id_map_in,
+                             const at::Tensor& expert_indices_in, int64_t num_experts) {
+  replay_native::check_permute_probs_bwd(grad_in, row_id_map_in, expert_indices_in, num_experts,
+                                         kCpu);
+  const at::Tensor g = grad_in.contiguous();
+  const at::Tensor rid = row_id_map_in.contiguous();
+  const at::Tensor idx = expert_indices_in.contiguous();
+  const int64_t T = rid.size(0), K = rid.size(1), R = g.size(0), E = num_experts;
+  at::Tensor out = at::empty({T, E}, g.options());
+  if (out.numel() == 0) return out;
+  RO_DISPATCH_FLOAT(g.scalar_type(), "replay_native_permute_probs_bwd", [&] {
+    using acc_t = acc_type_t<scalar_t>;
+    const scalar_t* G = g.data_ptr<scalar_t>();
+    const int32_t* RID = rid.data_ptr<int32_t>();
+    const int32_t* I = idx.data_ptr<int32_t>();
+    scalar_t* O = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, std::max<int64_t>(1, 4096 / std::max<int64_t>(E, 1)),
+                     [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        scalar_t* o = O + t * E;
+        std::fill(o, o + E, scalar_t(0));
+        const int32_t* ir = I + t * K;
+        const int32_t* rr = RID + t * K;
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t e = ir[k];
+          if (!rm::takes_row(e, E)) continue;
+          bool seen = false;  // a repeated expert is written once, by its first slot
+          for (int64_t j = 0; j < k; ++j) seen = seen || (ir[j] == e && rr[j] >= 0 && rr[j] < R);
+          if (seen) continue;
+          acc_t sum = acc_t(0);
+          bool any = false;
+          for (int64_t j = k; j < K; ++j)
+            if (ir[j] == e && rr[j] >= 0 && rr[j] < R) {
+              sum += static_cast<acc_t>(G[rr[j]]);
+              any = true;
+            }
+          if (any) o[e] = static_cast<scalar_t>(sum);
+        }
+      }
+    });
+  });
+  return out;
 }
 
 }  // namespace replay_cpu

@@ -308,4 +308,78 @@ RO_HD inline int32_t slot_token32(int32_t slot, int32_t K) { return slot / K; }
 // any out-of-range value) is an empty slot.
 RO_HD inline bool takes_row(int64_t e, int64_t E) { return e >= 0 && e < E; }
 
+// ---------------------------------------------------------------------------- dense mode
+// Row flags (replay_ops/plan.py ROW_*), written per token row by the dense gate.
+constexpr uint8_t kRowEmptySlot = 1;   // a slot holds -1
+constexpr uint8_t kRowOutOfRange = 2;  // a slot holds an id outside [-1, E)
+constexpr uint8_t kRowRepeat = 4;      // an expert id in [0, E) appears twice
+constexpr uint8_t kRowMasked = 8;      // replay_mask False (the recorded ids are not read)
+// Padding modes (replay_ops/plan.py PADDING_MODES): how a flagged row is routed.
+constexpr int kPadEmpty = 0;     // its ids in [0, E) (nothing for a masked row)
+constexpr int kPadSpread = 1;    // spread_expert
+constexpr int kPadFallback = 2;  // the row of the fallback indices
+// Multiplier of the per-cycle rotation of the spread padding (2^32 / golden ratio).
+constexpr uint32_t kSpreadHash = 2654435769u;
+
+// The flags of recorded row `ip` (K slots, stride sk). O(K^2) compares, no memory but the row.
+template <typename index_t>
+RO_HD inline uint8_t row_flags(const index_t* ip, int64_t sk, int64_t K, int64_t E, bool masked) {
+  if (masked) return kRowMasked;
+  uint8_t f = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t e = static_cast<int64_t>(ip[k * sk]);
+    if (e == -1) {
+      f |= kRowEmptySlot;
+    } else if (!takes_row(e, E)) {
+      f |= kRowOutOfRange;
+    } else {
+      for (int64_t j = 0; j < k; ++j)
+        if (static_cast<int64_t>(ip[j * sk]) == e) f |= kRowRepeat;
+    }
+  }
+  return f;
+}
+
+// Expert of slot k of padding row t under kPadSpread (replay_ops.reference.spread_expert):
+// value i = offset + t*K + k + W(c) (mod E), c = (t*K) / E, W(c) = ((c * kSpreadHash) mod 2^32)
+// * E / 2^32; expert (i mod ep) * (E / ep) + i / ep. `U` is the unsigned type of the
+// arithmetic: uint32_t in device code (E <= kMaxExperts, T*K < 2^31: no 64-bit division,
+// which is a subroutine call there), uint64_t on the host. offset_mod is offset mod E.
+template <typename U>
+RO_HD inline int64_t spread_expert(int64_t t, int64_t k, int64_t K, int64_t E, int64_t ep,
+                                   int64_t offset_mod) {
+  const U uE = static_cast<U>(E);
+  const U s = static_cast<U>(t) * static_cast<U>(K);
+  const uint32_t h = static_cast<uint32_t>(s / uE) * kSpreadHash;
+  const U w = static_cast<U>((static_cast<uint64_t>(h) * static_cast<uint64_t>(E)) >> 32);
+  const U i = (s % uE + static_cast<U>(offset_mod) + static_cast<U>(k) + w) % uE;
+  const U uep = static_cast<U>(ep);
+  return static_cast<int64_t>((i % uep) * (uE / uep) + i / uep);
+}
+
+// The expert slot k of a row routes to in the dense gate (-1: empty): the recorded id when
+// the row has no flag; else by the padding mode. A masked row takes its fallback row when
+// there is one (fb != nullptr). Fallback and recorded ids outside [0, E) are empty.
+template <typename U, typename index_t, typename fb_t>
+RO_HD inline int64_t dense_slot_expert(const index_t* ip, int64_t sk, const fb_t* fb,
+                                       int64_t fsk, uint8_t flags, int padding, int64_t t,
+                                       int64_t k, int64_t K, int64_t E, int64_t ep,
+                                       int64_t offset_mod) {
+  int64_t e;
+  if ((flags & kRowMasked) && fb != nullptr) {
+    e = static_cast<int64_t>(fb[k * fsk]);
+  } else if (flags == 0) {
+    return static_cast<int64_t>(ip[k * sk]);
+  } else if (padding == kPadSpread) {
+    return spread_expert<U>(t, k, K, E, ep, offset_mod);
+  } else if (padding == kPadFallback) {
+    e = static_cast<int64_t>(fb[k * fsk]);
+  } else if (flags & kRowMasked) {
+    return -1;
+  } else {
+    e = static_cast<int64_t>(ip[k * sk]);
+  }
+  return takes_row(e, E) ? e : -1;
+}
+
 }  // namespace replay_math

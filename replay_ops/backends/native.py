@@ -15,6 +15,7 @@ import torch
 
 from .. import _C  # registers torch.ops.replay_native.*
 from .. import scores
+from ..plan import PADDING_MODES
 from .protocol import YES, Support
 
 NAME = "native"
@@ -75,10 +76,11 @@ def cuda_image_problems() -> list[str]:
 def supports(op, device_type, shape, dtype) -> Support:
     if device_type != "cuda":
         return YES
-    if op in ("gate_fwd", "gate_bwd") and shape.E > MAX_EXPERTS:
+    if op in ("gate_fwd", "gate_bwd", "gate_dense_fwd", "gate_dense_bwd") and \
+            shape.E > MAX_EXPERTS:
         return Support(False, f"E={shape.E} experts is above the CUDA gate kernels' limit "
                               f"kMaxExperts={MAX_EXPERTS}")
-    if op == "gate_bwd" and shape.K > MAX_TOPK:
+    if op in ("gate_bwd", "gate_dense_bwd") and shape.K > MAX_TOPK:
         return Support(False, f"K={shape.K} slots is above the CUDA gate backward's limit "
                               f"kMaxTopK={MAX_TOPK}")
     return YES
@@ -119,10 +121,24 @@ def unpermute_bwd(grad_out, expert_out, row_id_map, sorted_slots, weights):
     return tuple(_ops.unpermute_bwd(grad_out, expert_out, row_id_map, sorted_slots, weights))
 
 
-# Dense-mode kernels (filled in below as they are written).
-from .torch import (  # noqa: E402,F401
-    gate_dense_bwd,
-    gate_dense_fwd,
-    permute_probs_bwd,
-    permute_probs_fwd,
-)
+
+def gate_dense_fwd(logits, expert_indices, replay_mask, fallback, score_func, normalize,
+                   scaling_factor, padding, ep_size, spread_offset, underflow_guard, align,
+                   with_plan):
+    return tuple(_ops.gate_dense_fwd(
+        logits, expert_indices, replay_mask, fallback, scores.get(score_func).id,
+        bool(normalize), float(scaling_factor), PADDING_MODES[padding], int(ep_size),
+        int(spread_offset), bool(underflow_guard), int(align), bool(with_plan)))
+
+
+def gate_dense_bwd(grad_probs, logits, idx, score_func, normalize, scaling_factor):
+    return _ops.gate_dense_bwd(grad_probs, logits, idx, scores.get(score_func).id,
+                               bool(normalize), float(scaling_factor))
+
+
+def permute_probs_fwd(probs, sorted_slots, expert_indices, num_rows):
+    return _ops.permute_probs_fwd(probs, sorted_slots, expert_indices, int(num_rows))
+
+
+def permute_probs_bwd(grad, row_id_map, expert_indices, num_experts):
+    return _ops.permute_probs_bwd(grad, row_id_map, expert_indices, int(num_experts))
