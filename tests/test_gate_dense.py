@@ -459,3 +459,55 @@ def test_unpermute_without_weights(dev_backend):
     torch.library.opcheck(torch.ops.replay.unpermute.default,
                           (x0.clone().requires_grad_(True), plan.row_id_map, plan.sorted_slots,
                            None, backend))
+
+
+# ------------------------------------------------------------------ Triton specifics
+def _triton_dense():
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1")
+    pytest.importorskip("triton")
+    from replay_ops.triton_kernels import gate_dense as D
+
+    return D
+
+
+def test_triton_dense_config_and_launches(monkeypatch):
+    """Block sizes are pinned; one launch for a small call or without the plan, three (the
+    dense rows with chunk ranks, gate.py's scan and scatter) for a chunked plan."""
+    D = _triton_dense()
+    cfg = D.gate_dense_config(4096, 8, 128, 1)
+    assert (cfg.plan.single, cfg.plan.BLOCK_T, cfg.ROW_BLOCK) == (False, 128, 64)
+    assert D.gate_dense_config(10, 2, 8, 1).plan.single
+    assert D.gate_dense_config(100, 32, 64, 1).ROW_BLOCK == 4  # the pair tile bounds it
+    log = []
+    for name in ("_gate_dense_fwd_kernel", "_plan_scan_kernel", "_plan_scatter_kernel"):
+        fn = getattr(D, name)
+
+        class Counting:
+            def __init__(self, fn, name):
+                self.fn, self.name = fn, name
+
+            def __getitem__(self, grid):
+                log.append(self.name)
+                return self.fn[grid]
+
+        monkeypatch.setattr(D, name, Counting(fn, name))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    T, E, K = 700, 16, 8
+    logits = make_logits(T, E, device=dev)
+    idx = messy_indices(T, E, K, device=dev)
+    for with_plan, want in ((False, 1), (True, 3)):
+        log.clear()
+        a = replay_ops.gate_dense(logits, idx, padding="spread", with_plan=with_plan,
+                                  validate=False, backend="triton")
+        assert len(log) == want, log
+        b = replay_ops.gate_dense(logits, idx, padding="spread", with_plan=with_plan,
+                                  validate=False, backend="torch")
+        torch.testing.assert_close(a.probs, b.probs, rtol=1e-6, atol=1e-7)
+        for x, y in zip(a[1:4], b[1:4]):
+            assert torch.equal(x, y)
+    log.clear()
+    replay_ops.gate_dense(logits[:9], idx[:9], validate=False, backend="triton")
+    assert log == ["_gate_dense_fwd_kernel"]

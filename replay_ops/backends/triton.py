@@ -43,8 +43,8 @@ def describe() -> dict:
             "interpreter": os.environ.get("TRITON_INTERPRET", "0") == "1"}
 
 
-# Dense-mode kernels (filled in below as they are written).
-from .torch import (  # noqa: E402,F401
+# Dense mode (triton_kernels/gate_dense.py).
+from ..triton_kernels.gate_dense import (  # noqa: E402,F401
     gate_dense_bwd,
     gate_dense_fwd,
     permute_probs_bwd,
