@@ -164,6 +164,128 @@ at::Tensor gate_bwd(const at::Tensor& grad_weights, const at::Tensor& logits_in,
   return grad;
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+           at::Tensor>
+gate_dense_fwd(const at::Tensor& logits_in, const at::Tensor& idx,
+               const c10::optional<at::Tensor>& replay_mask,
+               const c10::optional<at::Tensor>& fallback, int64_t score_func, bool normalize,
+               double scaling_factor, int64_t padding, int64_t ep_size, int64_t spread_offset,
+               bool underflow_guard, int64_t align, bool with_plan) {
+  replay_native::check_gate_dense_fwd(logits_in, idx, replay_mask, fallback, padding, ep_size,
+                                      spread_offset, logits_in.device());
+  const c10::cuda::CUDAGuard guard(logits_in.device());
+  const int sf = replay_native::checked_score_func(score_func);
+  const at::Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
+  const int64_t T = logits.size(0), E = logits.size(1), K = idx.size(1);
+  TORCH_CHECK_VALUE(E <= replay_cuda::kMaxExperts, "replay_ops native CUDA gate supports E <= ",
+                    replay_cuda::kMaxExperts, " experts, got E=", E);
+  replay_native::DenseGateOutputs o(logits, K, align, with_plan);
+  const at::Tensor mask = replay_mask ? replay_mask->contiguous() : at::Tensor();
+  const at::Tensor fb = fallback ? fallback->to(at::kLong).contiguous() : at::Tensor();
+  // the weights of the dense rows, in the compute type (scratch)
+  at::Tensor w = at::empty({T, K}, logits.options().dtype(acc_dtype(logits.scalar_type())));
+  const auto path = static_cast<replay_cuda::GatePath>(g_gate_path.load());
+  TORCH_CHECK_VALUE(path != replay_cuda::GatePath::kSingleCta || T * K <= replay_cuda::kSmallSlots,
+                    "replay_ops native CUDA: gate path 'single_cta' takes T*K <= ",
+                    replay_cuda::kSmallSlots, " slots, got T*K=", T * K);
+  const size_t ws_bytes =
+      with_plan ? replay_cuda::gate_fwd_workspace_bytes(T, E, K, path, true) : 0;
+  at::Tensor ws = at::empty({static_cast<int64_t>(ws_bytes)}, logits.options().dtype(at::kByte));
+  replay_cuda::GateFwdArgs a{};
+  a.logits = logits.data_ptr();
+  a.logits_dtype = dtype_of(logits, "logits");
+  a.stride_lt = logits.stride(0);
+  a.indices = idx.data_ptr();
+  a.index_dtype = itype_of(idx);
+  a.stride_it = idx.stride(0);
+  a.stride_ik = idx.stride(1);
+  a.T = T;
+  a.E = E;
+  a.K = K;
+  a.align = align;
+  a.score_func = sf;
+  a.normalize = normalize;
+  a.scaling_factor = scaling_factor;
+  a.weights = w.data_ptr();
+  a.indices32 = o.idx32.data_ptr<int32_t>();
+  if (with_plan) {
+    a.tokens_per_expert = o.counts.data_ptr<int32_t>();
+    a.expert_offsets = o.offsets.data_ptr<int32_t>();
+    a.row_id_map = o.row_id_map.data_ptr<int32_t>();
+    a.sorted_slots = o.sorted_slots.data_ptr<int32_t>();
+  }
+  a.max_ctas = g_gate_max_ctas.load();
+  a.probs = o.probs.data_ptr();
+  a.routing_map = reinterpret_cast<uint8_t*>(o.routing_map.data_ptr<bool>());
+  a.row_flags = o.row_flags.data_ptr<uint8_t>();
+  a.replay_mask = mask.defined() ? mask.data_ptr<bool>() : nullptr;
+  a.fallback = fb.defined() ? fb.data_ptr<int64_t>() : nullptr;
+  a.padding = static_cast<int>(padding);
+  a.ep_size = ep_size;
+  a.spread_offset = E ? spread_offset % E : 0;
+  a.underflow_guard = underflow_guard;
+  a.with_plan = with_plan;
+  check_launch(replay_cuda::gate_fwd(a, ws_bytes ? ws.data_ptr() : nullptr,
+                                     c10::cuda::getCurrentCUDAStream(), path),
+               "gate_dense");
+  return o.tuple();
+}
+
+at::Tensor gate_dense_bwd(const at::Tensor& grad_probs, const at::Tensor& logits_in,
+                          const at::Tensor& idx, int64_t score_func, bool normalize,
+                          double scaling_factor) {
+  replay_native::check_gate_dense_bwd(grad_probs, logits_in, idx, logits_in.device());
+  const c10::cuda::CUDAGuard guard(logits_in.device());
+  const int sf = replay_native::checked_score_func(score_func);
+  TORCH_CHECK_VALUE(idx.size(1) <= replay_cuda::kMaxTopK, "replay_ops native CUDA "
+                    "gate_backward supports K <= ", replay_cuda::kMaxTopK, ", got K=", idx.size(1));
+  const at::Tensor logits = logits_in.contiguous();
+  const at::Tensor i32 = idx.contiguous();
+  at::Tensor grad = at::empty_like(logits);
+  // the probs gradient is read in place, any strides (an expanded gradient is not copied)
+  check_launch(replay_cuda::gate_dense_bwd(grad_probs.data_ptr(), grad_probs.stride(0),
+                                           grad_probs.stride(1), logits.data_ptr(),
+                                           dtype_of(logits, "logits"), i32.data_ptr<int32_t>(),
+                                           logits.size(0), logits.size(1), i32.size(1), sf,
+                                           normalize, scaling_factor, grad.data_ptr(),
+                                           c10::cuda::getCurrentCUDAStream()),
+               "gate_dense_backward");
+  return grad;
+}
+
+at::Tensor permute_probs_fwd(const at::Tensor& probs, const at::Tensor& sorted_slots,
+                             const at::Tensor& idx, int64_t num_rows) {
+  replay_native::check_permute_probs_fwd(probs, sorted_slots, idx, num_rows, probs.device());
+  const c10::cuda::CUDAGuard guard(probs.device());
+  const at::Tensor ss = sorted_slots.contiguous();
+  const at::Tensor i32 = idx.contiguous();
+  at::Tensor out = at::empty({num_rows}, probs.options());
+  check_launch(replay_cuda::permute_probs_fwd(probs.data_ptr(), dtype_of(probs, "probs"),
+                                              probs.stride(0), probs.stride(1), probs.size(0),
+                                              probs.size(1), ss.data_ptr<int32_t>(), ss.numel(),
+                                              i32.data_ptr<int32_t>(), i32.size(1), num_rows,
+                                              out.data_ptr(), c10::cuda::getCurrentCUDAStream()),
+               "permute_probs");
+  return out;
+}
+
+at::Tensor permute_probs_bwd(const at::Tensor& grad_in, const at::Tensor& row_id_map,
+                             const at::Tensor& idx, int64_t num_experts) {
+  replay_native::check_permute_probs_bwd(grad_in, row_id_map, idx, num_experts,
+                                         grad_in.device());
+  const c10::cuda::CUDAGuard guard(grad_in.device());
+  const at::Tensor g = grad_in.contiguous();
+  const at::Tensor rid = row_id_map.contiguous();
+  const at::Tensor i32 = idx.contiguous();
+  at::Tensor out = at::empty({rid.size(0), num_experts}, g.options());
+  check_launch(replay_cuda::permute_probs_bwd(g.data_ptr(), dtype_of(g, "grad"), g.size(0),
+                                              rid.data_ptr<int32_t>(), i32.data_ptr<int32_t>(),
+                                              rid.size(0), rid.size(1), num_experts,
+                                              out.data_ptr(), c10::cuda::getCurrentCUDAStream()),
+               "permute_probs_backward");
+  return out;
+}
+
 at::Tensor permute_fwd(const at::Tensor& hidden_in, const at::Tensor& sorted_slots,
                        const at::Tensor& row_id_map, int64_t num_rows) {
   replay_native::check_permute_fwd(hidden_in, sorted_slots, row_id_map, num_rows,
@@ -247,4 +369,8 @@ TORCH_LIBRARY_IMPL(replay_native, CUDA, m) {
   m.impl("permute_bwd", &permute_bwd);
   m.impl("unpermute_fwd", &unpermute_fwd);
   m.impl("unpermute_bwd", &unpermute_bwd);
+  m.impl("gate_dense_fwd", &gate_dense_fwd);
+  m.impl("gate_dense_bwd", &gate_dense_bwd);
+  m.impl("permute_probs_fwd", &permute_probs_fwd);
+  m.impl("permute_probs_bwd", &permute_probs_bwd);
 }

@@ -7,6 +7,9 @@
 //   3. per chunk: each warp counts its 32 rows' slots per expert, a scan over the warps gives
 //      each warp its first row per expert, and the warp scatters its slots 32 at a time,
 //      ranking equal experts with __match_any_sync.
+// Dense mode (gate_dense: probs != nullptr) adds to step 1 the row flags, the padding rule
+// and the dense rows of probs and routing_map, written whole by the CTA of their chunk; with
+// with_plan false, step 1 alone runs, in one launch.
 // Rows of an expert are in ascending flat-slot order (t*K + k), padding rows close each
 // expert segment, and -1 fills padding and tail. Shared-memory integer atomics only build
 // counts (whose values do not depend on the order of the additions); ranks never come from
@@ -26,16 +29,45 @@ using namespace detail;
 namespace rm = replay_math;
 
 constexpr int kRowsPerCta = 256;  // chunk of token rows: one thread per row
+// NOTE: one CTA writes ~1 MB of dense rows in a few microseconds; above that the rows are
+// spread over the chunks' CTAs (the cooperative or three-launch path).
+constexpr int64_t kSmallDenseElems = int64_t(1) << 18;
 constexpr int kWarps = kRowsPerCta / 32;
 
-// Gate weights and the int32 index copy of one token row (one thread).
+// The int32 experts of token row t into indices32 (one thread): the recorded ids (a value
+// outside [0, E) is an empty slot, -1; the range test sees the full-width index, so an int64
+// 2^32 + 3 is not expert 3), or in dense mode the row's flags and its experts after the
+// padding rule (replay_math.h dense_slot_expert).
+template <typename index_t>
+__device__ __forceinline__ void resolve_row(const GateFwdArgs& a, int64_t t) {
+  const index_t* ip = static_cast<const index_t*>(a.indices) + t * a.stride_it;
+  int32_t* i32 = a.indices32 + t * a.K;
+  const int64_t E = a.E, K = a.K;
+  if (a.probs == nullptr) {
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t e = static_cast<int64_t>(ip[k * a.stride_ik]);
+      i32[k] = rm::takes_row(e, E) ? static_cast<int32_t>(e) : -1;
+    }
+    return;
+  }
+  const uint8_t f = rm::row_flags(ip, a.stride_ik, K, E,
+                                  a.replay_mask != nullptr && !a.replay_mask[t]);
+  a.row_flags[t] = f;
+  const int64_t* fb = a.fallback != nullptr ? a.fallback + t * K : nullptr;
+#pragma unroll 1
+  for (int64_t k = 0; k < K; ++k)
+    i32[k] = static_cast<int32_t>(rm::dense_slot_expert<uint32_t>(
+        ip, a.stride_ik, fb, 1, f, a.padding, t, k, K, E, a.ep_size, a.spread_offset));
+}
+
+// Gate weights of one token row (one thread), from its int32 experts: the logits dtype into
+// `weights`, or in dense mode the compute type into the [T, K] scratch `weights`.
 template <typename scalar_t, typename index_t>
 __device__ __forceinline__ void gate_row(const GateFwdArgs& a, int64_t t) {
   using A = acc_t<scalar_t>;
+  resolve_row<index_t>(a, t);
   const scalar_t* x = static_cast<const scalar_t*>(a.logits) + t * a.stride_lt;
-  const index_t* ip = static_cast<const index_t*>(a.indices) + t * a.stride_it;
-  scalar_t* w = static_cast<scalar_t*>(a.weights) + t * a.K;
-  int32_t* i32 = a.indices32 + t * a.K;
+  const int32_t* i32 = a.indices32 + t * a.K;
   const int64_t E = a.E, K = a.K;
   const int sf = a.score_func;
   const bool full = sf == rm::kSoftmax && !a.normalize;
@@ -43,11 +75,8 @@ __device__ __forceinline__ void gate_row(const GateFwdArgs& a, int64_t t) {
   bool any = false;
   A m = A(0), s = A(0);
   for (int64_t k = 0; k < K; ++k) {
-    // The range test sees the full-width index (an int64 2^32 + 3 is not expert 3); a value
-    // outside [0, E) is an empty slot, stored as -1.
-    const int64_t e = static_cast<int64_t>(ip[k * a.stride_ik]);
-    i32[k] = rm::takes_row(e, E) ? static_cast<int32_t>(e) : -1;
-    if (!rm::takes_row(e, E)) continue;
+    const int32_t e = i32[k];
+    if (e < 0) continue;
     ++nvalid;
     const A z = to_acc(x[e]);
     if (sf == rm::kSoftmax) {
@@ -66,16 +95,80 @@ __device__ __forceinline__ void gate_row(const GateFwdArgs& a, int64_t t) {
   } else if (sf == rm::kSoftmax) {
     m = rm::finite_or_zero(m, any);
     for (int64_t k = 0; k < K; ++k) {
-      const int64_t e = static_cast<int64_t>(ip[k * a.stride_ik]);
-      if (rm::takes_row(e, E)) s += rm::ro_exp(to_acc(x[e]) - m);
+      const int32_t e = i32[k];
+      if (e >= 0) s += rm::ro_exp(to_acc(x[e]) - m);
     }
   }
   const A scale = static_cast<A>(a.scaling_factor);
+  const bool dense = a.probs != nullptr;
   for (int64_t k = 0; k < K; ++k) {
-    const int64_t e = static_cast<int64_t>(ip[k * a.stride_ik]);
+    const int32_t e = i32[k];
     A v = A(0);
-    if (rm::takes_row(e, E)) v = rm::gate_weight(sf, a.normalize, to_acc(x[e]), m, s, nvalid, scale);
-    w[k] = from_acc<scalar_t>(v);
+    if (e >= 0) v = rm::gate_weight(sf, a.normalize, to_acc(x[e]), m, s, nvalid, scale);
+    if (dense) {
+      static_cast<A*>(a.weights)[t * K + k] = v;
+    } else {
+      static_cast<scalar_t*>(a.weights)[t * K + k] = from_acc<scalar_t>(v);
+    }
+  }
+}
+
+// The smallest normal value of a dtype (the underflow guard).
+template <typename T> __device__ __forceinline__ T tiny_normal();
+template <> __device__ __forceinline__ float tiny_normal<float>() { return 1.17549435e-38f; }
+template <> __device__ __forceinline__ double tiny_normal<double>() {
+  return 2.2250738585072014e-308;
+}
+template <> __device__ __forceinline__ __half tiny_normal<__half>() {
+  return __ushort_as_half(static_cast<unsigned short>(0x0400));
+}
+template <> __device__ __forceinline__ __nv_bfloat16 tiny_normal<__nv_bfloat16>() {
+  return __ushort_as_bfloat16(static_cast<unsigned short>(0x0080));
+}
+
+// Dense rows [t0, t1) of probs and routing_map, by the whole CTA (every thread calls it):
+// zeros, a barrier, then each row's thread writes its routed experts (a repeated expert's
+// weights summed in slot order, rounded once; the underflow guard). Rows t0 + i belong to
+// thread i, whose gate_row wrote their experts and weights.
+template <typename scalar_t>
+__device__ __forceinline__ void dense_rows(const GateFwdArgs& a, int64_t t0, int64_t t1) {
+  using A = acc_t<scalar_t>;
+  const int64_t E = a.E, K = a.K;
+  scalar_t* P = static_cast<scalar_t*>(a.probs);
+  const scalar_t zero = from_acc<scalar_t>(A(0));
+  // 32-bit loop: a 64-bit trip count is a division call (and spills); the rows of one call
+  // hold at most kSmallSlots * kMaxExperts < 2^31 elements
+  scalar_t* p0 = P + t0 * E;
+  uint8_t* m0 = a.routing_map + t0 * E;
+  const int32_t n = static_cast<int32_t>((t1 - t0) * E);
+#pragma unroll 1
+  for (int32_t i = static_cast<int32_t>(threadIdx.x); i < n; i += static_cast<int32_t>(blockDim.x)) {
+    p0[i] = zero;
+    m0[i] = 0;
+  }
+  __syncthreads();  // the zeros are written before the routed entries
+  const A* W = static_cast<const A*>(a.weights);
+  const int32_t rows = static_cast<int32_t>(t1 - t0);
+#pragma unroll 1
+  for (int32_t r = static_cast<int32_t>(threadIdx.x); r < rows;
+       r += static_cast<int32_t>(blockDim.x)) {
+    const int64_t t = t0 + r;
+    const int32_t* ir = a.indices32 + t * K;
+#pragma unroll 1
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t e = ir[k];
+      if (e < 0) continue;
+      bool seen = false;
+      for (int64_t j = 0; j < k; ++j) seen = seen || ir[j] == e;
+      if (seen) continue;
+      A sum = A(0);
+      for (int64_t j = k; j < K; ++j)
+        if (ir[j] == e) sum += W[t * K + j];
+      scalar_t v = from_acc<scalar_t>(sum);
+      if (a.underflow_guard && to_acc(v) == A(0)) v = tiny_normal<scalar_t>();
+      P[t * E + e] = v;
+      a.routing_map[t * E + e] = 1;
+    }
   }
 }
 
@@ -160,12 +253,15 @@ __device__ void block_offsets(const int32_t* counts, int64_t E, int32_t align, i
 // -1 in the padding rows of every expert and in the tail past the used rows.
 __device__ __forceinline__ void fill_unused(const int32_t* off, const int32_t* counts, int64_t E,
                                             int64_t n_sorted, int32_t* sorted_slots) {
-  for (int64_t e = blockIdx.x; e < E; e += gridDim.x)
-    for (int64_t r = off[e] + counts[e] + threadIdx.x; r < off[e + 1]; r += blockDim.x)
+  // 32-bit loops (E <= kMaxExperts, plan rows < 2^31): a 64-bit trip count is a division
+  // call, and a call spills registers
+  const int32_t nE = static_cast<int32_t>(E), n = static_cast<int32_t>(n_sorted);
+  for (int32_t e = blockIdx.x; e < nE; e += gridDim.x)
+    for (int32_t r = off[e] + counts[e] + threadIdx.x; r < off[e + 1]; r += blockDim.x)
       sorted_slots[r] = -1;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t r = off[E] + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       r < n_sorted; r += stride)
+  const int32_t stride = static_cast<int32_t>(gridDim.x * blockDim.x);
+  for (int32_t r = off[nE] + static_cast<int32_t>(blockIdx.x * blockDim.x + threadIdx.x); r < n;
+       r += stride)
     sorted_slots[r] = -1;
 }
 
@@ -178,19 +274,22 @@ __global__ void __launch_bounds__(kRowsPerCta) _gate_plan_small_kernel(GateFwdAr
   int32_t* cnt = off + E + 1;   // [E]
   int32_t* wh = cnt + E;        // [kWarps][E]
   const int tid = threadIdx.x, warp = tid >> 5;
-  for (int64_t t = tid; t < T; t += blockDim.x) gate_row<scalar_t, index_t>(a, t);
-  for (int64_t i = tid; i < kWarps * E; i += blockDim.x) wh[i] = 0;
+  // 32-bit row loop (T*K <= kSmallSlots here): a 64-bit trip count is a division call
+  for (int32_t t = tid; t < static_cast<int32_t>(T); t += static_cast<int32_t>(blockDim.x))
+    gate_row<scalar_t, index_t>(a, t);
+  const int nE = static_cast<int>(E);  // E <= kMaxExperts: 32-bit loops below
+  for (int i = tid; i < kWarps * nE; i += blockDim.x) wh[i] = 0;
   __syncthreads();  // indices32 and the zeroed counts are visible to the whole block
   const int64_t TK = T * K, per = (TK + kWarps - 1) / kWarps;
   const int64_t s0 = warp * per < TK ? warp * per : TK;
   const int64_t s1 = s0 + per < TK ? s0 + per : TK;
   warp_count(a.indices32, s0, s1, E, wh + warp * E);
   __syncthreads();
-  for (int64_t e = tid; e < E; e += blockDim.x) {
+  for (int e = tid; e < nE; e += blockDim.x) {
     int32_t run = 0;
     for (int w = 0; w < kWarps; ++w) {
-      const int32_t v = wh[w * E + e];
-      wh[w * E + e] = run;
+      const int32_t v = wh[w * nE + e];
+      wh[w * nE + e] = run;
       run += v;
     }
     cnt[e] = run;
@@ -198,12 +297,15 @@ __global__ void __launch_bounds__(kRowsPerCta) _gate_plan_small_kernel(GateFwdAr
   }
   __syncthreads();
   block_offsets(cnt, E, static_cast<int32_t>(a.align), off);
-  for (int64_t e = tid; e <= E; e += blockDim.x) a.expert_offsets[e] = off[e];
+  for (int e = tid; e <= nE; e += blockDim.x) a.expert_offsets[e] = off[e];
   for (int w = 0; w < kWarps; ++w)
-    for (int64_t e = tid; e < E; e += blockDim.x) wh[w * E + e] += off[e];
+    for (int e = tid; e < nE; e += blockDim.x) wh[w * nE + e] += off[e];
   __syncthreads();
   warp_scatter(a.indices32, s0, s1, E, wh + warp * E, a.row_id_map, a.sorted_slots);
   fill_unused(off, cnt, E, rm::plan_capacity(T, K, E, a.align), a.sorted_slots);
+  // last: the dense rows need only indices32 and the weights (visible since the barriers
+  // above), and nothing of the plan stays live across them
+  if (a.probs != nullptr) dense_rows<scalar_t>(a, 0, T);
 }
 
 // ---------------------------------------------------------------- multi-CTA path
@@ -224,8 +326,22 @@ __device__ __forceinline__ void hist_chunk(const GateFwdArgs& a, int32_t* hist, 
     }
   }
   __syncthreads();
+  if (a.probs != nullptr) {
+    const int64_t t0 = c * kRowsPerCta, t1 = t0 + kRowsPerCta < a.T ? t0 + kRowsPerCta : a.T;
+    dense_rows<scalar_t>(a, t0, t1);
+  }
   for (int64_t e = threadIdx.x; e < E; e += blockDim.x) hist[c * E + e] = h[e];
   __syncthreads();  // h is reused by the next chunk
+}
+
+// Dense mode without the plan: the gate rows and dense rows of chunk blockIdx.x.
+template <typename scalar_t, typename index_t>
+__global__ void __launch_bounds__(kRowsPerCta) _gate_dense_rows_kernel(GateFwdArgs a) {
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kRowsPerCta;
+  const int64_t t1 = t0 + kRowsPerCta < a.T ? t0 + kRowsPerCta : a.T;
+  if (t0 + threadIdx.x < t1) gate_row<scalar_t, index_t>(a, t0 + threadIdx.x);
+  __syncthreads();
+  dense_rows<scalar_t>(a, t0, t1);
 }
 
 template <typename scalar_t, typename index_t>
@@ -348,10 +464,14 @@ __global__ void __launch_bounds__(kRowsPerCta) _gate_plan_coop_kernel(GateFwdArg
 
 // ---------------------------------------------------------------- backward
 // One warp per token row, lane k holds slot k (K <= 32); the dense row is written once.
+// The slot gradients come from gw [T, K] (compute type), or with gd != nullptr from the
+// dense probs gradient gd [T, E] (logits dtype, strides sgt, sge) at the slot's expert.
 template <typename scalar_t>
 __global__ void __launch_bounds__(256) _gate_bwd_kernel(const acc_t<scalar_t>* gw,
-                                                        const scalar_t* x, const int32_t* idx,
-                                                        int64_t T, int64_t E, int64_t K, int sf,
+                                                        const scalar_t* gd, int64_t sgt,
+                                                        int64_t sge, const scalar_t* x,
+                                                        const int32_t* idx, int64_t T,
+                                                        int64_t E, int64_t K, int sf,
                                                         bool normalize, double scaling,
                                                         scalar_t* out) {
   using A = acc_t<scalar_t>;
@@ -372,7 +492,7 @@ __global__ void __launch_bounds__(256) _gate_bwd_kernel(const acc_t<scalar_t>* g
       v = rm::takes_row(e, E);
       if (v) {
         z = to_acc(xr[e]);
-        g = gw[t * K + lane] * scale;
+        g = (gd != nullptr ? to_acc(gd[t * sgt + e * sge]) : gw[t * K + lane]) * scale;
       }
     }
     const int nvalid = __popc(__ballot_sync(kFullMask, v));
@@ -424,9 +544,12 @@ __global__ void __launch_bounds__(256) _gate_bwd_kernel(const acc_t<scalar_t>* g
 
 // The path that gate_fwd takes for these sizes (kAuto resolved except for the cooperative
 // versus three-launch choice, which depends on the device).
-GatePath resolve_path(int64_t T, int64_t K, GatePath path) {
-  // T == 0 has no chunks: the single CTA writes the empty plan whatever the path.
-  if ((path == GatePath::kAuto && T * K <= kSmallSlots) || T == 0) return GatePath::kSingleCta;
+GatePath resolve_path(int64_t T, int64_t K, GatePath path, int64_t dense_elems) {
+  // T == 0 has no chunks: the single CTA writes the empty plan whatever the path. A dense
+  // output above kSmallDenseElems is written by many CTAs, not one.
+  if ((path == GatePath::kAuto && T * K <= kSmallSlots && dense_elems <= kSmallDenseElems) ||
+      T == 0)
+    return GatePath::kSingleCta;
   return path;
 }
 
@@ -451,7 +574,13 @@ cudaError_t coop_capacity(Kernel kernel, size_t smem, int64_t& ctas) {
 template <typename scalar_t, typename index_t>
 cudaError_t launch_gate_fwd(const GateFwdArgs& a, void* workspace, cudaStream_t stream,
                             GatePath path) {
-  path = resolve_path(a.T, a.K, path);
+  if (a.probs != nullptr && !a.with_plan) {
+    if (a.T == 0) return cudaSuccess;
+    _gate_dense_rows_kernel<scalar_t, index_t>
+        <<<static_cast<unsigned>(ceil_div(a.T, kRowsPerCta)), kRowsPerCta, 0, stream>>>(a);
+    return cudaGetLastError();
+  }
+  path = resolve_path(a.T, a.K, path, a.probs != nullptr ? a.T * a.E : 0);
   if (path == GatePath::kSingleCta) {
     if (a.T * a.K > kSmallSlots) return cudaErrorInvalidValue;
     const size_t smem = static_cast<size_t>(10 * a.E + 1) * sizeof(int32_t);
@@ -493,8 +622,8 @@ cudaError_t launch_gate_fwd(const GateFwdArgs& a, void* workspace, cudaStream_t 
 
 }  // namespace
 
-size_t gate_fwd_workspace_bytes(int64_t T, int64_t E, int64_t K, GatePath path) {
-  if (resolve_path(T, K, path) == GatePath::kSingleCta) return 0;
+size_t gate_fwd_workspace_bytes(int64_t T, int64_t E, int64_t K, GatePath path, bool dense) {
+  if (resolve_path(T, K, path, dense ? T * E : 0) == GatePath::kSingleCta) return 0;
   return static_cast<size_t>(detail::ceil_div(T, kRowsPerCta) * E) * sizeof(int32_t);
 }
 
@@ -517,7 +646,26 @@ cudaError_t gate_bwd(const void* grad_weights_acc, const void* logits, DType log
   const unsigned grid = detail::grid_1d(detail::ceil_div(T, 8));
   RO_CUDA_DISPATCH_FLOAT(logits_dtype, {
     _gate_bwd_kernel<scalar_t><<<grid, 256, 0, stream>>>(
-        static_cast<const detail::acc_t<scalar_t>*>(grad_weights_acc),
+        static_cast<const detail::acc_t<scalar_t>*>(grad_weights_acc), nullptr, 0, 0,
+        static_cast<const scalar_t*>(logits), indices32, T, E, K, score_func, normalize,
+        scaling_factor, static_cast<scalar_t*>(grad_logits));
+    return cudaGetLastError();
+  });
+  return cudaSuccess;
+}
+
+cudaError_t gate_dense_bwd(const void* grad_probs, int64_t stride_gt, int64_t stride_ge,
+                           const void* logits, DType logits_dtype, const int32_t* indices32,
+                           int64_t T, int64_t E, int64_t K, int score_func, bool normalize,
+                           double scaling_factor, void* grad_logits, cudaStream_t stream) {
+  if (E < 1 || K < 1 || K > kMaxTopK || T < 0 || grad_probs == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  if (T == 0) return cudaSuccess;
+  const unsigned grid = detail::grid_1d(detail::ceil_div(T, 8));
+  RO_CUDA_DISPATCH_FLOAT(logits_dtype, {
+    _gate_bwd_kernel<scalar_t><<<grid, 256, 0, stream>>>(
+        nullptr, static_cast<const scalar_t*>(grad_probs), stride_gt, stride_ge,
         static_cast<const scalar_t*>(logits), indices32, T, E, K, score_func, normalize,
         scaling_factor, static_cast<scalar_t*>(grad_logits));
     return cudaGetLastError();

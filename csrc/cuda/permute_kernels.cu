@@ -1,4 +1,4 @@
-// CUDA kernels of permute, unpermute and their backward ops.
+// CUDA kernels of permute, unpermute, the permuted probs and their backward ops.
 //
 // One warp per output row, 8 rows per 256-thread CTA, grid-stride over rows. Rows move in
 // 16-byte vectors when the row size and every base pointer allow it, else element-wise.
@@ -172,6 +172,51 @@ constexpr int vec_of() {
   return 16 / static_cast<int>(sizeof(scalar_t));
 }
 
+// ----------------------------------------------------------------------------- probs
+// One thread per permuted row: the probability of its slot's token and expert.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads) _permute_probs_fwd_kernel(
+    // inputs
+    const scalar_t* probs, int64_t spt, int64_t spe, int64_t T, int64_t E,
+    const int32_t* sorted_slots, int64_t n_slots, const int32_t* idx, int32_t K,
+    int64_t num_rows,
+    // outputs
+    scalar_t* out) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < num_rows;
+       r += step) {
+    const int32_t slot = r < n_slots ? sorted_slots[r] : -1;
+    const int64_t t = slot >= 0 ? rm::slot_token32(slot, K) : -1;
+    const int64_t e = t >= 0 && t < T ? idx[slot] : -1;
+    out[r] = rm::takes_row(e, E) ? probs[t * spt + e * spe] : from_acc<scalar_t>(acc_t<scalar_t>(0));
+  }
+}
+
+// One warp per token row: lane j computes columns j, j + 32, ... of the dense row, each the
+// sum over the slots routed there in slot order (one write per element, no zero-fill).
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads) _permute_probs_bwd_kernel(
+    // inputs
+    const scalar_t* grad, int64_t R, const int32_t* row_id_map, const int32_t* idx, int64_t T,
+    int64_t K, int64_t E,
+    // outputs
+    scalar_t* out) {
+  using A = acc_t<scalar_t>;
+  const WarpRows wr = warp_rows();
+  for (int64_t t = wr.first; t < T; t += wr.step) {
+    const int32_t* ir = idx + t * K;
+    const int32_t* rr = row_id_map + t * K;
+    for (int64_t j = wr.lane; j < E; j += 32) {
+      A sum = A(0);
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t r = rr[k];
+        if (ir[k] == j && r >= 0 && r < R) sum += to_acc(grad[r]);
+      }
+      out[t * E + j] = from_acc<scalar_t>(sum);
+    }
+  }
+}
+
 }  // namespace
 
 cudaError_t probe_kernel_image() {
@@ -263,6 +308,38 @@ cudaError_t unpermute_bwd(const void* grad_out, const void* x, DType dtype, int6
       else
         _unpermute_bwd_w_kernel<scalar_t, 1><<<grid, kThreads, 0, stream>>>(go, xs, R, H, row_id_map, T, K, gw);
     }
+    return cudaGetLastError();
+  });
+  return cudaSuccess;
+}
+
+cudaError_t permute_probs_fwd(const void* probs, DType dtype, int64_t stride_pt,
+                              int64_t stride_pe, int64_t T, int64_t E,
+                              const int32_t* sorted_slots, int64_t n_slots,
+                              const int32_t* indices32, int64_t K, int64_t num_rows, void* out,
+                              cudaStream_t stream) {
+  if (T < 0 || E < 0 || K < 1 || num_rows < 0) return cudaErrorInvalidValue;
+  if (num_rows == 0) return cudaSuccess;
+  const unsigned grid = grid_1d(ceil_div(num_rows, kThreads));
+  RO_CUDA_DISPATCH_FLOAT(dtype, {
+    _permute_probs_fwd_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
+        static_cast<const scalar_t*>(probs), stride_pt, stride_pe, T, E, sorted_slots, n_slots,
+        indices32, static_cast<int32_t>(K), num_rows, static_cast<scalar_t*>(out));
+    return cudaGetLastError();
+  });
+  return cudaSuccess;
+}
+
+cudaError_t permute_probs_bwd(const void* grad, DType dtype, int64_t R,
+                              const int32_t* row_id_map, const int32_t* indices32, int64_t T,
+                              int64_t K, int64_t E, void* out, cudaStream_t stream) {
+  if (R < 0 || T < 0 || K < 1 || E < 0) return cudaErrorInvalidValue;
+  if (T == 0 || E == 0) return cudaSuccess;
+  const unsigned grid = grid_1d(ceil_div(T, kRowsPerCta));
+  RO_CUDA_DISPATCH_FLOAT(dtype, {
+    _permute_probs_bwd_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
+        static_cast<const scalar_t*>(grad), R, row_id_map, indices32, T, K, E,
+        static_cast<scalar_t*>(out));
     return cudaGetLastError();
   });
   return cudaSuccess;

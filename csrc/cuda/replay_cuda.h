@@ -46,6 +46,20 @@ struct GateFwdArgs {
   // Upper bound on the CTAs of the cooperative path (0: as many as fit on the device), e.g.
   // to leave SMs to a concurrent communication kernel. The result does not depend on it.
   int64_t max_ctas = 0;
+  // Dense mode (probs != nullptr; gate_dense): `weights` is then a [T, K] scratch buffer in
+  // the compute type, and the kernels also write the row flags, route flagged rows by the
+  // padding mode, and write the dense rows (each CTA zero-fills its own rows, then each
+  // row's thread writes its routed experts: no memset launch, no global scatter).
+  void* probs = nullptr;           // [T, E], logits dtype
+  uint8_t* routing_map = nullptr;  // [T, E] bool
+  uint8_t* row_flags = nullptr;    // [T] (replay_math kRow* bits)
+  const bool* replay_mask = nullptr;  // [T] or nullptr
+  const int64_t* fallback = nullptr;  // [T, K] contiguous, or nullptr
+  int padding = 0;                 // replay_math kPad*
+  int64_t ep_size = 1;
+  int64_t spread_offset = 0;       // already reduced mod E
+  bool underflow_guard = false;
+  bool with_plan = true;           // false: the dense rows only (plan outputs untouched)
 };
 
 // How gate_fwd runs its three steps (weights + per-chunk histograms, a scan over the chunks,
@@ -60,8 +74,10 @@ enum class GatePath : int {
 
 // Bytes of device workspace gate_fwd needs on `path`: 0 where the single CTA runs, else the
 // per-chunk histograms (ceil(T/256) * E int32).
+// `dense`: the call writes dense rows (GateFwdArgs::probs), which moves large outputs off
+// the single CTA.
 size_t gate_fwd_workspace_bytes(int64_t T, int64_t E, int64_t K,
-                                GatePath path = GatePath::kAuto);
+                                GatePath path = GatePath::kAuto, bool dense = false);
 
 // Gate weights plus dispatch plan, on `path` (see GatePath).
 cudaError_t gate_fwd(const GateFwdArgs& args, void* workspace, cudaStream_t stream,
@@ -73,6 +89,27 @@ cudaError_t gate_bwd(const void* grad_weights_acc, const void* logits, DType log
                      const int32_t* indices32, int64_t T, int64_t E, int64_t K,
                      int score_func, bool normalize, double scaling_factor, void* grad_logits,
                      cudaStream_t stream);
+
+// Dense-mode gate backward: as gate_bwd, with the slot gradients read from the dense
+// [T, E] probs gradient (logits dtype, strides in elements) at the routed experts.
+cudaError_t gate_dense_bwd(const void* grad_probs, int64_t stride_gt, int64_t stride_ge,
+                           const void* logits, DType logits_dtype, const int32_t* indices32,
+                           int64_t T, int64_t E, int64_t K, int score_func, bool normalize,
+                           double scaling_factor, void* grad_logits, cudaStream_t stream);
+
+// out[r] = probs[t, e] of the slot s = sorted_slots[r] (t = s / K, e = indices32[s]), 0 for
+// padding and tail rows. probs has strides (stride_pt, stride_pe) elements.
+cudaError_t permute_probs_fwd(const void* probs, DType dtype, int64_t stride_pt,
+                              int64_t stride_pe, int64_t T, int64_t E,
+                              const int32_t* sorted_slots, int64_t n_slots,
+                              const int32_t* indices32, int64_t K, int64_t num_rows, void* out,
+                              cudaStream_t stream);
+
+// Dense [T, E]: out[t, e] = sum over the slots k of row t routed to e (row in [0, R)) of
+// grad[row_id_map[t, k]], in slot order in the compute type; 0 elsewhere. One warp per row.
+cudaError_t permute_probs_bwd(const void* grad, DType dtype, int64_t R,
+                              const int32_t* row_id_map, const int32_t* indices32, int64_t T,
+                              int64_t K, int64_t E, void* out, cudaStream_t stream);
 
 // out[r] = hidden[sorted_slots[r] / K] for r < num_rows, zero rows for padding and tail.
 cudaError_t permute_fwd(const void* hidden, int64_t elem_size, int64_t T, int64_t H,

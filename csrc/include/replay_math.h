@@ -26,8 +26,11 @@
 
 #if defined(__CUDACC__)
 #define RO_HD __host__ __device__
+// Always inlined in device code: a call there spills the registers live across it.
+#define RO_HDI __host__ __device__ __forceinline__
 #else
 #define RO_HD
+#define RO_HDI inline
 #endif
 
 // RO_DEVICE_MATH selects the device arithmetic below (reciprocal estimates refined with
@@ -323,7 +326,7 @@ constexpr uint32_t kSpreadHash = 2654435769u;
 
 // The flags of recorded row `ip` (K slots, stride sk). O(K^2) compares, no memory but the row.
 template <typename index_t>
-RO_HD inline uint8_t row_flags(const index_t* ip, int64_t sk, int64_t K, int64_t E, bool masked) {
+RO_HDI uint8_t row_flags(const index_t* ip, int64_t sk, int64_t K, int64_t E, bool masked) {
   if (masked) return kRowMasked;
   uint8_t f = 0;
   for (int64_t k = 0; k < K; ++k) {
@@ -346,7 +349,7 @@ RO_HD inline uint8_t row_flags(const index_t* ip, int64_t sk, int64_t K, int64_t
 // arithmetic: uint32_t in device code (E <= kMaxExperts, T*K < 2^31: no 64-bit division,
 // which is a subroutine call there), uint64_t on the host. offset_mod is offset mod E.
 template <typename U>
-RO_HD inline int64_t spread_expert(int64_t t, int64_t k, int64_t K, int64_t E, int64_t ep,
+RO_HDI int64_t spread_expert(int64_t t, int64_t k, int64_t K, int64_t E, int64_t ep,
                                    int64_t offset_mod) {
   const U uE = static_cast<U>(E);
   const U s = static_cast<U>(t) * static_cast<U>(K);
@@ -361,7 +364,7 @@ RO_HD inline int64_t spread_expert(int64_t t, int64_t k, int64_t K, int64_t E, i
 // the row has no flag; else by the padding mode. A masked row takes its fallback row when
 // there is one (fb != nullptr). Fallback and recorded ids outside [0, E) are empty.
 template <typename U, typename index_t, typename fb_t>
-RO_HD inline int64_t dense_slot_expert(const index_t* ip, int64_t sk, const fb_t* fb,
+RO_HDI int64_t dense_slot_expert(const index_t* ip, int64_t sk, const fb_t* fb,
                                        int64_t fsk, uint8_t flags, int padding, int64_t t,
                                        int64_t k, int64_t K, int64_t E, int64_t ep,
                                        int64_t offset_mod) {
