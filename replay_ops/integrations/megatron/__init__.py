@@ -53,8 +53,11 @@ _LAZY = {
     "spread_experts": "router",
     # dispatcher.py
     "PlanAlltoAllTokenDispatcher": "dispatcher",
+    "ReplayMoELayer": "dispatcher",
     "check_plan_dispatch_config": "dispatcher",
     "enable_plan_dispatch": "dispatcher",
+    "plan_dispatch_problems": "dispatcher",
+    "use_plan_dispatcher": "dispatcher",
     # layers.py
     "RouterSlot": "layers",
     "find_moe_routers": "layers",
