@@ -1,21 +1,33 @@
-"""Megatron-Core's replay path against the replay router, in the same run.
+"""Megatron-Core's replay path against the replay router, in the same run: launches, host
+syncs and bytes (counted with launch_counter.py) beside CPU times, with the targets of the
+Megatron fast path marked met or missed.
 
-    python bench/bench_megatron.py --device cpu --runs 3 --out cpu_2core_megatron
+    python bench/bench_megatron.py --T 4096 16384 --E 128 256 --dtype float32 bfloat16 \\
+        --out cpu_2core_megatron
 
 Ops (Megatron-Core 0.16.1, its real code; the CPU stand-ins of tests/_megatron_env.py are
 installed so its router runs without CUDA):
 
 * `route`: the router's `routing(logits)` under REPLAY_FORWARD, giving the dense probs and
   routing map. Providers: `megatron` (TopKRouter: its RouterReplay gathers the scores at
-  the target indices, softmax, scatter to [T, E]) and `replay-router` (ReplayTopKRouter:
-  replay_ops.gate, then the dense form), both with the same weights and targets.
-* `route+permute+unpermute`: route, then the all-to-all dispatcher's local permutation
-  and its inverse, with the probs gathered per permuted row as the dispatcher does.
-  Providers: `megatron` (TopKRouter + moe_utils.permute/unpermute), `replay-router`
-  (ReplayTopKRouter + Megatron's permute/unpermute) and `replay-router+plan` (the plan
-  dispatcher's path: replay_ops.permute/unpermute on the RoutingPlan, no argsort).
+  the target indices, softmax, scatter to [T, E]) and `replay-router` (ReplayTopKRouter,
+  default options: padding="topk", validate=True), same weights and targets.
+* `step` (route + permute + unpermute, the experts excluded): route, then the all-to-all
+  dispatcher's local permutation of the tokens and their probs, then its inverse. The
+  experts are left out: the permuted tokens go straight to the unpermute, and the
+  backward is given gradients for both the output and the permuted probs. Providers:
+  `megatron` (TopKRouter + moe_utils.permute/unpermute, as its dispatcher calls them) and
+  `replay-router+plan` (ReplayTopKRouter + the plan dispatcher's calls:
+  replay_ops.permute(probs=...) and replay_ops.unpermute without weights).
 
-Modes: fwd, full (forward + backward to the logits and hidden states).
+Modes: fwd, full (forward + backward to the logits and the hidden states).
+
+Counts: one call of each provider under a TorchDispatchMode (bench/launch_counter.py), for
+the replay router with validate=True (`replay-router`) and validate=False
+(`replay-router/novalidate`). `model_us` = 4 us per launch + bytes at 3 TB/s (an H100-like
+model; on the GPU each native gate call is one launch).
+
+Hidden dtype: --dtype; logits fp32 (moe_router_dtype="fp32").
 """
 from __future__ import annotations
 
@@ -26,14 +38,24 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # this checkout's replay_ops, not an installed one
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 import harness  # noqa: E402
+from launch_counter import LaunchCounter  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
+# Targets of the fast path (docs/megatron.md).
+ROUTE_FWD_LAUNCHES = 3
+ROUTE_FULL_LAUNCHES = 6
+STEP_LAUNCH_RATIO = 0.5
+STEP_BYTES_RATIO = 0.8
+ROUTE_FWD_SPEEDUP = 2.0
+STEP_FULL_SPEEDUP = 1.5
 
-def setup(args):
+
+def setup(E, K, H):
     import _megatron_env as env  # CPU stand-ins for Megatron (test/bench only)
 
     env.install_cpu_shims()
@@ -45,156 +67,232 @@ def setup(args):
 
     from replay_ops.integrations import megatron as rom
 
-    cfg = env.moe_config(num_moe_experts=args.E, moe_router_topk=args.K, hidden_size=args.H,
-                         moe_router_pre_softmax=bool(args.pre_softmax))
+    cfg = env.moe_config(num_moe_experts=E, moe_router_topk=K, hidden_size=H)
     pg = moe_utils.get_default_pg_collection()
     torch.manual_seed(0)
-    meg = TopKRouter(cfg, pg)
-    ours = rom.ReplayTopKRouter(cfg, pg, options=rom.ReplayOptions(validate=bool(args.validate)))
-    ours.load_state_dict(meg.state_dict())
-    for r in (meg, ours):
+    routers = {"megatron": TopKRouter(cfg, pg),
+               "replay-router": rom.ReplayTopKRouter(cfg, pg),
+               "replay-router/novalidate": rom.ReplayTopKRouter(
+                   cfg, pg, options=rom.ReplayOptions(validate=False))}
+    for r in routers.values():
+        r.load_state_dict(routers["megatron"].state_dict())
         r.set_layer_number(1)
-    return cfg, meg, ours, RouterReplayAction, moe_utils
-
-
-def make_fns(args, T, meg, ours, action, moe_utils, dtype, device):
-    g = torch.Generator().manual_seed(T)
-    E, K, H = args.E, args.K, args.H
-    logits0 = (torch.randn(T, E, generator=g) * 2).to(device)
-    target = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K].to(device)
-    hidden0 = torch.randn(T, H, generator=g).to(dtype).to(device)
-    for r in (meg, ours):
         r.router_replay.clear_indices()
-        r.router_replay.set_router_replay_action(action.REPLAY_FORWARD)
+        r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    return routers, moe_utils
 
-    def route(router, logits):
-        router.router_replay.target_topk_idx = target  # REPLAY_FORWARD reads it, no FIFO growth
-        return router.routing(logits.view(T, 1, E))
 
-    def megatron_dispatch(hidden, probs, rmap):
+def make_fns(T, E, K, H, dtype, routers, moe_utils):
+    import replay_ops
+
+    g = torch.Generator().manual_seed(T + E)
+    logits0 = torch.randn(T, E, generator=g) * 2
+    target = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
+    hidden0 = torch.randn(T, H, generator=g).to(dtype)
+
+    def route(name, logits):
+        r = routers[name]
+        r.router_replay.target_topk_idx = target  # REPLAY_FORWARD reads it, no FIFO growth
+        return r.routing(logits.view(T, 1, E))
+
+    def megatron_step(logits, hidden):
+        probs, rmap = route("megatron", logits)
         permuted, pprobs, sorted_idx = moe_utils.permute(hidden, rmap, probs=probs,
                                                          num_out_tokens=T * K)
-        y = permuted * pprobs.unsqueeze(-1).to(permuted.dtype)  # stand-in for the experts
-        return moe_utils.unpermute(y, sorted_idx, restore_shape=hidden.shape, routing_map=rmap)
+        out = moe_utils.unpermute(permuted, sorted_idx, restore_shape=hidden.shape,
+                                  routing_map=rmap)
+        return out, pprobs
 
-    def plan_dispatch(hidden, probs, rmap):
-        import replay_ops
+    def plan_step(name):
+        def step(logits, hidden):
+            probs, rmap = route(name, logits)
+            plan = routers[name].plan_for(rmap)
+            permuted, pprobs = replay_ops.permute(hidden, plan, num_rows=T * K, probs=probs,
+                                                  validate=False)
+            return replay_ops.unpermute(permuted, plan._replace(weights=None),
+                                        validate=False), pprobs
+        return step
 
-        plan = ours.plan_for(rmap)
-        permuted = replay_ops.permute(hidden, plan, num_rows=T * K)
-        slots = plan.sorted_slots[:T * K].long()
-        tok = torch.div(slots, K, rounding_mode="floor")
-        expert = plan.expert_indices.reshape(-1)[slots].long()
-        pprobs = probs.reshape(-1).index_select(0, tok * E + expert)
-        y = permuted * pprobs.unsqueeze(-1).to(permuted.dtype)
-        return replay_ops.unpermute(y, plan._replace(weights=torch.ones_like(plan.weights)))
-
-    providers = {
-        "route": {
-            "megatron": lambda lg, hd: route(meg, lg)[0],
-            "replay-router": lambda lg, hd: route(ours, lg)[0],
-        },
-        "route+permute+unpermute": {
-            "megatron": lambda lg, hd: megatron_dispatch(hd, *route(meg, lg)),
-            "replay-router": lambda lg, hd: megatron_dispatch(hd, *route(ours, lg)),
-            "replay-router+plan": lambda lg, hd: plan_dispatch(hd, *route(ours, lg)),
-        },
+    ops = {
+        "route": {n: (lambda lg, hd, n=n: (route(n, lg)[0],)) for n in routers},
+        "step": {"megatron": megatron_step,
+                 "replay-router+plan": plan_step("replay-router"),
+                 "replay-router+plan/novalidate": plan_step("replay-router/novalidate")},
     }
-    return logits0, hidden0, providers
+    return logits0, hidden0, ops
 
 
-def check_same(providers, logits0, hidden0):
-    """Every provider of an op computes the same thing (or the timing means nothing)."""
-    for op, fns in providers.items():
-        outs = {n: f(logits0, hidden0).detach().float() for n, f in fns.items()}
-        base = outs["megatron"]
-        for n, o in outs.items():
-            err = (o - base).abs().max().item()
-            if err > 1e-4 * max(1.0, base.abs().max().item()):
-                raise RuntimeError(f"bench_megatron: {op} provider {n} differs from megatron by {err}")
+def grads_for(outs, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(o.shape, generator=g).to(o.dtype) for o in outs]
+
+
+def call(fn, mode, logits0, hidden0, op):
+    """A closure running one provider in one mode (inputs and output gradients made
+    outside it, so neither is counted nor timed)."""
+    if mode == "fwd":
+        return lambda: fn(logits0, hidden0)
+    lg = logits0.clone().requires_grad_(True)
+    hd = hidden0.clone().requires_grad_(op != "route")
+    gos = grads_for(fn(lg, hd))
+
+    def full():
+        outs = fn(lg, hd)
+        inputs = (lg, hd) if hd.requires_grad else (lg,)
+        return torch.autograd.grad(outs, inputs, gos)
+    return full
+
+
+def check_same(ops, logits0, hidden0):
+    """Every provider of an op computes the same thing, forward and backward (or the counts
+    and times mean nothing)."""
+    for op, fns in ops.items():
+        base = None
+        for name, fn in fns.items():
+            outs = [o.detach().float() for o in fn(logits0, hidden0)]
+            grads = [g.float() for g in call(fn, "full", logits0, hidden0, op)()]
+            if base is None:
+                base = (outs, grads)
+                continue
+            for a, b in zip(base[0] + base[1], outs + grads):
+                err = (a - b).abs().max().item() if a.numel() else 0.0
+                if err > 1e-3 * max(1.0, a.abs().max().item()):
+                    raise RuntimeError(f"bench_megatron: {op} provider {name} differs from "
+                                       f"megatron by {err}")
+
+
+def ops_str(ops: dict) -> str:
+    return ", ".join(f"{k} x{v}" if v > 1 else k for k, v in sorted(ops.items()))
+
+
+def counts(fn):
+    with LaunchCounter() as c:
+        fn()
+    return {"launches": c.launches, "syncs": c.syncs, "bytes": c.bytes,
+            "model_us": round(c.model_us(), 2), "ops": dict(c.ops), "op_bytes": dict(c.op_bytes)}
 
 
 def run(args):
     device = args.device
     if device != "cpu":
-        raise SystemExit("bench_megatron: the Megatron stand-ins here are for the CPU; on a GPU "
-                         "run Megatron's own CUDA path (not measured in this file)")
-    dtype = DTYPES[args.dtype]
+        raise SystemExit("bench_megatron: the Megatron stand-ins here are for the CPU")
     env = harness.env_info(device)
     copy_bw = args.copy_bw or harness.copy_bandwidth(device)
-    cfg, meg, ours, action, moe_utils = setup(args)
-    rows, summary = [], []
-    for T in args.T:
-        logits0, hidden0, providers = make_fns(args, T, meg, ours, action, moe_utils, dtype, device)
-        check_same(providers, logits0, hidden0)
-        for op, fns in providers.items():
-            if op != "route" and T > args.max_dispatch_T:
-                continue
-            for mode in args.modes:
-                calls = {}
-                for name, f in fns.items():
-                    if mode == "fwd":
-                        calls[name] = (lambda f=f: f(logits0, hidden0))
-                    else:
-                        lg = logits0.clone().requires_grad_(True)
-                        hd = hidden0.clone().requires_grad_(op != "route")
-                        go = torch.ones(T, args.H if op != "route" else args.E, dtype=torch.float32)
-
-                        def full(f=f, lg=lg, hd=hd, go=go):
-                            out = f(lg, hd)
-                            inputs = (lg, hd) if hd.requires_grad else (lg,)
-                            return torch.autograd.grad(out, inputs, go.to(out.dtype))
-                        calls[name] = full
-                res = harness.median_of_runs([
-                    harness.measure_interleaved(calls, device, warmup=args.warmup, reps=args.reps)
-                    for _ in range(args.runs)])
-                for name, r in res.items():
-                    row = {"op": op, "mode": mode, "provider": name, "T": T, "E": args.E,
-                           "K": args.K, "H": args.H if op != "route" else None,
-                           "dtype": args.dtype, "pre_softmax": bool(args.pre_softmax),
-                           "validate": bool(args.validate), **r,
-                           "speedup_vs_megatron": res["megatron"]["ms_median"] / r["ms_median"]}
-                    rows.append(row)
-                for name in res:
-                    if name == "megatron":
-                        continue
-                    summary.append(
-                        f"{op} {mode} T={T} E={args.E} K={args.K}"
-                        f"{'' if op == 'route' else f' H={args.H} {args.dtype}'}: {name} "
-                        f"{res[name]['ms_median']:.3f} ms vs megatron "
-                        f"{res['megatron']['ms_median']:.3f} ms = "
-                        f"{res['megatron']['ms_median'] / res[name]['ms_median']:.2f}x")
+    rows, summary, targets = [], [], []
+    for E in args.E:
+        routers, moe_utils = setup(E, args.K, args.H)
+        for dtype_name in args.dtype:
+            dtype = DTYPES[dtype_name]
+            for T in args.T:
+                logits0, hidden0, ops = make_fns(T, E, args.K, args.H, dtype, routers,
+                                                 moe_utils)
+                check_same(ops, logits0, hidden0)
+                case = dict(T=T, E=E, K=args.K, H=args.H, dtype=dtype_name)
+                res = {}
+                for op, fns in ops.items():
+                    for mode in args.modes:
+                        calls = {n: call(f, mode, logits0, hidden0, op) for n, f in fns.items()}
+                        cnt = {n: counts(c) for n, c in calls.items()}
+                        timed = {n: c for n, c in calls.items() if "/novalidate" not in n}
+                        times = harness.median_of_runs([
+                            harness.measure_interleaved(timed, device, warmup=args.warmup,
+                                                        reps=args.reps)
+                            for _ in range(args.runs)])
+                        for n in calls:
+                            row = {"op": op, "mode": mode, "provider": n, **case, **cnt[n]}
+                            if n in times:
+                                row.update(times[n])
+                                row["speedup_vs_megatron"] = (times["megatron"]["ms_median"]
+                                                              / times[n]["ms_median"])
+                            rows.append(row)
+                            res[(op, mode, n)] = row
+                targets += evaluate(res, case)
+                m = res[("step", "full", "megatron")]
+                o = res[("step", "full", "replay-router+plan")]
+                summary.append(
+                    f"T={T} E={E} {dtype_name}: route fwd "
+                    f"{res[('route', 'fwd', 'replay-router')]['speedup_vs_megatron']:.2f}x, "
+                    f"step full {o['speedup_vs_megatron']:.2f}x faster; step full launches "
+                    f"{o['launches']} vs {m['launches']}, bytes "
+                    f"{o['bytes'] / 1e6:.1f} MB vs {m['bytes'] / 1e6:.1f} MB")
     for r in rows:
         r["device"] = device
     args.env = env
     args.copy_bw = copy_bw
+    args.targets = targets
     return rows, summary
 
 
-COLS = ["op", "mode", "provider", "T", "E", "K", "H", "dtype", "ms_median", "ms_p20", "ms_p80",
-        "speedup_vs_megatron"]
+def evaluate(res, case):
+    """One row per target and case: the value, the bound, met or missed."""
+    tag = "T={T} E={E} {dtype}".format(**case)
+    out = []
+
+    def add(name, value, bound, ok, blocking=""):
+        out.append({"case": tag, "target": name, "value": value, "bound": bound,
+                    "met": bool(ok), "blocking": "" if ok else blocking})
+
+    rf = res[("route", "fwd", "replay-router")]
+    add("route fwd launches", rf["launches"], f"<= {ROUTE_FWD_LAUNCHES}",
+        rf["launches"] <= ROUTE_FWD_LAUNCHES, ops_str(rf["ops"]))
+    rb = res[("route", "full", "replay-router")]
+    add("route fwd+bwd launches", rb["launches"], f"<= {ROUTE_FULL_LAUNCHES}",
+        rb["launches"] <= ROUTE_FULL_LAUNCHES, ops_str(rb["ops"]))
+    m, o = res[("step", "full", "megatron")], res[("step", "full", "replay-router+plan")]
+    lr = o["launches"] / m["launches"]
+    add("step fwd+bwd launches / megatron", round(lr, 3), f"<= {STEP_LAUNCH_RATIO}",
+        lr <= STEP_LAUNCH_RATIO, ops_str(o["ops"]))
+    br = o["bytes"] / m["bytes"]
+    add("step fwd+bwd bytes / megatron", round(br, 3), f"<= {STEP_BYTES_RATIO}",
+        br <= STEP_BYTES_RATIO, "MB by op: " + ", ".join(
+            f"{k} {v / 1e6:.1f}" for k, v in sorted(o["op_bytes"].items(), key=lambda kv: -kv[1])))
+    nv = res[("step", "full", "replay-router+plan/novalidate")]
+    add("step fwd+bwd host syncs, validate=False, EP=1", nv["syncs"], "== 0", nv["syncs"] == 0,
+        ops_str(nv["ops"]))
+    add("route fwd speedup (CPU time)", round(rf["speedup_vs_megatron"], 2),
+        f">= {ROUTE_FWD_SPEEDUP}", rf["speedup_vs_megatron"] >= ROUTE_FWD_SPEEDUP,
+        f"{rf['ms_median']:.3f} ms vs {res[('route', 'fwd', 'megatron')]['ms_median']:.3f} ms")
+    add("step fwd+bwd speedup (CPU time)", round(o["speedup_vs_megatron"], 2),
+        f">= {STEP_FULL_SPEEDUP}", o["speedup_vs_megatron"] >= STEP_FULL_SPEEDUP,
+        f"{o['ms_median']:.1f} ms vs {m['ms_median']:.1f} ms")
+    return out
+
+
+COLS = ["op", "mode", "provider", "T", "E", "K", "H", "dtype", "launches", "syncs", "bytes",
+        "model_us", "ms_median", "ms_p20", "ms_p80", "speedup_vs_megatron"]
+TARGET_COLS = ["case", "target", "value", "bound", "met", "blocking"]
 
 
 def parser():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--T", type=int, nargs="+", default=[2048, 16384])
-    ap.add_argument("--E", type=int, default=128)
+    ap.add_argument("--T", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--E", type=int, nargs="+", default=[128, 256])
     ap.add_argument("--K", type=int, default=8)
-    ap.add_argument("--H", type=int, default=512)
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    ap.add_argument("--pre-softmax", type=int, default=0)
-    ap.add_argument("--validate", type=int, default=1,
-                    help="the replay router's range check (its default; one host read)")
-    ap.add_argument("--max-dispatch-T", type=int, default=4096,
-                    help="largest T for the permute ops (memory/time on small machines)")
+    ap.add_argument("--H", type=int, default=1024)
+    ap.add_argument("--dtype", nargs="+", choices=sorted(DTYPES),
+                    default=["float32", "bfloat16"], help="hidden-state dtype")
     ap.add_argument("--modes", nargs="+", default=["fwd", "full"])
-    harness.add_run_args(ap, reps=15, warmup=3)
+    harness.add_run_args(ap, reps=10, warmup=2)
     return ap
 
 
 def main(argv=None):
-    return harness.cli_main(parser, run, COLS, argv)
+    args = parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows, summary = run(args)
+    table = harness.to_markdown(args.targets, TARGET_COLS)
+    met = sum(t["met"] for t in args.targets)
+    summary = summary + [f"targets met: {met} of {len(args.targets)} (table 'Targets')"]
+    print(harness.to_markdown(rows, COLS))
+    print(table)
+    print("\n".join(summary))
+    if args.out:
+        paths = harness.save(rows, summary, args.out, args.env, args.copy_bw, COLS,
+                             extra={"Targets": (args.targets, TARGET_COLS)})
+        print("wrote", *paths)
+    return rows, summary
 
 
 if __name__ == "__main__":

@@ -169,11 +169,14 @@ def to_markdown(rows: list[dict], cols: list[str]) -> str:
 
 
 def save(rows: list[dict], summary: list[str], stem: str, env: dict, copy_bw: dict,
-         cols: list[str]) -> tuple[Path, Path]:
-    """bench/results/<stem>.json (every row, with provenance) and <stem>.md (table+summary)."""
+         cols: list[str], extra: dict | None = None) -> tuple[Path, Path]:
+    """bench/results/<stem>.json (every row, with provenance) and <stem>.md (table+summary).
+    `extra` adds sections {title: (rows, cols)} after the summary (and to the JSON)."""
     for r in rows:
         r.update({k: env[k] for k in ("device_name", "torch", "triton", "git_sha")})
     doc = {"env": env, "copy_bandwidth": copy_bw, "summary": summary, "rows": rows}
+    for title, (xrows, _) in (extra or {}).items():
+        doc[title.lower()] = xrows
     jpath, mpath = RESULTS / f"{stem}.json", RESULTS / f"{stem}.md"
     write_atomic(jpath, json.dumps(doc, indent=1) + "\n")
     md = [f"# {stem}", "", f"Command: `{env['command']}`", "",
@@ -181,7 +184,10 @@ def save(rows: list[dict], summary: list[str], stem: str, env: dict, copy_bw: di
           f"git {env['git_sha']}; {env['utc']}", "",
           f"Copy bandwidth measured in the same run: {copy_bw['gbps']:.1f} GB/s "
           f"(read + write, {copy_bw['bytes'] >> 20} MiB buffer)", "", "## Summary", ""]
-    md += [f"- {s}" for s in summary] + ["", "## All rows", "", to_markdown(rows, cols), ""]
+    md += [f"- {s}" for s in summary] + [""]
+    for title, (xrows, xcols) in (extra or {}).items():
+        md += [f"## {title}", "", to_markdown(xrows, xcols), ""]
+    md += ["## All rows", "", to_markdown(rows, cols), ""]
     write_atomic(mpath, "\n".join(md))
     return jpath, mpath
 
