@@ -61,6 +61,7 @@ import torch
 
 import replay_ops
 from replay_ops import scores as scores_table
+from replay_ops._validate import signed_routing
 from replay_ops.plan import RoutingPlan
 
 from megatron.core.transformer.moe import moe_utils
@@ -336,9 +337,11 @@ class ReplayTopKRouter(TopKRouter):
         if not isinstance(target, torch.Tensor):
             raise ReplayRoutingError(f"{self._where()}: {action.name}: the target indices are "
                                      f"{type(target).__name__}, not a tensor")
-        if target.is_floating_point() or target.dtype in (torch.bool, torch.uint8):
-            raise ReplayRoutingError(f"{self._where()}: {action.name}: target indices must be "
-                                     f"integer expert ids, got {target.dtype}")
+        try:  # any integer dtype; unsigned and int8 are widened to a signed copy
+            target, _ = signed_routing(target, f"{self._where()}: {action.name}",
+                                       "target indices")
+        except (TypeError, ValueError) as e:
+            raise ReplayRoutingError(str(e)) from None
         if target.dim() != 2 or tuple(target.shape) != (T, K):
             raise ReplayRoutingError(
                 f"{self._where()}: {action.name}: the target indices have shape "
