@@ -19,20 +19,44 @@ install: install-torch
 	$(PIP) triton numpy pyyaml omegaconf safetensors tqdm matplotlib "transformers>=5.0"
 	$(PIP) --no-build-isolation -e .
 
-# Megatron-Core for tests/test_megatron*.py: the pinned release without its optional
-# extras; the modules the tests import need only torch, numpy and packaging.
+# The real clients the suite runs against, pinned, without their optional extras:
+# * megatron-core 0.16.1 (tests/test_megatron*.py); its modules need only torch, numpy and
+#   packaging. The newest release, MCORE_NEW, goes to its own folder (build/) and the
+#   Megatron and verl tests run a second time against it. Its wheel is built for CPython
+#   3.11 but declares Requires-Python >= 3.12, hence --ignore-requires-python (the tests
+#   are what shows that it runs).
+# * verl 0.9.1 (tests/test_verl_clients.py, test_megatron_clients.py): --no-deps, plus the
+#   light packages that importing its router-replay modules needs (verl's package import
+#   pulls ray, tensordict and codetiming).
+MCORE_PIN ?= 0.16.1
+MCORE_NEW ?= 0.19.2
+MCORE_NEW_DIR = build/mcore-$(MCORE_NEW)
+VERL_PIN ?= 0.9.1
 install-test: install
 	$(PIP) pytest
-	$(PIP) --no-deps "megatron-core==0.16.1"
+	$(PIP) --no-deps "megatron-core==$(MCORE_PIN)"
 	$(PIP) numpy packaging
+	$(PIP) --no-deps "verl==$(VERL_PIN)" "ray==2.60.0" "tensordict==0.10.0" "pyvers==0.2.3" \
+		"codetiming==1.4.0" "msgpack==1.2.4" "protobuf==7.36.2"
+	$(PIP) click filelock jsonschema requests cloudpickle orjson pyyaml
+	@test -f $(MCORE_NEW_DIR)/megatron/core/__init__.py || $(PIP) --no-deps \
+		--ignore-requires-python --target $(MCORE_NEW_DIR) "megatron-core==$(MCORE_NEW)"
 
 # Compile every csrc/cuda/*.cu with nvcc for sm_80 and sm_90a, warnings as errors, 0 spill
 # stores (no GPU needed; prints SKIP when nvcc is missing). Cached in build/cuda_check/.
 check-cuda:
 	PY=$(PY) .ci/check_cuda.sh
 
+# The whole suite with the pinned megatron-core, then the Megatron and verl tests again
+# with the newest megatron-core. A client that does not import fails the run (no skip).
+CLIENT_TESTS = tests/test_megatron_router.py tests/test_megatron_layers.py \
+	tests/test_megatron_data.py tests/test_megatron_dist.py tests/test_megatron_clients.py \
+	tests/test_verl_clients.py
 test: install-test check-cuda
-	$(PY) -m pytest -q tests
+	REPLAY_OPS_REQUIRE_CLIENTS=1 $(PY) -m pytest -q tests
+	REPLAY_OPS_REQUIRE_CLIENTS=1 REPLAY_OPS_EXPECT_MCORE=$(MCORE_NEW) \
+		PYTHONPATH=$(CURDIR)/$(MCORE_NEW_DIR)$${PYTHONPATH:+:$$PYTHONPATH} \
+		$(PY) -m pytest -q $(CLIENT_TESTS)
 
 # On a GPU machine: the CUDA-only tests, and the rest of the suite on CUDA tensors. Nothing
 # is installed or downloaded (GPU machines may have no network): build the extension first

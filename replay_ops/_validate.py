@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from . import scores
@@ -118,6 +119,97 @@ def check_index_values(
     )
 
 
+# --------------------------------------------------------------- routing dtypes
+# Routing arrives in whatever integer type the engine chose (vLLM: int32, int16, or numpy
+# uint8/uint16 for <= 256 / more experts; verl: int16; record files: uint8 or int16).
+# Every entry point turns it into the narrowest signed type that holds all of its values,
+# so -1 keeps meaning "no route" and an unsigned value keeps its value: an unsigned type
+# cannot hold -1, and its maximum (255, 65535, ...) is an expert id like any other, which
+# the range check refuses when it is >= num_experts. No value is read as a sentinel.
+SIGNED_ROUTING = {
+    torch.int8: torch.int16,
+    torch.uint8: torch.int16,
+    torch.int16: torch.int16,
+    torch.uint16: torch.int32,
+    torch.int32: torch.int32,
+    torch.uint32: torch.int64,
+    torch.int64: torch.int64,
+    torch.uint64: torch.int64,
+}
+UNSIGNED = (torch.uint8, torch.uint16, torch.uint32, torch.uint64)
+
+
+def signed_routing(x, who: str, arg: str = "routing",
+                   error: type[Exception] = TypeError) -> tuple[torch.Tensor, torch.dtype]:
+    """(routing as a signed integer tensor holding the same values, its dtype as it came).
+
+    `x` is a torch tensor, a numpy array or a nested list of any integer type: int8/16/32/
+    64 or uint8/16/32/64. Signed int16/32/64 tensors come back as they are (no copy); int8
+    and unsigned ones are widened without loss (uint64 values above the int64 range are
+    refused, with the entry named). A float, bool or complex dtype raises `error` naming
+    `arg` and the dtype."""
+    if not isinstance(x, torch.Tensor):
+        try:
+            a = np.asarray(x)
+            if not (a.flags.writeable and a.flags.c_contiguous):
+                a = a.copy()  # engines may hand over read-only views of their buffers
+            x = torch.from_numpy(a)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise error(f"{who}: {arg} must be an integer tensor or array, got "
+                        f"{type(x).__name__} ({e})") from None
+    orig = x.dtype
+    if orig not in SIGNED_ROUTING:
+        raise error(f"{who}: {arg} must hold integer expert ids (int8/16/32/64 or uint8/16/32/"
+                    f"64), got {orig}")
+    if orig == torch.uint64:
+        bits = x.view(torch.int64)  # the same bits: values >= 2**63 read negative
+        pos = _first_true(bits < 0)
+        if pos is not None:
+            value_error = error if issubclass(error, ValueError) else ValueError
+            v = int(bits[tuple(pos)]) + (1 << 64)
+            raise value_error(f"{who}: {arg}{pos} = {v} (row {pos[0]}) is not an expert id: it "
+                              f"does not fit int64{unsigned_note(orig, v)}")
+        return bits, orig
+    want = SIGNED_ROUTING[orig]
+    return (x if want == orig else x.to(want)), orig
+
+
+def int16_routing(x, who: str, arg: str = "routing", error: type[Exception] = ValueError,
+                  arrived_as: torch.dtype | None = None) -> tuple[torch.Tensor, torch.dtype]:
+    """`signed_routing`, then int16 (the training layout's type): a value outside -1..32767
+    raises `error` naming the entry, its row and value (one host read when the routing
+    is not int16 already). `arrived_as`: the dtype the routing came in, for the message,
+    when it was converted already."""
+    t, orig = signed_routing(x, who, arg, error)
+    orig = arrived_as or orig
+    if t.dtype == torch.int16:
+        return t, orig
+    pos = _first_true((t < -1) | (t > torch.iinfo(torch.int16).max))
+    if pos is not None:
+        v = int(t[tuple(pos)])
+        raise error(f"{who}: {arg}{pos} = {v} (row {pos[0]}) is outside -1..32767, the ids the "
+                    f"int16 training layout holds (-1 = no route){unsigned_note(orig, v)}")
+    return t.to(torch.int16), orig
+
+
+def _first_true(flags: torch.Tensor) -> list[int] | None:
+    """The index of the first True entry (row-major), or None (one host read)."""
+    if flags.numel() == 0 or not bool(flags.any()):
+        return None
+    return [int(v) for v in flags.nonzero()[0]]
+
+
+def unsigned_note(dtype: torch.dtype, value: int) -> str:
+    """The words added to a range error for routing that arrived unsigned."""
+    if dtype not in UNSIGNED:
+        return ""
+    top = (1 << (8 * dtype.itemsize)) - 1
+    what = f"; {value} is its maximum, read as an expert id, not as an empty slot" \
+        if value == top else ""
+    return (f" (the routing arrived as {dtype}, which cannot hold -1 for an empty slot{what}; "
+            f"mark missing routes with -1 in a signed dtype, or with a replay mask)")
+
+
 class BadRoute(NamedTuple):
     """The first bad entry of a routing tensor [n, L, K]: an expert id outside [-1, E)
     (`kind` "range", at token, layer column, slot, with its value) or a token whose layer
@@ -144,6 +236,8 @@ def first_bad_route(routing: torch.Tensor, num_experts: int,
     n = routing.shape[0]
     if routing.numel() == 0:
         return None
+    if SIGNED_ROUTING.get(routing.dtype, routing.dtype) != routing.dtype:
+        routing = routing.to(SIGNED_ROUTING[routing.dtype])  # comparisons need a signed type
     keep = None if mask is None else mask.to(torch.bool).to(routing.device)
     flags = []
     for t0 in range(0, n, CHECK_CHUNK_TOKENS):

@@ -286,3 +286,29 @@ class HostSyncCounter:
         for meth, orig in self._patched:
             setattr(torch.Tensor, meth, orig)
         return False
+
+
+# ------------------------------------------------------------------------- real clients
+def require_client(module: str, package: str) -> None:
+    """Import `module` of a real client (megatron-core, verl) or skip the calling test
+    module. `make test` installs the clients and sets REPLAY_OPS_REQUIRE_CLIENTS=1: then a
+    client that does not import is an error, never a skip that reads as a pass."""
+    import importlib
+    import os
+
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        if os.environ.get("REPLAY_OPS_REQUIRE_CLIENTS") == "1":
+            raise RuntimeError(f"{package} is required here (REPLAY_OPS_REQUIRE_CLIENTS=1) but "
+                               f"`import {module}` failed: {e}") from e
+        pytest.skip(f"{package} is not installed (`make test` installs it)",
+                    allow_module_level=True)
+    want = os.environ.get("REPLAY_OPS_EXPECT_MCORE")
+    if module == "megatron.core" and want:  # the run against the newest release
+        import megatron.core
+
+        if megatron.core.__version__.split("+")[0] != want:
+            raise RuntimeError(f"REPLAY_OPS_EXPECT_MCORE={want} but megatron-core "
+                               f"{megatron.core.__version__} was imported from "
+                               f"{megatron.core.__file__}")

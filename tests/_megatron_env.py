@@ -323,7 +323,9 @@ def build_moe_layer(config, *, replay: bool, options=None, seed: int = 1234, lay
     if replay:
         spec = rom.replay_spec(spec, options)
     torch.manual_seed(seed)
-    layer = build_module(spec, config=config)
+    # megatron-core >= 0.17 returns the MoE spec as functools.partial(MoELayer, ...)
+    layer = spec(config=config) if callable(spec) and not isinstance(spec, type) \
+        and not hasattr(spec, "module") else build_module(spec, config=config)
     layer.set_layer_number(layer_number)
     return layer
 

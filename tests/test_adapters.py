@@ -323,3 +323,114 @@ def test_sglang_payload_that_fits_two_layer_counts_is_refused():
     assert sglang_sequences([ok], [58], ds)[0].num_tokens == 58
     with pytest.raises(RoutingMismatchError, match="num_layers=7 is neither"):
         sglang_sequences([ok], [58], ds, num_layers=7)
+
+
+# ------------------------------------------------------------------ verl: zero rows in the mask
+def verl_multi_turn(k: int):
+    """verl's tool agent loop, two rows of S=8: row 0 is left-padded by 2, its rollout
+    routing covers positions 2..4 (the last generation's request), positions 5, 6 are tool
+    tokens appended after the last generation and 7 the final token: zero rows inside the
+    attention mask. Row 1 is routed at 0..6, its final token 7 is zero. Experts are drawn
+    from 1..15, so no routed row is zero by chance. Returns the layout, routed int16
+    [2, 8, 3, k] (absolute layers; layer 1 dense), attention_mask, and the rows that hold
+    routing."""
+    layout = ModelLayout(num_experts=16, top_k=k, moe_layer_ids=(0, 2), num_hidden_layers=3)
+    rng = np.random.default_rng(k)
+    routed = np.stack([rng.permutation(np.arange(1, 16))[:k] for _ in range(2 * 8 * 3)])
+    routed = routed.reshape(2, 8, 3, k)
+    routed[:, :, 1] = 0  # the dense layer
+    att = torch.ones(2, 8, dtype=torch.int64)
+    att[0, :2] = 0
+    routed[0, :2] = 0
+    routed[0, 5:] = 0
+    routed[1, 7] = 0
+    has = torch.zeros(2, 8, dtype=torch.bool)
+    has[0, 2:5] = True
+    has[1, :7] = True
+    return layout, torch.from_numpy(routed.astype(np.int16)), att, has
+
+
+def expect_rows(batch, routed, has):
+    assert torch.equal(batch.replay_mask, has)
+    assert (batch.indices[~has] == -1).all()
+    assert torch.equal(batch.indices[has], routed[has][:, [0, 2]])
+
+
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_verl_zero_rows_inside_the_attention_mask_are_refused_by_default(k):
+    layout, routed, att, _ = verl_multi_turn(k)
+    hint = "zero_rows='missing'" if k > 1 else "zero_rows='expert0'"
+    with pytest.raises(RoutingMismatchError, match=rf"row \(b=0, s=5\) is all zeros in every MoE "
+                                                   rf"layer .*\(2 such rows\).*{hint}"):
+        from_verl_padded(routed, att, layout)
+
+
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_verl_zero_rows_as_missing(k):
+    layout, routed, att, has = verl_multi_turn(k)
+    if k == 1:  # a zero row is also a real route to expert 0: never dropped on a guess
+        with pytest.raises(ValueError, match=r"zero_rows='missing' needs top_k >= 2"):
+            from_verl_padded(routed, att, layout, zero_rows="missing")
+        return
+    expect_rows(from_verl_padded(routed, att, layout, zero_rows="missing"), routed, has)
+    # a token that is zero in one MoE layer only is a broken row, not a missing one
+    routed[1, 3, 2] = 0
+    with pytest.raises(RoutingMismatchError, match=r"token 11, MoE layer 2 repeats an expert"):
+        from_verl_padded(routed, att, layout, zero_rows="missing")
+
+
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_verl_replay_mask_says_which_rows_hold_routing(k):
+    layout, routed, att, has = verl_multi_turn(k)
+    expect_rows(from_verl_padded(routed, att, layout, replay_mask=has), routed, has)
+    expect_rows(from_verl_padded(routed, att, layout, replay_mask=has.numpy()), routed, has)
+    if k > 1:
+        with pytest.raises(ValueError, match=r"zero_rows='expert0' needs top_k=1"):
+            from_verl_padded(routed, att, layout, replay_mask=has, zero_rows="expert0")
+        return
+    # top_k=1: a real route to expert 0 in every MoE layer is a zero row too; inside the
+    # mask it is refused until the caller says zero rows are routes
+    routed[1, 3] = 0
+    with pytest.raises(RoutingMismatchError, match=r"row \(b=1, s=3\) .*zero_rows='expert0'"):
+        from_verl_padded(routed, att, layout, replay_mask=has)
+    b = from_verl_padded(routed, att, layout, replay_mask=has, zero_rows="expert0")
+    expect_rows(b, routed, has)
+    assert (b.indices[1, 3] == 0).all() and b.replay_mask[1, 3]
+
+
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_verl_own_r3_replay_mask(k):
+    """verl's build_r3_replay_mask (jagged, over the unpadded tokens) replays every row but
+    the final one, so it covers the trailing zero rows."""
+    utils = pytest.importorskip("verl.utils.megatron.router_replay_utils",
+                                reason="verl (with its Megatron utilities) is not installed")
+    layout, routed, att, has = verl_multi_turn(k)
+    lens = att.sum(dim=1)
+    input_ids = torch.nested.nested_tensor([torch.arange(int(n)) for n in lens],
+                                           layout=torch.jagged)
+    response_mask = torch.ones(2, 4, dtype=torch.int64)
+    verl_mask = utils.build_r3_replay_mask(input_ids, response_mask)
+    with pytest.raises(RoutingMismatchError, match=r"row \(b=0, s=5\)"):
+        from_verl_padded(routed, att, layout, replay_mask=verl_mask)
+    if k > 1:
+        b = from_verl_padded(routed, att, layout, replay_mask=verl_mask, zero_rows="missing")
+        expect_rows(b, routed, has)
+    # the jagged mask must match the attention mask's lengths
+    short = torch.nested.nested_tensor([torch.ones(3, dtype=torch.bool)] * 2,
+                                       layout=torch.jagged)
+    with pytest.raises(RoutingMismatchError, match=r"jagged replay_mask has sequence lengths "
+                                                   r"\[3, 3\] but the attention mask has \[6, 8\]"):
+        from_verl_padded(routed, att, layout, replay_mask=short)
+
+
+def test_verl_bad_replay_mask_and_zero_rows_arguments():
+    layout, routed, att, has = verl_multi_turn(2)
+    bad = has.clone()
+    bad[0, 1] = True  # padding
+    with pytest.raises(RoutingMismatchError, match=r"replay_mask is True at row \(b=0, s=1\), "
+                                                   r"outside the attention mask"):
+        from_verl_padded(routed, att, layout, replay_mask=bad)
+    with pytest.raises(RoutingMismatchError, match=r"replay_mask must be bool \[B, S\]=\(2, 8\)"):
+        from_verl_padded(routed, att, layout, replay_mask=has.long())
+    with pytest.raises(ValueError, match=r"zero_rows must be one of .*got 'skip'"):
+        from_verl_padded(routed, att, layout, zero_rows="skip")

@@ -143,3 +143,109 @@ def test_direct_construction_is_checked_by_router_replay():
     with pytest.raises(ConfigError, match="unknown fallback='native'"):
         RouterReplay(RouterReplayConfig(mode="R3", fallback="native"), num_experts=4, top_k=1,
                      moe_layer_ids=[0])
+
+
+# ------------------------------------------------------------------ verl's generated configs
+# verl's own configs, as verl writes them (the installed package ships them): router_replay
+# nodes carry `_target_`, the Megatron actor's node is actor_rollout_ref.actor.megatron.
+MEGATRON_RR = "actor_rollout_ref.actor.megatron.router_replay"
+STRATEGY = "actor_rollout_ref.actor.strategy"
+
+
+@pytest.fixture(scope="module")
+def verl_configs():
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("verl")  # importing verl itself starts ray: find it only
+    if spec is None or spec.origin is None:
+        pytest.skip("verl is not installed: its generated trainer configs are not available")
+    d = os.path.join(os.path.dirname(spec.origin), "trainer", "config")
+    paths = {"megatron": os.path.join(d, "_generated_ppo_megatron_trainer.yaml"),
+             "fsdp": os.path.join(d, "_generated_ppo_trainer.yaml")}
+    for p in paths.values():
+        assert os.path.exists(p), f"verl is installed but ships no {p}"
+    return paths
+
+
+def edited_copy(src, tmp_path, name, **updates):
+    """A copy of a verl config with keys set, as a user editing the file would."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(src)
+    for key, value in updates.items():
+        OmegaConf.update(cfg, key.replace("__", "."), value, force_add=True)
+    out = tmp_path / name
+    OmegaConf.save(cfg, out)
+    return out
+
+
+def test_verl_generated_configs_load_as_written(verl_configs):
+    for path in verl_configs.values():
+        cfg = load_config(path)
+        assert cfg.mode is ReplayMode.DISABLED and cfg.enable_rollout_routing_replay is False
+
+
+def test_verl_megatron_mode_is_read(verl_configs, tmp_path):
+    meg = verl_configs["megatron"]
+    assert load_config(meg, [f"{MEGATRON_RR}.mode=R2"]).mode is ReplayMode.R2
+    cfg = load_config(meg, [f"{MEGATRON_RR}.mode=R3", f"{FLAG}=True"])
+    assert cfg.mode is ReplayMode.R3 and cfg.enable_rollout_routing_replay is True
+    # the same through an edited copy of the file
+    p = edited_copy(meg, tmp_path, "meg_r2.yaml", **{f"{MEGATRON_RR}.mode": "R2"})
+    assert load_config(p).mode is ReplayMode.R2
+    p = edited_copy(meg, tmp_path, "meg_r3.yaml", **{f"{MEGATRON_RR}.mode": "R3", FLAG: True})
+    assert load_config(p).mode is ReplayMode.R3
+
+
+def test_verl_megatron_r3_and_the_rollout_flag(verl_configs):
+    meg = verl_configs["megatron"]
+    # R3 without the rollout returning routing: named as R3 (not "mode=disabled")
+    with pytest.raises(ConfigError, match=rf"{MEGATRON_RR}\.mode=R3 needs the rollout .*"
+                                          rf"{FLAG}=False"):
+        load_config(meg, [f"{MEGATRON_RR}.mode=R3"])
+    with pytest.raises(ConfigError, match=rf"{MEGATRON_RR}\.mode=R2 cannot be combined with "
+                                          rf"{FLAG}=True"):
+        load_config(meg, [f"{MEGATRON_RR}.mode=R2", f"{FLAG}=True"])
+    with pytest.raises(ConfigError, match=rf"{FLAG}=True but {MEGATRON_RR}\.mode=disabled"):
+        load_config(meg, [f"{FLAG}=True"])
+
+
+def test_verl_target_key_is_accepted_and_only_verl_s(verl_configs, tmp_path):
+    target = "verl.workers.config.RouterReplayConfig"
+    # the FSDP actor's node as verl's RouterReplayConfig writes it, in a copy of the file
+    p = edited_copy(verl_configs["fsdp"], tmp_path, "fsdp_r3.yaml",
+                    **{f"{RR}._target_": target, f"{RR}.mode": "R3", f"{RR}.record_file": None,
+                       f"{RR}.replay_file": None, FLAG: True})
+    cfg = load_config(p)
+    assert cfg.mode is ReplayMode.R3 and cfg.enable_rollout_routing_replay is True
+    assert load_config(verl_configs["fsdp"], [f"+{RR}._target_={target}", f"{RR}.mode=R2"]
+                       ).mode is ReplayMode.R2
+    # other unknown keys are still refused, next to _target_ too
+    with pytest.raises(ConfigError, match=rf"invalid {RR}: Key 'target' not in"):
+        load_config(p, [f"+{RR}.target={target}"])
+    with pytest.raises(ConfigError, match=rf"invalid {MEGATRON_RR}: Key 'mdoe' not in"):
+        load_config(verl_configs["megatron"], [f"+{MEGATRON_RR}.mdoe=R2"])
+    # and so is a _target_ that is not verl's router replay config
+    with pytest.raises(ConfigError, match=rf"{RR}\._target_='my.Config' is not verl's router "
+                                          r"replay config"):
+        load_config(p, [f"{RR}._target_=my.Config"])
+
+
+def test_verl_fsdp_and_megatron_modes_that_disagree(verl_configs):
+    meg = verl_configs["megatron"]
+    with pytest.raises(ConfigError, match=rf"{RR}\.mode=R3 and {MEGATRON_RR}\.mode=disabled "
+                                          r"disagree"):
+        load_config(meg, [f"{RR}.mode=R3", f"{FLAG}=True"])
+    with pytest.raises(ConfigError, match=rf"{RR}\.mode=R2 and {MEGATRON_RR}\.mode=R3 disagree"):
+        load_config(meg, [f"{RR}.mode=R2", f"{MEGATRON_RR}.mode=R3", f"{FLAG}=True"])
+    # the same mode in both is one setting
+    cfg = load_config(meg, [f"{RR}.mode=r3", f"{MEGATRON_RR}.mode=R3", f"{FLAG}=True"])
+    assert cfg.mode is ReplayMode.R3
+
+
+def test_mode_set_only_where_the_strategy_s_engine_does_not_read_it():
+    with pytest.raises(ConfigError, match=rf"{RR}\.mode=R2 but {STRATEGY}=megatron, whose "
+                                          rf"engine reads {MEGATRON_RR}\.mode"):
+        load_config(overrides=[f"{STRATEGY}=megatron", f"{RR}.mode=R2"])
+    assert load_config(overrides=[f"{STRATEGY}=fsdp", f"{RR}.mode=R2"]).mode is ReplayMode.R2

@@ -92,8 +92,13 @@ def test_pack_thd_wrong_layout_is_detected():
     with pytest.raises(md.LayoutError, match=r"sequence 0: token 2, layer column 1 .* expert id 19, "
                                              r"outside 0..15 .*logical expert ids"):
         md.pack_thd([bad], [5], num_experts=E)
-    with pytest.raises(md.LayoutError, match="uint8"):
-        md.pack_thd([seq_routing(4, 0).to(torch.uint8)], [5])
+    # uint8 is an integer type like any other: its 255 (record files' stand-in for an
+    # empty slot) is expert 255, out of range here, never an empty slot
+    u8 = seq_routing(4, 0).to(torch.uint8)
+    u8[1, 0, 1] = 255
+    with pytest.raises(md.LayoutError, match=r"token 1, layer column 0 .* slot 1 holds expert id "
+                                             r"255, .*torch.uint8, which cannot hold -1"):
+        md.pack_thd([u8], [5], num_experts=E)
 
 
 def zigzag_by_definition(total_lens, cp, r):

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("megatron.core", reason="megatron-core is installed by `make test`")
+from _helpers import require_client  # noqa: E402
+
+require_client("megatron.core", "megatron-core")
 
 import _megatron_env as env  # noqa: E402
 import _megatron_workers as workers  # noqa: E402

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("megatron.core", reason="megatron-core is installed by `make test`")
+from _helpers import require_client  # noqa: E402
+
+require_client("megatron.core", "megatron-core")
 
 import _megatron_env as env  # noqa: E402
 
@@ -163,3 +165,34 @@ def test_stock_router_gets_int64_views_and_needs_replay_flag():
     assert rr.target_topk_idx.dtype == torch.int64  # Megatron's own gather needs int64
     rom.set_replay_action(m, RouterReplayAction.REPLAY_FORWARD)
     forward(m)
+
+
+@pytest.mark.parametrize("how", ["replay_spec", "install"])
+def test_global_action_mtp_router_without_target_routes_natively(how):
+    """The global action reaches the MTP router too (as verl sets it); it was given no
+    target, so it takes Megatron's native selection; a decoder router without target
+    raises. The MTP spec shares the decoder's layer spec objects: marking its routers must
+    not turn the decoder routers into MTP routers."""
+    if how == "replay_spec":
+        m = build_gpt(mtp=True)
+    else:
+        m = build_gpt(mtp=True, replay=False)
+        rom.install(m)
+    slots = rom.find_moe_routers(m, include_mtp=True)
+    assert [s.router.is_mtp_layer for s in slots] == [s.is_mtp for s in slots] == \
+        [False, False, False, True]
+    routing = full_routing(3, seed=500)
+    rom.set_replay_routing(m, routing)
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    forward(m)
+    mtp = slots[-1].router
+    assert mtp.router_replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD
+    x = torch.randn(S * B, 1, 16)
+    with torch.no_grad():
+        native = mtp.native_topk(mtp.gating(x).view(-1, mtp.config.num_moe_experts))
+        _, rmap = mtp(x)
+    assert torch.equal(rmap, torch.zeros_like(rmap).scatter(1, native, True))
+    slots[0].router.router_replay.clear_indices()
+    with pytest.raises(rom.ReplayRoutingError, match=r"layer 2\): REPLAY_FORWARD but no target"):
+        forward(m)
+    RouterReplay.clear_global_router_replay_action()

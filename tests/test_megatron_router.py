@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("megatron.core", reason="megatron-core is installed by `make test`")
+from _helpers import require_client  # noqa: E402
+
+require_client("megatron.core", "megatron-core")
 
 import _megatron_env as env  # noqa: E402
 from _helpers import HostSyncCounter  # noqa: E402

@@ -5,11 +5,15 @@ The names users already type are accepted as they are:
     actor_rollout_ref.actor.router_replay.mode=R3            # disabled | R2 | R3
     actor_rollout_ref.actor.router_replay.record_file=/path/routing.safetensors
     actor_rollout_ref.actor.router_replay.replay_file=/path/routing.safetensors
+    actor_rollout_ref.actor.megatron.router_replay.mode=R3   # verl's Megatron actor
+    actor_rollout_ref.actor.veomni.router_replay.mode=R3     # verl's VeOmni actor
     actor_rollout_ref.rollout.enable_rollout_routing_replay=True
 
 `load_config(yaml_files, overrides)` merges YAML files and dotted command-line overrides
-with OmegaConf, checks the `router_replay` node against a typed schema (a misspelt key is
-an error, not ignored) and checks the combination of options (`check_combination`).
+with OmegaConf, checks each `router_replay` node against a typed schema (a misspelt key is
+an error, not ignored; verl's `_target_` is accepted when it names verl's router replay
+config class), refuses nodes that disagree, and checks the combination of options
+(`check_combination`).
 """
 from __future__ import annotations
 
@@ -20,7 +24,18 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 ROUTER_REPLAY_KEY = "actor_rollout_ref.actor.router_replay"
+MEGATRON_ROUTER_REPLAY_KEY = "actor_rollout_ref.actor.megatron.router_replay"
+VEOMNI_ROUTER_REPLAY_KEY = "actor_rollout_ref.actor.veomni.router_replay"
 ROLLOUT_FLAG_KEY = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
+STRATEGY_KEY = "actor_rollout_ref.actor.strategy"
+# Where verl keeps the actor's router_replay node: the FSDP actor's own node, and the
+# engine config of the Megatron and VeOmni actors (verl's generated configs hold these).
+ROUTER_REPLAY_KEYS = (ROUTER_REPLAY_KEY, MEGATRON_ROUTER_REPLAY_KEY, VEOMNI_ROUTER_REPLAY_KEY)
+# The engine whose node verl reads for each actor strategy (verl's engine_workers).
+STRATEGY_KEYS = {"megatron": MEGATRON_ROUTER_REPLAY_KEY, "veomni": VEOMNI_ROUTER_REPLAY_KEY}
+# verl writes `_target_` (the dataclass it instantiates) into each router_replay node.
+VERL_TARGETS = ("verl.workers.config.RouterReplayConfig",
+                "verl.workers.config.EngineRouterReplayConfig")
 
 
 class ConfigError(ValueError):
@@ -141,25 +156,26 @@ class RouterReplayConfig:
 FALLBACKS = ("gate", "topk_fn")
 
 
-def check_combination(cfg: RouterReplayConfig) -> None:
-    """Raise ConfigError on a bad value or an invalid combination of options."""
+def check_combination(cfg: RouterReplayConfig, mode_key: str = ROUTER_REPLAY_KEY) -> None:
+    """Raise ConfigError on a bad value or an invalid combination of options. `mode_key`:
+    the router_replay node the mode was read from, named in the messages."""
     mode = cfg.mode
     flag = cfg.enable_rollout_routing_replay
     if mode is ReplayMode.R2 and flag:
         raise ConfigError(
-            f"router_replay: mode=R2 cannot be combined with {ROLLOUT_FLAG_KEY}=True: R2 "
-            f"replays the training engine's own recording; rollout routing replay is R3 "
-            f"(set {ROUTER_REPLAY_KEY}.mode=R3, or {ROLLOUT_FLAG_KEY}=False)"
+            f"router_replay: {mode_key}.mode=R2 cannot be combined with {ROLLOUT_FLAG_KEY}"
+            f"=True: R2 replays the training engine's own recording; rollout routing replay is R3 "
+            f"(set {mode_key}.mode=R3, or {ROLLOUT_FLAG_KEY}=False)"
         )
     if mode is ReplayMode.R3 and flag is not None and not flag:
         raise ConfigError(
-            f"router_replay: mode=R3 needs the rollout to return its routing, but "
+            f"router_replay: {mode_key}.mode=R3 needs the rollout to return its routing, but "
             f"{ROLLOUT_FLAG_KEY}={flag}; set {ROLLOUT_FLAG_KEY}=True"
         )
     if mode is ReplayMode.DISABLED and flag:
         raise ConfigError(
-            f"router_replay: {ROLLOUT_FLAG_KEY}=True but {ROUTER_REPLAY_KEY}.mode=disabled: "
-            f"the rollout routing would be dropped silently; set mode=R3"
+            f"router_replay: {ROLLOUT_FLAG_KEY}=True but {mode_key}.mode=disabled: "
+            f"the rollout routing would be dropped silently; set {mode_key}.mode=R3"
         )
     if mode is ReplayMode.DISABLED and (cfg.record_file or cfg.replay_file):
         which = "record_file" if cfg.record_file else "replay_file"
@@ -185,9 +201,11 @@ def load_config(
     """Merge YAML files (in order) and dotted overrides (`a.b.c=value`, as on a verl
     command line; a leading `--` or `+` is accepted) and return the checked config.
 
-    Only `actor_rollout_ref.actor.router_replay` and `actor_rollout_ref.rollout.
-    enable_rollout_routing_replay` are read; the rest of a full training config is left
-    alone. Keys under `router_replay` must be fields of RouterReplayConfig.
+    Only the actor's router_replay nodes (`ROUTER_REPLAY_KEYS`, see
+    `config_from_omegaconf`), `actor_rollout_ref.actor.strategy` and `actor_rollout_ref.
+    rollout.enable_rollout_routing_replay` are read; the rest of a full training config
+    (verl's generated configs included) is left alone. Keys under `router_replay` must be
+    fields of RouterReplayConfig, or verl's `_target_`.
     """
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -223,38 +241,90 @@ def _strip_override(item: str) -> str:
 
 
 def config_from_omegaconf(cfg) -> RouterReplayConfig:
-    """RouterReplayConfig from a full (verl-shaped) OmegaConf/dict config."""
+    """RouterReplayConfig from a full (verl-shaped) OmegaConf/dict config.
+
+    The actor's router_replay node is read wherever verl keeps it (`ROUTER_REPLAY_KEYS`:
+    the FSDP actor's `actor_rollout_ref.actor.router_replay`, the Megatron engine's
+    `actor_rollout_ref.actor.megatron.router_replay`, the VeOmni engine's
+    `actor_rollout_ref.actor.veomni.router_replay`). Nodes that set a field to different
+    values are refused, naming both keys; with `actor.strategy` megatron or veomni, a mode
+    set only under another node is refused (verl's engine would not read it)."""
     from omegaconf import DictConfig, OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.create(cfg)
-    node = OmegaConf.select(cfg, ROUTER_REPLAY_KEY, default=None)
-    flag = OmegaConf.select(cfg, ROLLOUT_FLAG_KEY, default=None)
-    schema = OmegaConf.structured(RouterReplayConfig)
-    try:
+    nodes = {}
+    for key in ROUTER_REPLAY_KEYS:
+        node = OmegaConf.select(cfg, key, default=None)
         if node is not None:
-            if not isinstance(node, DictConfig):
-                raise ConfigError(
-                    f"router_replay: {ROUTER_REPLAY_KEY} must be a mapping, got {node!r}"
-                )
-            if "mode" in node and node.mode is not None:
-                # the schema's enum node takes member names; accept the values users type
-                # ("disabled", "r3") by parsing them first
-                node = OmegaConf.merge(node, {"mode": ReplayMode.parse(node.mode).name})
-            merged = OmegaConf.merge(schema, node)
-        else:
-            merged = schema
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"router_replay: invalid {ROUTER_REPLAY_KEY}: {e}") from e
-    values = OmegaConf.to_container(merged, resolve=True)
+            nodes[key] = _read_node(node, key)
+    values, mode_key = _merge_nodes(nodes)
+    strategy = OmegaConf.select(cfg, STRATEGY_KEY, default=None)
+    engine_key = STRATEGY_KEYS.get(str(strategy)) if strategy is not None else None
+    mode = ReplayMode.parse(values.get("mode"))
+    if engine_key is not None and mode is not ReplayMode.DISABLED and engine_key not in nodes:
+        raise ConfigError(
+            f"router_replay: {mode_key}.mode={mode} but {STRATEGY_KEY}={strategy}, whose "
+            f"engine reads {engine_key}.mode (not set, so disabled): verl would not replay. "
+            f"Set {engine_key}.mode={mode}")
+    flag = OmegaConf.select(cfg, ROLLOUT_FLAG_KEY, default=None)
     # verl's default for the rollout flag is False: a verl-shaped config without it
     # does not return rollout routing, so R3 without it is rejected.
     values["enable_rollout_routing_replay"] = (
         False if flag is None else _as_bool(flag, ROLLOUT_FLAG_KEY))
     out = RouterReplayConfig(**values)
-    check_combination(out)
+    check_combination(out, mode_key)
     return out
+
+
+def _read_node(node, key: str) -> dict:
+    """One router_replay node checked against the schema -> {field: value} of the fields
+    it sets (`_target_` checked and dropped)."""
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"router_replay: {key} must be a mapping, got {node!r}")
+    node = node.copy()
+    if "_target_" in node:
+        target = node.pop("_target_")
+        if target not in VERL_TARGETS:
+            raise ConfigError(
+                f"router_replay: {key}._target_={target!r} is not verl's router replay config; "
+                f"expected one of {list(VERL_TARGETS)}")
+    try:
+        if "mode" in node and node.mode is not None:
+            # the schema's enum node takes member names; accept the values users type
+            # ("disabled", "r3") by parsing them first
+            node = OmegaConf.merge(node, {"mode": ReplayMode.parse(node.mode).name})
+        OmegaConf.merge(OmegaConf.structured(RouterReplayConfig), node)  # types and names
+        given = OmegaConf.to_container(node, resolve=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"router_replay: invalid {key}: {e}") from e
+    merged = OmegaConf.merge(OmegaConf.structured(RouterReplayConfig), given)
+    full = OmegaConf.to_container(merged, resolve=True)
+    return {name: full[name] for name in given}
+
+
+def _merge_nodes(nodes: dict) -> tuple[dict, str]:
+    """The fields set by the router_replay nodes, which must agree -> (fields, the key of
+    the node the mode comes from)."""
+    values, source = {}, {}
+    for key, fields in nodes.items():
+        for name, value in fields.items():
+            if value is None or name == "enable_rollout_routing_replay":
+                continue
+            if name in values and values[name] != value:
+                shown = [str(v) if name == "mode" else repr(v) for v in (values[name], value)]
+                raise ConfigError(
+                    f"router_replay: {source[name]}.{name}={shown[0]} and {key}.{name}="
+                    f"{shown[1]} disagree: verl's FSDP actor reads {ROUTER_REPLAY_KEY}, its "
+                    f"Megatron and VeOmni actors their engine's node ({MEGATRON_ROUTER_REPLAY_KEY}"
+                    f", {VEOMNI_ROUTER_REPLAY_KEY}); set {name} in one node, or the same "
+                    f"value in both")
+            values.setdefault(name, value)
+            source.setdefault(name, key)
+    return values, source.get("mode", next(iter(nodes), ROUTER_REPLAY_KEY))
 
 
 def _as_bool(value, key: str) -> bool:

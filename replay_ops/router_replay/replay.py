@@ -31,6 +31,7 @@ import torch
 
 from ..plan import RoutingPlan
 from .config import ConfigError, ReplayAction, ReplayMode, RouterReplayConfig, check_combination
+from .._validate import UNSIGNED, signed_routing, unsigned_note
 from .shape import ModelShape, describe_bad_route, first_bad_route
 
 LAYER_MAPPINGS = ("auto", "absolute", "moe")
@@ -166,9 +167,12 @@ class RouterReplay:
         layer_index: str = "auto",
     ) -> None:
         """Routing to replay: `indices` [T, L, K] (or [B, S, L, K], flattened to B*S
-        tokens) of int16/int32/int64, -1 = empty slot. L is the number of MoE layers
-        (`layer_index="moe"`) or of all hidden layers (`"absolute"`); `"auto"` picks by L.
-        The tensor is kept as is: each layer replays a `[T, K]` view of it.
+        tokens), -1 = empty slot. L is the number of MoE layers (`layer_index="moe"`) or
+        of all hidden layers (`"absolute"`); `"auto"` picks by L. An int16/int32/int64
+        tensor is kept as is: each layer replays a `[T, K]` view of it. int8 and unsigned
+        tensors (uint8/16/32/64) are widened to a signed copy first, and their values are
+        always checked, `validate` or not: an unsigned type cannot hold -1, so each of its
+        values, its maximum included, is an expert id, refused when >= num_experts.
 
         `replay_mask` [T] bool: False rows fall back to native top-k. When None, tokens
         whose slots are empty (-1) in every MoE layer get False; a token that is empty in
@@ -197,15 +201,7 @@ class RouterReplay:
                 f"RouterReplay.set_routing: indices must be [T, L, K] or [B, S, L, K], got "
                 f"shape {tuple(indices.shape)}"
             )
-        if indices.dtype == torch.uint8:
-            raise TypeError(
-                "RouterReplay.set_routing: indices are uint8; decode them with "
-                "replay_ops.router_replay.files (255 is the empty-slot sentinel there)"
-            )
-        if indices.dtype not in (torch.int16, torch.int32, torch.int64):
-            raise TypeError(
-                f"RouterReplay.set_routing: indices must be int16/int32/int64, got {indices.dtype}"
-            )
+        indices, dtype = signed_routing(indices, "RouterReplay.set_routing", "indices")
         T, L, K = indices.shape
         if K != self.top_k:
             raise ValueError(
@@ -224,23 +220,29 @@ class RouterReplay:
                 replay_mask = replay_mask.to(indices.device)
         else:
             replay_mask = self._derive_mask(indices, cols)
-        self._check_values(indices[:, self.shape.columns(mapping), :], replay_mask, source)
+        # unsigned routing is always checked: its type cannot hold -1, so a format's
+        # stand-in for an empty slot (often the type's maximum) would otherwise pass
+        self._check_values(indices[:, self.shape.columns(mapping), :], replay_mask, source,
+                           dtype, force=dtype in UNSIGNED)
         self._routing = indices
         self._routing_cols = cols
         self._replay_mask = replay_mask
         self.layer_mapping = mapping
         self.routing_source = source
 
-    def _check_values(self, moe_routing: torch.Tensor, mask, source: str) -> None:
-        """With config.validate: the replayed rows of [T, L_moe, K] routing name experts in
-        range, none twice in a token's layer (one host sync)."""
-        if not self.config.validate:
+    def _check_values(self, moe_routing: torch.Tensor, mask, source: str,
+                      dtype: torch.dtype | None = None, force: bool = False) -> None:
+        """With config.validate (or `force`): the replayed rows of [T, L_moe, K] routing
+        name experts in range, none twice in a token's layer (one host sync). `dtype`: the
+        dtype the routing arrived in, for the message."""
+        if not (self.config.validate or force):
             return
         bad = first_bad_route(moe_routing, self.num_experts, mask)
         if bad is not None:
             raise RouterReplayError(
                 f"RouterReplay: the routing from {_describe_source(source)} cannot be "
                 f"replayed: {describe_bad_route(bad, self.num_experts, self.moe_layer_ids)}"
+                f"{unsigned_note(dtype, bad.value) if bad.kind == 'range' else ''}"
             )
 
     def resolve_layer_mapping(self, L: int, layer_index: str = "auto", *, where: str = "") -> str:

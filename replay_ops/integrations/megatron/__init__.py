@@ -48,6 +48,7 @@ _LAZY = {
     "check_config": "router",
     "gate_semantics": "router",
     "install": "router",
+    "replay_action": "router",
     "replay_router": "router",
     "replay_spec": "router",
     "spread_experts": "router",

@@ -28,6 +28,8 @@ from typing import Sequence
 
 import torch
 
+from ..._validate import int16_routing, signed_routing, unsigned_note
+
 INDEX_DTYPE = torch.int16
 CP_LAYOUTS = ("zigzag", "contiguous")
 
@@ -53,11 +55,16 @@ class LayoutError(ValueError):
 
 
 # ----------------------------------------------------------------------------- checks
-def check_expert_range(indices: torch.Tensor, num_experts: int, *, who: str,
-                       layer_ids: Sequence[int] | None = None) -> None:
+def check_expert_range(indices, num_experts: int, *, who: str,
+                       layer_ids: Sequence[int] | None = None,
+                       arrived_as: torch.dtype | None = None) -> None:
     """Raise LayoutError if an id is outside -1..num_experts-1. Ids are logical expert ids
-    (before EPLB remapping); a physical replica id (>= E) is a wrong recording.
+    (before EPLB remapping); a physical replica id (>= E) is a wrong recording. Any integer
+    dtype (see `_validate.signed_routing`); an unsigned maximum is an expert id like any
+    other (`arrived_as`: the dtype the routing came in, when it was converted already).
     One host read."""
+    indices, dtype = signed_routing(indices, who, "routing", LayoutError)
+    dtype = arrived_as or dtype
     if indices.numel() == 0:
         return
     bad = (indices < -1) | (indices >= num_experts)
@@ -73,18 +80,12 @@ def check_expert_range(indices: torch.Tensor, num_experts: int, *, who: str,
         raise LayoutError(
             f"{who}: {where} holds expert id {val}, outside 0..{num_experts - 1} (-1 = no "
             f"route); recordings must hold logical expert ids (before any EPLB remapping)"
+            f"{unsigned_note(dtype, val)}"
         )
 
 
-def _as_index_tensor(x, who: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        x = torch.as_tensor(x)
-    if x.dtype == torch.uint8:
-        raise LayoutError(f"{who}: uint8 routing; decode it first (255 is the empty slot in "
-                          f"record files, see replay_ops.router_replay.files)")
-    if x.is_floating_point() or x.dtype == torch.bool or x.is_complex():
-        raise LayoutError(f"{who}: routing must be integer expert ids, got {x.dtype}")
-    return x
+def _as_index_tensor(x, who: str) -> tuple[torch.Tensor, torch.dtype]:
+    return signed_routing(x, who, "routing", LayoutError)
 
 
 # ----------------------------------------------------------------------------- packing
@@ -150,7 +151,8 @@ def megatron_thd_alignment(tp_size: int = 1, cp_size: int = 1, *, fp8: bool = Fa
 
 
 def _sequence_parts(routings, seq_lens, who):
-    """[(indices [n, L, K], mask [n], seq_len)] from SequenceRouting objects or tensors."""
+    """[(indices [n, L, K] signed, mask [n], seq_len, the dtype it came in)] from
+    SequenceRouting objects or tensors of any integer dtype."""
     out = []
     if seq_lens is not None and len(seq_lens) != len(routings):
         raise LayoutError(f"{who}: {len(routings)} routings but {len(seq_lens)} sequence lengths; "
@@ -159,18 +161,18 @@ def _sequence_parts(routings, seq_lens, who):
     for i, r in enumerate(routings):
         want = None if seq_lens is None else int(seq_lens[i])
         if hasattr(r, "indices") and hasattr(r, "mask"):  # adapters.SequenceRouting
-            idx = _as_index_tensor(r.indices, f"{who}: sequence {i}")
+            idx, dtype = _as_index_tensor(r.indices, f"{who}: sequence {i}")
             mask = r.mask.to(torch.bool)
             n = int(idx.shape[0])
             if want is not None and want != n:
                 raise LayoutError(f"{who}: sequence {i} has {n} routing rows (placeholder "
                                   f"included) but seq_lens[{i}] = {want}")
-            out.append((idx, mask, n))
+            out.append((idx, mask, n, dtype))
             continue
         if r is None:
             raise LayoutError(f"{who}: sequence {i} has no routing (None); build it with the "
                               f"rollout adapters' allow_missing=True to run it with native top-k")
-        idx = _as_index_tensor(r, f"{who}: sequence {i}")
+        idx, dtype = _as_index_tensor(r, f"{who}: sequence {i}")
         if idx.dim() != 3:
             raise LayoutError(f"{who}: sequence {i} routing must be [rows, L, K], got shape "
                               f"{tuple(idx.shape)}")
@@ -190,7 +192,7 @@ def _sequence_parts(routings, seq_lens, who):
             raise LayoutError(f"{who}: sequence {i} has {n} routing rows but {want} tokens; "
                               f"expected {want - 1} (rollout rows, the last token has no route) "
                               f"or {want}")
-        out.append((idx.cpu(), mask.cpu(), want))
+        out.append((idx.cpu(), mask.cpu(), want, dtype))
     return out
 
 
@@ -224,11 +226,11 @@ def pack_thd(
                          f"total_align={total_align!r}")
     parts = _sequence_parts(routings, seq_lens, who)
     L, K = parts[0][0].shape[1:]
-    for i, (idx, _, _) in enumerate(parts):
+    for i, (idx, _, _, _) in enumerate(parts):
         if tuple(idx.shape[1:]) != (L, K):
             raise LayoutError(f"{who}: sequence {i} routing is [*, {idx.shape[1]}, {idx.shape[2]}] "
                               f"but sequence 0 is [*, {L}, {K}]; one model has one [L, K]")
-    lens = [n for _, _, n in parts]
+    lens = [n for _, _, n, _ in parts]
     B = len(parts)
     cu = torch.zeros(B + 1, dtype=torch.int64)
     cu[1:] = torch.tensor(lens, dtype=torch.int64).cumsum(0)
@@ -258,17 +260,13 @@ def pack_thd(
     N = int(cup[-1])
     indices = torch.full((N, L, K), -1, dtype=INDEX_DTYPE)
     mask = torch.zeros(N, dtype=torch.bool)
-    for i, (idx, m, n) in enumerate(parts):
+    for i, (idx, m, n, dtype) in enumerate(parts):
         if num_experts is not None:
-            try:
-                check_expert_range(idx, num_experts, who=f"{who}: sequence {i}")
-            except LayoutError as e:
-                raise LayoutError(str(e)) from None
-        elif idx.numel() and (int(idx.max()) > torch.iinfo(INDEX_DTYPE).max or int(idx.min()) < -1):
-            raise LayoutError(f"{who}: sequence {i} holds ids outside -1..32767 (max "
-                              f"{int(idx.max())}, min {int(idx.min())})")
+            check_expert_range(idx, num_experts, who=f"{who}: sequence {i}", arrived_as=dtype)
+        idx, _ = int16_routing(idx, f"{who}: sequence {i}", "routing", LayoutError,
+                               arrived_as=dtype)
         s = int(cup[i])
-        indices[s:s + n] = idx.to(INDEX_DTYPE)
+        indices[s:s + n] = idx
         mask[s:s + n] = m
     return PackedRouting(indices, mask, cu, cup)
 

@@ -28,6 +28,7 @@ import torch
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
+from ..._validate import UNSIGNED, signed_routing
 from .data import LayoutError, check_expert_range
 
 __all__ = [
@@ -181,16 +182,15 @@ def set_replay_routing(model, routing: torch.Tensor, *, layer_index: str = "auto
         raise LayoutError(f"{who}: the model holds no MoE router")
     config = slots[0].router.config
     routing = _flatten_tokens(routing, batch_first, who)
-    if routing.is_floating_point() or routing.dtype in (torch.bool, torch.uint8):
-        raise LayoutError(f"{who}: routing must be int16/int32/int64 expert ids, got {routing.dtype}")
+    routing, dtype = signed_routing(routing, who, "routing", LayoutError)
     decoder_moe, num_layers, n_mtp = _layout(slots, config, include_mtp)
     T, L, K = routing.shape
     mapping = _resolve_mapping(L, layer_index, len(decoder_moe) + n_mtp, num_layers + n_mtp, who)
     if K != config.moe_router_topk:
         raise LayoutError(f"{who}: routing has K={K} slots per token but moe_router_topk="
                           f"{config.moe_router_topk}")
-    if validate:
-        check_expert_range(routing, config.num_moe_experts, who=who)
+    if validate or dtype in UNSIGNED:  # unsigned cannot hold -1: always checked
+        check_expert_range(routing, config.num_moe_experts, who=who, arrived_as=dtype)
     report = []
     from .router import ReplayTopKRouter
 

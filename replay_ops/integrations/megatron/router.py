@@ -20,8 +20,29 @@ changes, and only when there is something to change:
   path would return the fused top-k *before* consulting replay, silently skipping it);
 * otherwise `super().routing()` runs: with replay off the router is Megatron's.
 
-Rows that have no usable route (replay_mask False, a -1 slot, a repeated expert such as a
-zero-filled padding row) follow an explicit padding policy so that every row routes to
+Replay actions are compared by value, so Megatron-Core's `RouterReplayAction` and the
+copy that verl's router replay patch installs are both recognised; any other value set
+as `router_replay_action` raises `ReplayRoutingError` (never native routing in silence).
+The router reads `score_function` and `topk` from its own attributes at every call, as
+Megatron's routing does, and the other flags from `config`.
+
+verl's replay mask (`set_target_indices(idx, replay_mask=mask)`, stored as
+`target_replay_mask` and pushed on `replay_backward_mask_list` beside the index FIFO):
+rows where the mask is False take Megatron's native selection and their recorded values
+are not read (a zero placeholder row stays unread); REPLAY_BACKWARD pops both FIFOs
+together and raises if their lengths differ.
+
+A router given no target under REPLAY_FORWARD or REPLAY_BACKWARD raises, unless it is an
+MTP router (`is_mtp_layer`: passed by megatron-core >= 0.17, set by `replay_spec` on the
+routers below an MTP block spec and by `install` on the routers below an MTP module).
+verl sets the global action on every router but gives targets only to decoder routers,
+and the recording has no MTP columns, so an MTP router without a target takes
+Megatron's native selection (through the fused gate), as Megatron does under verl's
+patch; an MTP router that is given a target replays it. A decoder router is never
+routed natively in place of a missing target.
+
+Rows that have no usable route (a -1 slot, a repeated expert such as a zero-filled
+padding row) follow an explicit padding policy so that every row routes to
 exactly K distinct experts with non-zero weights (`routing_map.sum() == T*K` holds by
 construction, with no host read): "topk" (Megatron's own selection for those rows,
 the default), "spread" (K distinct experts spread evenly over the expert-parallel ranks),
@@ -29,14 +50,18 @@ or "error".
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import enum
 import functools
+import inspect
 from typing import Optional
 
 import torch
 
 import replay_ops
 from replay_ops import scores as scores_table
+from replay_ops._validate import signed_routing
 from replay_ops.plan import RoutingPlan
 
 from megatron.core.transformer.moe import moe_utils
@@ -52,12 +77,15 @@ __all__ = [
     "check_config",
     "gate_semantics",
     "install",
+    "replay_action",
     "replay_router",
     "replay_spec",
     "spread_experts",
 ]
 
 PADDING_POLICIES = ("topk", "spread", "error")
+# megatron-core >= 0.17 builds routers with `is_mtp_layer=`; 0.16 does not know it.
+_BASE_TAKES_MTP = "is_mtp_layer" in inspect.signature(TopKRouter.__init__).parameters
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 
 
@@ -97,17 +125,22 @@ class ReplayOptions:
 
 
 # ----------------------------------------------------------------------------- config
-def gate_semantics(config) -> dict:
+def gate_semantics(config, score_function: str | None = None, topk: int | None = None) -> dict:
     """The replay_ops.gate arguments equal to Megatron's routing for `config`:
     softmax + moe_router_pre_softmax=False -> softmax over the K selected logits
     (normalize=True); pre-softmax -> softmax over all E gathered (normalize=False); sigmoid
     (and sqrtsoftplus) -> divided by the sum when K > 1; times
-    moe_router_topk_scaling_factor."""
-    sf = config.moe_router_score_function
+    moe_router_topk_scaling_factor.
+
+    `score_function` and `topk` default to the config's; a router passes its own
+    attributes (`router.score_function`, `router.topk`), which Megatron's routing reads and
+    which may be changed after the router is built."""
+    sf = config.moe_router_score_function if score_function is None else score_function
+    k = config.moe_router_topk if topk is None else topk
     if sf == "softmax":
         normalize = not bool(config.moe_router_pre_softmax)
     else:
-        normalize = config.moe_router_topk > 1
+        normalize = k > 1
     scale = config.moe_router_topk_scaling_factor
     return dict(score_func=sf, normalize=normalize,
                 scaling_factor=float(scale) if scale else 1.0)
@@ -127,11 +160,14 @@ def check_config(config, *, where: str = "ReplayTopKRouter") -> None:
             f"{where}: moe_router_score_function={sf!r} is not supported; replay_ops.gate "
             f"implements {SCORE_FUNCTIONS}")
     replay_on = bool(config.moe_enable_routing_replay) or bool(config.moe_router_fusion)
-    if replay_on and "sinkhorn" in _routing_types(config):
-        raise UnsupportedConfigError(
-            f"{where}: moe_router_load_balancing_type='sinkhorn' cannot be combined with "
-            f"moe_enable_routing_replay=True or moe_router_fusion=True: sinkhorn routing has "
-            f"no top-k to replay (use 'aux_loss', 'seq_aux_loss', 'global_aux_loss' or 'none')")
+    for own in ("sinkhorn", "quantile_balancing"):
+        if replay_on and own in _routing_types(config):
+            raise UnsupportedConfigError(
+                f"{where}: moe_router_load_balancing_type={own!r} cannot be combined with "
+                f"moe_enable_routing_replay=True or moe_router_fusion=True: {own} routing "
+                f"selects experts by its own algorithm, which the replay router does not "
+                f"run, so RECORD would store other experts than the model routes to (use "
+                f"'aux_loss', 'seq_aux_loss', 'global_aux_loss' or 'none')")
     scale = config.moe_router_topk_scaling_factor
     if scale is not None and scale != 0 and not scale > 0:
         raise UnsupportedConfigError(
@@ -159,6 +195,34 @@ def check_config(config, *, where: str = "ReplayTopKRouter") -> None:
                 f"{where}: moe_router_group_topk={config.moe_router_group_topk} needs "
                 f"moe_router_num_groups dividing num_moe_experts={config.num_moe_experts}, got "
                 f"{groups!r}")
+
+
+# ----------------------------------------------------------------------------- actions
+_ACTIONS = {a.value: a for a in RouterReplayAction}
+
+
+def replay_action(router_replay, where: str = "ReplayTopKRouter") -> RouterReplayAction | None:
+    """The replay action set on `router_replay`, as Megatron-Core's `RouterReplayAction`.
+
+    Actions are compared by value, so the enum of any `RouterReplay` that follows
+    Megatron's API is recognised: Megatron-Core's own, and the copy that verl's router
+    replay patch installs (`verl.utils.megatron.router_replay_patch.RouterReplayAction`,
+    whose members are not Megatron's objects but carry the same names and values). None
+    means no action. Anything else raises `ReplayRoutingError`: a router that does not
+    recognise an action must never fall back to native routing in silence."""
+    a = getattr(router_replay, "router_replay_action", None) if router_replay is not None else None
+    if a is None or isinstance(a, RouterReplayAction):
+        return a
+    if isinstance(a, enum.Enum):
+        known = _ACTIONS.get(a.value)
+        if known is not None and known.name == a.name:
+            return known
+    raise ReplayRoutingError(
+        f"{where}: router_replay.router_replay_action={a!r} (type "
+        f"{type(a).__module__}.{type(a).__qualname__}) is not a replay action this router "
+        f"recognises; expected a RouterReplayAction member with one of the values "
+        f"{sorted(_ACTIONS)} (Megatron-Core's enum, or verl's copy of it). Refusing to route "
+        f"natively in its place")
 
 
 # ----------------------------------------------------------------------------- padding rows
@@ -196,9 +260,15 @@ class ReplayTopKRouter(TopKRouter):
     (`replay_spec(spec)` or `MoESubmodules(router=replay_router(...))`) or convert built
     routers with `install(model)`."""
 
-    def __init__(self, config, pg_collection=None, options: ReplayOptions | None = None):
+    def __init__(self, config, pg_collection=None, is_mtp_layer: bool = False,
+                 options: ReplayOptions | None = None):
         check_config(config)
-        super().__init__(config=config, pg_collection=pg_collection)
+        if _BASE_TAKES_MTP:  # megatron-core >= 0.17 tells the router it is an MTP router
+            super().__init__(config=config, pg_collection=pg_collection,
+                             is_mtp_layer=is_mtp_layer)
+        else:
+            super().__init__(config=config, pg_collection=pg_collection)
+        self.is_mtp_layer = bool(is_mtp_layer)
         self.replay_options = options if options is not None else ReplayOptions()
         self.last_plan: RoutingPlan | None = None
         self._last_routing_map: torch.Tensor | None = None
@@ -236,17 +306,42 @@ class ReplayTopKRouter(TopKRouter):
             _, idx = torch.topk(scores, k=self.topk, dim=1)
         return idx
 
-    def _replay_indices(self, target, logits: torch.Tensor, action) -> torch.Tensor:
-        """Recorded [T, K] ids -> ids with K distinct valid experts in every row, by the
-        padding policy."""
+    def _replay_mask(self, mask, T: int, action, device) -> torch.Tensor | None:
+        """verl's per-token replay mask ([T], or any shape with T elements; bool, or integers
+        read as `!= 0` as verl does) as bool [T] on `device`: True = replay the recorded row,
+        False = Megatron's native selection for that row."""
+        if mask is None:
+            return None
+        if not isinstance(mask, torch.Tensor):
+            raise ReplayRoutingError(f"{self._where()}: {action.name}: the replay mask is "
+                                     f"{type(mask).__name__}, not a tensor")
+        if mask.is_floating_point() or mask.is_complex():
+            raise ReplayRoutingError(f"{self._where()}: {action.name}: the replay mask must be "
+                                     f"bool (or integer 0/1), got {mask.dtype}")
+        if mask.numel() != T:
+            raise ReplayRoutingError(
+                f"{self._where()}: {action.name}: the replay mask has shape "
+                f"{tuple(mask.shape)} ({mask.numel()} elements) but this call routes T={T} "
+                f"tokens; the mask does not line up with the tokens")
+        mask = mask.reshape(T).to(device=device)
+        return mask if mask.dtype == torch.bool else mask != 0
+
+    def _replay_indices(self, target, logits: torch.Tensor, action,
+                        mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Recorded [T, K] ids -> ids with K distinct valid experts in every row: rows the
+        replay mask excludes take Megatron's native selection (verl's semantics; their
+        recorded values are not read), rows without a usable route follow the padding
+        policy."""
         T, E = logits.shape
         K = self.topk
         if not isinstance(target, torch.Tensor):
             raise ReplayRoutingError(f"{self._where()}: {action.name}: the target indices are "
                                      f"{type(target).__name__}, not a tensor")
-        if target.is_floating_point() or target.dtype in (torch.bool, torch.uint8):
-            raise ReplayRoutingError(f"{self._where()}: {action.name}: target indices must be "
-                                     f"integer expert ids, got {target.dtype}")
+        try:  # any integer dtype; unsigned and int8 are widened to a signed copy
+            target, _ = signed_routing(target, f"{self._where()}: {action.name}",
+                                       "target indices")
+        except (TypeError, ValueError) as e:
+            raise ReplayRoutingError(str(e)) from None
         if target.dim() != 2 or tuple(target.shape) != (T, K):
             raise ReplayRoutingError(
                 f"{self._where()}: {action.name}: the target indices have shape "
@@ -254,43 +349,58 @@ class ReplayTopKRouter(TopKRouter):
                 f"the routing does not line up with the tokens (check the packing, CP and SP "
                 f"splits and the micro-batch)")
         idx = target.to(device=logits.device)
+        keep = self._replay_mask(mask, T, action, logits.device)
         opts = self.replay_options
         bad = _bad_rows(idx, E)
+        in_mask = None if keep is None else keep[:, None]
+        if keep is not None:
+            bad = bad & keep
         # At most one host read per call: the range check (validate) and the padding rows
         # the policy needs on the host ('error', or 'topk' with validate) share it.
-        out_of_range = ((idx < -1) | (idx >= E)).any().view(1) if opts.validate else None
+        out_of_range = None
+        if opts.validate:
+            oor = (idx < -1) | (idx >= E)
+            out_of_range = (oor if in_mask is None else oor & in_mask).any().view(1)
         host_rows = opts.padding == "error" or (opts.padding == "topk" and opts.validate)
+        # rows that take Megatron's native selection: outside the mask, and for 'topk' the
+        # rows without a usable route
+        native = bad if opts.padding == "topk" else None
+        if keep is not None:
+            native = ~keep if native is None else native | ~keep
         if host_rows:
-            # T row flags, then T+1 copies of the range flag: the rows' count, which
-            # nonzero reads anyway, exceeds T exactly when an id is out of range.
-            flags = bad if out_of_range is None else torch.cat([bad, out_of_range.expand(T + 1)])
+            # row flags, then T+1 copies of the range flag: the count, which nonzero reads
+            # anyway, exceeds the number of row flags exactly when an id is out of range.
+            row_flags = bad if opts.padding == "error" else native
+            flags = row_flags if out_of_range is None else \
+                torch.cat([row_flags, out_of_range.expand(T + 1)])
             rows = flags.nonzero().flatten()  # the one host read
             if rows.numel() > T:
-                self._raise_out_of_range(idx, E, action)
+                self._raise_out_of_range(idx if in_mask is None else
+                                         torch.where(in_mask, idx, -1), E, action)
         elif out_of_range is not None and bool(out_of_range):  # the one host read
-            self._raise_out_of_range(idx, E, action)
-        if opts.padding == "error":
-            if rows.numel():
-                t = int(rows[0])
-                raise ReplayRoutingError(
-                    f"{self._where()}: {action.name}: row {t} has no usable route "
-                    f"{idx[t].tolist()} (a -1 slot or a repeated expert) and padding='error'; "
-                    f"{rows.numel()} of {T} rows are like this")
-            return idx.long()
-        if opts.padding == "topk":
-            if host_rows:  # run the native top-k on the padding rows only
-                out = idx.long()
-                if rows.numel():
-                    out = out.clone()
-                    with torch.no_grad():
-                        out[rows] = self.native_topk(logits.detach()[rows])
-                return out
-            with torch.no_grad():  # no host read: native top-k of every row, kept where bad
-                fill = self.native_topk(logits.detach())
-        else:
+            self._raise_out_of_range(idx if in_mask is None else torch.where(in_mask, idx, -1),
+                                     E, action)
+        if opts.padding == "error" and rows.numel():
+            t = int(rows[0])
+            raise ReplayRoutingError(
+                f"{self._where()}: {action.name}: row {t} has no usable route "
+                f"{idx[t].tolist()} (a -1 slot or a repeated expert) and padding='error'; "
+                f"{rows.numel()} of {T} rows are like this")
+        out = idx.long()
+        if opts.padding == "spread":
             offset = ((self.layer_number or 1) - 1) * K
-            fill = spread_experts(bad, E, K, self.ep_size, offset)
-        return torch.where(bad[:, None], fill, idx.long())
+            out = torch.where(bad[:, None], spread_experts(bad, E, K, self.ep_size, offset), out)
+        if native is None:
+            return out
+        if opts.padding == "topk" and host_rows:  # native top-k on those rows only
+            if rows.numel():
+                out = out.clone()
+                with torch.no_grad():
+                    out[rows] = self.native_topk(logits.detach()[rows])
+            return out
+        with torch.no_grad():  # no host read: native top-k of every row, kept where needed
+            fill = self.native_topk(logits.detach())
+        return torch.where(native[:, None], fill, out)
 
     def _raise_out_of_range(self, idx: torch.Tensor, num_experts: int, action) -> None:
         from .data import LayoutError, check_expert_range
@@ -302,30 +412,53 @@ class ReplayTopKRouter(TopKRouter):
             raise ReplayRoutingError(str(e)) from None
         raise AssertionError("an out-of-range id was flagged but not found")  # unreachable
 
-    def _plan(self, logits: torch.Tensor) -> RoutingPlan:
-        rr = self.router_replay
-        action = rr.router_replay_action if rr is not None else None
-        if action == RouterReplayAction.RECORD:
-            with torch.no_grad():
-                idx = self.native_topk(logits.detach())
-            rr.record_indices(idx)  # Megatron's own method (static buffer where it has one)
-        elif action == RouterReplayAction.REPLAY_FORWARD:
+    def _replay_target(self, rr, action):
+        """(target indices, verl's replay mask or None) for a replay action, taken from
+        Megatron's or verl's RouterReplay with its FIFO discipline; None when this router
+        routes natively: an MTP router that was given no target (see the module
+        docstring)."""
+        masks = getattr(rr, "replay_backward_mask_list", None)  # verl's RouterReplay only
+        if action == RouterReplayAction.REPLAY_FORWARD:
             if rr.target_topk_idx is None:
+                if self.is_mtp_layer:
+                    return None
                 raise ReplayRoutingError(
                     f"{self._where()}: REPLAY_FORWARD but no target indices were set "
                     f"(router_replay.set_target_indices / set_replay_routing); replay would "
                     f"silently run on native routing")
-            idx = self._replay_indices(rr.target_topk_idx, logits, action)
-        elif action == RouterReplayAction.REPLAY_BACKWARD:
-            if not rr.replay_backward_list:
-                raise ReplayRoutingError(
-                    f"{self._where()}: REPLAY_BACKWARD but the backward replay list is empty: "
-                    f"the recompute has no matching set_target_indices")
-            idx = self._replay_indices(rr.replay_backward_list.pop(0), logits, action)
-        else:  # moe_router_fusion=True without a replay action: native selection, fused gate
+            return rr.target_topk_idx, getattr(rr, "target_replay_mask", None)
+        if masks is not None and len(masks) != len(rr.replay_backward_list):
+            raise ReplayRoutingError(
+                f"{self._where()}: REPLAY_BACKWARD: the backward replay list holds "
+                f"{len(rr.replay_backward_list)} entries but the replay-mask list holds "
+                f"{len(masks)}; the two FIFOs drifted apart (an entry was taken from one "
+                f"without the other), so the recompute cannot tell which mask is its own")
+        if not rr.replay_backward_list:
+            if self.is_mtp_layer:
+                return None
+            raise ReplayRoutingError(
+                f"{self._where()}: REPLAY_BACKWARD but the backward replay list is empty: "
+                f"the recompute has no matching set_target_indices")
+        target = rr.replay_backward_list.pop(0)
+        return target, (masks.pop(0) if masks is not None else None)
+
+    def _plan(self, logits: torch.Tensor, action) -> RoutingPlan:
+        rr = self.router_replay
+        replay = None
+        if action == RouterReplayAction.RECORD:
             with torch.no_grad():
                 idx = self.native_topk(logits.detach())
-        sem = gate_semantics(self.config)
+            rr.record_indices(idx)  # Megatron's own method (static buffer where it has one)
+        elif action is not None:
+            replay = self._replay_target(rr, action)
+        if replay is not None:
+            idx = self._replay_indices(replay[0], logits, action, mask=replay[1])
+        elif action != RouterReplayAction.RECORD:
+            # moe_router_fusion=True without a replay action, or an MTP router given no
+            # target: Megatron's own selection, through the fused gate
+            with torch.no_grad():
+                idx = self.native_topk(logits.detach())
+        sem = gate_semantics(self.config, self.score_function, self.topk)
         return replay_ops.gate(logits, idx, validate=False, backend=self.replay_options.backend,
                                **sem)
 
@@ -333,8 +466,7 @@ class ReplayTopKRouter(TopKRouter):
     def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         """TopKRouter.routing with the probs and routing map from replay_ops.gate when a
         replay action is set or moe_router_fusion=True; everything else as Megatron."""
-        rr = self.router_replay
-        action = rr.router_replay_action if rr is not None else None
+        action = replay_action(self.router_replay, self._where())
         if action is None and not self.config.moe_router_fusion:
             self.last_plan = None
             return super().routing(logits, padding_mask=padding_mask)
@@ -346,7 +478,7 @@ class ReplayTopKRouter(TopKRouter):
 
         logits = self.apply_z_loss(logits, padding_mask=padding_mask)
 
-        plan = self._plan(logits)
+        plan = self._plan(logits, action)
         # A routed weight that underflowed to exactly 0 (fp16, or a far-off logit) would be
         # lost by the flex dispatcher's torch.topk over probs: raise it to the smallest
         # normal value of the dtype. Every slot is a valid expert here (the padding policy
@@ -415,35 +547,68 @@ def replay_spec(spec, options: ReplayOptions | None = None, **kwargs):
     from megatron.core.transformer.moe.moe_layer import MoESubmodules
 
     builder = replay_router(options, **kwargs)
+    mtp_builder = functools.partial(_as_partial(builder), is_mtp_layer=True)
     found = []
-    seen = set()
+    done: dict = {}
 
-    def walk(obj):
-        if obj is None or id(obj) in seen or isinstance(obj, (str, int, float, bool, type)):
-            return
-        seen.add(id(obj))
+    # Megatron's MTP block spec holds the decoder's own layer spec objects (its
+    # `transformer_layer` is the spec it was given), so the MTP routers' builder must not
+    # be written into shared objects: below an MTP spec, the objects that are not the MTP
+    # block's own are copied before a router is replaced in them (copy on write).
+    def walk(obj, in_mtp: bool, parent_inplace: bool):
+        if obj is None or isinstance(obj, (str, int, float, bool, type)):
+            return obj
+        key = (id(obj), in_mtp)
+        if key in done:
+            return done[key]
+        done[key] = obj  # cycles end here
+        mtp_here = _is_mtp_spec(obj)
+        in_mtp = in_mtp or mtp_here
+        container = isinstance(obj, (list, tuple))
+        inplace = (not in_mtp) or mtp_here or (container and parent_inplace)
+        out = obj
         if isinstance(obj, MoESubmodules):
             router = obj.router
             if router is not TopKRouter and not _is_replay_builder(router):
                 raise UnsupportedConfigError(
                     f"replay_spec: an MoE spec uses router {router!r}; only Megatron's "
                     f"TopKRouter is replaced (a custom router would lose its own routing)")
-            obj.router = builder
-            found.append(obj)
-            return
-        if isinstance(obj, (list, tuple)):
-            for o in obj:
-                walk(o)
-            return
-        if dataclasses.is_dataclass(obj):
-            for f in dataclasses.fields(obj):
-                walk(getattr(obj, f.name))
-            return
-        sub = getattr(obj, "submodules", None)
-        if sub is not None:
-            walk(sub)
+            want = mtp_builder if in_mtp else builder
+            if inplace:
+                obj.router = want
+            else:
+                out = dataclasses.replace(obj, router=want)
+            found.append(out)
+        elif container:
+            items = [walk(o, in_mtp, inplace) for o in obj]
+            if any(a is not b for a, b in zip(items, obj)):
+                if isinstance(obj, list) and inplace:
+                    obj[:] = items
+                else:
+                    out = type(obj)(items) if isinstance(obj, list) else tuple(items)
+        elif isinstance(obj, functools.partial):  # megatron-core >= 0.17: partial(MoELayer, ...)
+            args = [walk(o, in_mtp, inplace) for o in obj.args]
+            kw = {k: walk(v, in_mtp, inplace) for k, v in obj.keywords.items()}
+            if any(a is not b for a, b in zip(args, obj.args)) or \
+                    any(kw[k] is not v for k, v in obj.keywords.items()):
+                if inplace and args == list(obj.args):
+                    obj.keywords.update(kw)
+                else:
+                    out = functools.partial(obj.func, *args, **kw)
+        else:
+            names = [f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) \
+                else (["submodules"] if getattr(obj, "submodules", None) is not None else [])
+            new = {n: walk(getattr(obj, n), in_mtp, inplace) for n in names}
+            changed = {n: v for n, v in new.items() if v is not getattr(obj, n)}
+            if changed:
+                if not inplace:
+                    out = copy.copy(obj)
+                for n, v in changed.items():
+                    object.__setattr__(out, n, v)
+        done[key] = out
+        return out
 
-    walk(spec)
+    walk(spec, False, True)
     if not found:
         raise UnsupportedConfigError("replay_spec: the spec has no MoE layer (no MoESubmodules)")
     return spec
@@ -451,6 +616,27 @@ def replay_spec(spec, options: ReplayOptions | None = None, **kwargs):
 
 def _is_replay_builder(b) -> bool:
     return b is ReplayTopKRouter or (isinstance(b, functools.partial) and b.func is ReplayTopKRouter)
+
+
+def _as_partial(builder) -> functools.partial:
+    return builder if isinstance(builder, functools.partial) else functools.partial(builder)
+
+
+def _is_mtp_spec(obj) -> bool:
+    """A spec (ModuleSpec or submodules dataclass) of Megatron's multi-token prediction
+    block or layer: the MoE routers below it are MTP routers."""
+    names = [type(obj).__name__]
+    module = obj.func if isinstance(obj, functools.partial) else getattr(obj, "module", None)
+    if isinstance(module, type):
+        names.append(module.__name__)
+    return any(n.startswith("MultiTokenPrediction") for n in names)
+
+
+def _mtp_router_names(chunk) -> set:
+    prefixes = [name for name, m in chunk.named_modules()
+                if name and type(m).__name__.startswith("MultiTokenPrediction")]
+    return {name for name, m in chunk.named_modules()
+            if isinstance(m, TopKRouter) and any(name.startswith(p + ".") for p in prefixes)}
 
 
 def install(model, options: ReplayOptions | None = None, **kwargs) -> list:
@@ -465,14 +651,17 @@ def install(model, options: ReplayOptions | None = None, **kwargs) -> list:
     chunks = model if isinstance(model, (list, tuple)) else [model]
     routers = []
     for chunk in chunks:
+        mtp = _mtp_router_names(chunk)
         for name, m in chunk.named_modules():
             if isinstance(m, ReplayTopKRouter):
                 m.replay_options = options
+                m.is_mtp_layer = bool(getattr(m, "is_mtp_layer", False)) or name in mtp
                 routers.append(m)
             elif type(m) is TopKRouter:
                 check_config(m.config, where=f"install({name})")
                 m.__class__ = ReplayTopKRouter
                 m.replay_options = options
+                m.is_mtp_layer = bool(getattr(m, "is_mtp_layer", False)) or name in mtp
                 m.last_plan = None
                 m._last_routing_map = None
                 routers.append(m)

@@ -19,6 +19,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..._validate import int16_routing, signed_routing, unsigned_note
 from ..shape import ModelShape, describe_bad_route, first_bad_route
 
 INDEX_DTYPE = torch.int16
@@ -31,9 +32,12 @@ class RoutingMismatchError(ValueError):
     """Rollout routing that does not line up with the batch it belongs to."""
 
 
-def to_moe(layout: ModelShape, routing: torch.Tensor, who: str) -> tuple[torch.Tensor, str]:
-    """[n, L, K] routing (absolute or MoE layers) -> ([n, L_moe, K] int16, the mapping), with
-    the values checked (range -1..E-1, no repeated expert in a token's layer)."""
+def to_moe(layout: ModelShape, routing: torch.Tensor, who: str,
+           arrived_as: torch.dtype | None = None) -> tuple[torch.Tensor, str]:
+    """[n, L, K] routing (absolute or MoE layers) of any integer dtype (`signed_routing`)
+    -> ([n, L_moe, K] int16, the mapping), with the values checked (range -1..E-1, no
+    repeated expert in a token's layer; an unsigned maximum is an expert id, so out of
+    range unless E exceeds it; `arrived_as`: the dtype it came in, when converted already)."""
     if routing.dim() != 3:
         raise RoutingMismatchError(f"{who}: routing must be [tokens, L, K], got shape "
                                    f"{tuple(routing.shape)}")
@@ -42,8 +46,8 @@ def to_moe(layout: ModelShape, routing: torch.Tensor, who: str) -> tuple[torch.T
         raise RoutingMismatchError(f"{who}: routing has K={K} experts per token, the model "
                                    f"has top_k={layout.top_k} (shape {tuple(routing.shape)})")
     mapping = layout.mapping_for(L, who, error=RoutingMismatchError)
-    if routing.is_floating_point() or routing.dtype == torch.bool:
-        raise RoutingMismatchError(f"{who}: routing must be integers, got {routing.dtype}")
+    routing, dtype = signed_routing(routing, who, "routing", RoutingMismatchError)
+    dtype = arrived_as or dtype
     if layout.num_experts > torch.iinfo(INDEX_DTYPE).max:
         raise RoutingMismatchError(f"{who}: num_experts={layout.num_experts} does not fit the "
                                    f"int16 training layout")
@@ -51,7 +55,8 @@ def to_moe(layout: ModelShape, routing: torch.Tensor, who: str) -> tuple[torch.T
     bad = first_bad_route(routing, layout.num_experts)
     if bad is not None:
         raise RoutingMismatchError(
-            f"{who}: {describe_bad_route(bad, layout.num_experts, layout.moe_layer_ids)}")
+            f"{who}: {describe_bad_route(bad, layout.num_experts, layout.moe_layer_ids)}"
+            f"{unsigned_note(dtype, bad.value)}")
     return routing.to(INDEX_DTYPE), mapping
 
 
@@ -63,6 +68,11 @@ class SequenceRouting:
     indices: torch.Tensor
     mask: torch.Tensor
     mapping: str | None = None
+
+    def __post_init__(self) -> None:
+        # one dtype for every sequence, whatever integer type the indices were built from
+        self.indices, _ = int16_routing(self.indices, "SequenceRouting", "indices",
+                                        RoutingMismatchError)
 
     @property
     def num_tokens(self) -> int:
