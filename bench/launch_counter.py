@@ -144,7 +144,10 @@ class LaunchCounter(TorchDispatchMode):
         return outs + sum(tensor_bytes(t) for t in ins)
 
     # ------------------------------------------------------------------ python-level reads
+    _depth = 0
+
     def __enter__(self):
+        self._depth += 1
         if not self._patched:
             for meth in ("tolist", "numpy", "cpu"):
                 orig = getattr(torch.Tensor, meth)
@@ -161,7 +164,8 @@ class LaunchCounter(TorchDispatchMode):
 
     def __exit__(self, *exc):
         out = super().__exit__(*exc)
-        if not any(m is self for m in _mode_stack()):
+        self._depth -= 1
+        if self._depth == 0:  # the outermost block (the mode re-enters itself per replay op)
             for meth, orig in self._patched:
                 setattr(torch.Tensor, meth, orig)
             self._patched = []
@@ -176,12 +180,6 @@ class LaunchCounter(TorchDispatchMode):
             yield
         finally:
             self._in_read = prev
-
-
-def _mode_stack():
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    return _get_current_dispatch_mode_stack()
 
 
 def _bool_index(args) -> bool:

@@ -359,3 +359,74 @@ def test_plan_dispatcher_parity(action):
                        b["meta"]["reversed_local_input_permutation_mapping"])
     # and the plan dispatcher really ran (not Megatron's permute)
     assert ours.router.last_plan is not None
+
+
+# ----------------------------------------------------------------------------- fast path
+def test_plan_dispatcher_on_by_default_where_it_applies():
+    """replay_spec builds ReplayMoELayer, whose all-to-all dispatcher takes the router's
+    plan when the settings allow it; elsewhere (all-gather, token dropping) and with
+    plan_dispatch=False Megatron's dispatcher stays. install does the same for built
+    models."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    layer = env.build_moe_layer(env.moe_config(), replay=True)
+    assert type(layer).__name__ == "ReplayMoELayer"
+    assert isinstance(layer.token_dispatcher, rom.PlanAlltoAllTokenDispatcher)
+    assert layer.token_dispatcher.replay_router is layer.router
+    for kw in (dict(moe_token_dispatcher_type="allgather"),
+               dict(moe_expert_capacity_factor=1.0)):
+        other = env.build_moe_layer(env.moe_config(**kw), replay=True)
+        assert not isinstance(other.token_dispatcher, rom.PlanAlltoAllTokenDispatcher), kw
+        assert rom.plan_dispatch_problems(other.config)
+    off = env.build_moe_layer(env.moe_config(), replay=True,
+                              options=rom.ReplayOptions(plan_dispatch=False))
+    assert type(off.token_dispatcher) is MoEAlltoAllTokenDispatcher
+    built = env.build_moe_layer(env.moe_config(), replay=False)
+    rom.install(built)
+    assert isinstance(built.token_dispatcher, rom.PlanAlltoAllTokenDispatcher)
+    built = env.build_moe_layer(env.moe_config(), replay=False)
+    rom.install(built, plan_dispatch=False)
+    assert type(built.token_dispatcher) is MoEAlltoAllTokenDispatcher
+    # the default path matches Megatron's replay: outputs, gradients, dispatch metadata
+    ref = env.build_moe_layer(env.moe_config(), replay=False)
+    target = env.random_routes(T, E, K, seed=31)
+    a = env.run_layer(ref, hidden(12), target)
+    b = env.run_layer(layer, hidden(12), target)
+    env.assert_runs_match(a, b, what="default plan")
+    assert torch.equal(a["meta"]["reversed_local_input_permutation_mapping"],
+                       b["meta"]["reversed_local_input_permutation_mapping"])
+    assert layer.router.last_plan is not None
+
+
+def test_launch_counts_against_megatron():
+    """The fast path's launch, sync and byte counts (bench/launch_counter.py, as
+    bench_megatron.py reports them), at small sizes: the router forward is the gate kernel
+    (plus the one read of its row flags with validate=True), forward + backward at most 6
+    launches; the routing step (router + permute + unpermute, experts excluded) at most
+    half of Megatron's launches, with no host read when validate=False."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_megatron as bm
+
+    Tn, En, Kn, Hn = 64, 16, 4, 8
+    routers, mu = bm.setup(En, Kn, Hn)
+    logits, hidden_, ops = bm.make_fns(Tn, En, Kn, Hn, torch.float32, routers, mu)
+    bm.check_same(ops, logits, hidden_)
+    c = {(op, mode, n): bm.counts(bm.call(f, mode, logits, hidden_, op))
+         for op, fns in ops.items() for n, f in fns.items() for mode in ("fwd", "full")}
+    fwd = c[("route", "fwd", "replay-router")]
+    assert fwd["launches"] <= bm.ROUTE_FWD_LAUNCHES and fwd["syncs"] == 1, fwd
+    assert fwd["ops"] == {"replay_native.gate_dense_fwd": 1}, fwd
+    assert c[("route", "fwd", "replay-router/novalidate")]["syncs"] == 0
+    full = c[("route", "full", "replay-router")]
+    assert full["launches"] <= bm.ROUTE_FULL_LAUNCHES, full
+    assert c[("route", "fwd", "megatron")]["launches"] == 8
+    meg, ours = c[("step", "full", "megatron")], c[("step", "full", "replay-router+plan")]
+    assert ours["launches"] <= bm.STEP_LAUNCH_RATIO * meg["launches"], (ours, meg)
+    assert c[("step", "full", "replay-router+plan/novalidate")]["syncs"] == 0
+    assert ours["bytes"] < meg["bytes"]
+    # no materialised zero gradients, no weight-gradient kernel, no separate probs gather
+    assert not {"zeros", "zeros_like", "replay_native.unpermute_bwd", "index_select",
+                "gather"} & set(ours["ops"]), ours["ops"]

@@ -93,6 +93,20 @@ struct GateFwd {
     std::fill(p, p + E, scalar_t(0));
     std::fill(m, m + E, false);
     const int32_t* idx = I32 + t * K;
+    // A row without flags routes K distinct recorded experts, and the spread rule gives K
+    // distinct ones: each entry is one slot's weight (0 + w: the same bits as the sum).
+    const uint8_t f = FLAGS[t];
+    if (f == 0 || (padding == rm::kPadSpread && !(f & rm::kRowMasked && FB))) {
+      for (int64_t k = 0; k < K; ++k) {
+        const int32_t e = idx[k];
+        if (e < 0) continue;
+        scalar_t v = static_cast<scalar_t>(acc_t(0) + w[k]);
+        if (guard && v == scalar_t(0)) v = std::numeric_limits<scalar_t>::min();
+        p[e] = v;
+        m[e] = true;
+      }
+      return;
+    }
     for (int64_t k = 0; k < K; ++k) {
       const int32_t e = idx[k];
       if (e < 0 || m[e]) continue;  // empty, or a repeat already written
@@ -122,32 +136,51 @@ struct GateFwd {
         if (h) ++h[e];
       }
     }
+    // Each slot's numerator (exp(z - m), or the element-wise score) is computed once and
+    // kept in z: the same values, sums and divisions as replay_math's gate_weight, with
+    // half the exp calls.
     acc_t m = acc_t(0), s = acc_t(0);
     switch (sf) {
-      case rm::kSoftmax:
-        if (normalize) {
-          rm::selected_softmax_stats(z, valid, K, m, s);
+      case rm::kSoftmax: {
+        if (normalize) {  // softmax over the valid selected logits (selected_softmax_stats)
+          bool any = false;
+          for (int64_t k = 0; k < K; ++k) {
+            if (!valid[k]) continue;
+            m = any ? rm::ro_max(m, z[k]) : z[k];
+            any = true;
+          }
+          m = rm::finite_or_zero(m, any);
+          for (int64_t k = 0; k < K; ++k)
+            if (valid[k]) {
+              z[k] = rm::ro_exp(z[k] - m);
+              s += z[k];
+            }
         } else {
           rk.softmax_stats(x, E, m, s);
-        }
-        break;
-      case rm::kSigmoid:
-      case rm::kSqrtsoftplus:
-        if (rm::divides_by_sum(normalize, nvalid))
           for (int64_t k = 0; k < K; ++k)
-            if (valid[k]) s += rm::score(sf, z[k]);
+            if (valid[k]) z[k] = rm::ro_exp(z[k] - m);
+        }
+        const acc_t sd = s > acc_t(0) ? s : acc_t(1);
+        for (int64_t k = 0; k < K; ++k) z[k] = valid[k] ? rm::ro_div(z[k], sd) * scale : acc_t(0);
         break;
+      }
+      case rm::kSigmoid:
+      case rm::kSqrtsoftplus: {
+        for (int64_t k = 0; k < K; ++k)
+          if (valid[k]) z[k] = rm::score(sf, z[k]);
+        const bool divide = rm::divides_by_sum(normalize, nvalid);
+        if (divide)
+          for (int64_t k = 0; k < K; ++k)
+            if (valid[k]) s += z[k];
+        for (int64_t k = 0; k < K; ++k)
+          z[k] = valid[k] ? (divide ? rm::ro_div(z[k], s + acc_t(rm::kNormEps)) : z[k]) * scale
+                          : acc_t(0);
+        break;
+      }
       default: TORCH_CHECK(false, "replay_ops native gate: unknown score function id ", sf);
     }
-    for (int64_t k = 0; k < K; ++k) {
-      const acc_t w = valid[k] ? rm::gate_weight(sf, normalize, z[k], m, s, nvalid, scale)
-                               : acc_t(0);
-      if (P) {
-        z[k] = w;  // reuse: the weights of the dense row
-      } else {
-        W[t * K + k] = static_cast<scalar_t>(w);
-      }
-    }
+    if (!P)
+      for (int64_t k = 0; k < K; ++k) W[t * K + k] = static_cast<scalar_t>(z[k]);
     if (P) write_dense_row(t, z);
   }
 

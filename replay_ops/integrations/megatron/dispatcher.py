@@ -183,7 +183,9 @@ class ReplayMoELayer(MoELayer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        use_plan_dispatcher(self)
+        options = getattr(self.router, "replay_options", None)
+        if options is not None and options.plan_dispatch:
+            use_plan_dispatcher(self)
 
 
 def enable_plan_dispatch(model) -> int:

@@ -47,6 +47,17 @@ exactly K distinct experts with non-zero weights (`routing_map.sum() == T*K` hol
 construction, with no host read): "topk" (Megatron's own selection for those rows,
 the default), "spread" (K distinct experts spread evenly over the expert-parallel ranks),
 or "error".
+
+The fast path: one `replay_ops.gate_dense` call writes Megatron's `probs [T, E]` and bool
+`routing_map [T, E]` directly, with per-row flags (a -1 slot, an id out of range, a
+repeated expert, replay mask False), the "spread" padding and the underflow guard (a
+routed weight of exactly 0 raised to the dtype's smallest normal value) inside the kernel,
+and the dispatch plan of the same routing for the plan dispatcher. The router reads the
+flags once when it must (validate=True, or padding="error"), and not at all otherwise.
+Rows that take Megatron's own selection (replay mask False, and the "topk" padding) get
+it from `native_topk`: on every row before the gate when nothing is read (sync-free), or
+after the read on the flagged rows only, followed by a second gate call, when there are
+any.
 """
 from __future__ import annotations
 
@@ -62,7 +73,13 @@ import torch
 import replay_ops
 from replay_ops import scores as scores_table
 from replay_ops._validate import signed_routing
-from replay_ops.plan import RoutingPlan
+from replay_ops.plan import (
+    ROW_EMPTY_SLOT,
+    ROW_OUT_OF_RANGE,
+    ROW_REPEAT,
+    DenseRouting,
+    RoutingPlan,
+)
 
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.router import TopKRouter
@@ -107,16 +124,21 @@ class ReplayOptions:
         distinct experts spread evenly over the EP ranks (deterministic, rotated per
         layer); "error" = raise, naming the layer and the row (one host read per call).
     validate: check that every recorded id is in -1..E-1 and raise otherwise (one host
-        read per call, shared with the padding rows that "error" and "topk" read). With
-        False, "topk" and "spread" read nothing from the device (CUDA-graph safe); an
-        out-of-range id then makes its row a padding row. At most one host read per call
-        whatever the options.
+        read per call of the row flags the gate kernel writes, shared with the padding
+        rows that "error" and "topk" need). With False, "topk" and "spread" read nothing
+        from the device (CUDA-graph safe); an out-of-range id then makes its row a padding
+        row. At most one host read per call whatever the options.
     backend: replay_ops backend for the gate (None = automatic).
+    plan_dispatch: MoE layers built by `replay_spec` or converted by `install` permute with
+        the router's plan (`PlanAlltoAllTokenDispatcher`) wherever that applies (the
+        all-to-all dispatcher, dropless; see dispatcher.py); False keeps Megatron's
+        dispatcher everywhere.
     """
 
     padding: str = "topk"
     validate: bool = True
     backend: Optional[str] = None
+    plan_dispatch: bool = True
 
     def __post_init__(self):
         if self.padding not in PADDING_POLICIES:
@@ -226,31 +248,23 @@ def replay_action(router_replay, where: str = "ReplayTopKRouter") -> RouterRepla
 
 
 # ----------------------------------------------------------------------------- padding rows
-def spread_experts(bad_rows: torch.Tensor, num_experts: int, top_k: int, ep_size: int,
-                   offset: int = 0) -> torch.Tensor:
-    """int64 [T, K]: for padding rows, K distinct experts spread evenly over the EP ranks.
+def spread_experts(num_tokens: int, num_experts: int, top_k: int, ep_size: int,
+                   offset: int = 0, device=None) -> torch.Tensor:
+    """int64 [T, K]: the K distinct experts of every row under padding="spread", the
+    formula the gate kernel applies to each padding row by itself (no scan over the rows):
+    row t takes the K consecutive values i = offset + t*K + k + W(c) (mod E), rotated per
+    cycle c = t*K // E by W(c) = ((c * 2654435769) mod 2^32) * E // 2^32, and value i is
+    expert (i mod ep) * (E/ep) + (i div ep). Consecutive values go to consecutive ranks, so
+    a row's slots sit on min(K, ep) ranks; a run of padding rows covers every expert once
+    per cycle (never piling onto expert 0 or rank 0), and the rotation keeps periodic
+    padding rows (one per packed sequence) from repeating the same experts. Computed on
+    the device with no host read (replay_ops.reference.spread_expert is the oracle)."""
+    from replay_ops.backends.torch import spread_rows
 
-    The j-th padding row (j counts only rows where `bad_rows` is True) takes the K
-    consecutive values i = offset + j*K + k (mod E), and value i maps to expert
-    (i mod ep) * (E/ep) + (i div ep): consecutive values go to consecutive ranks, so
-    padding rows cycle over every rank and every expert, never piling onto expert 0 or
-    rank 0. Computed on the device with no host read (other rows get arbitrary values)."""
     E, K = num_experts, top_k
     if ep_size < 1 or E % ep_size:
         raise ValueError(f"spread_experts: ep_size={ep_size} must divide num_experts={E}")
-    local = E // ep_size
-    j = torch.cumsum(bad_rows.to(torch.int64), 0) - 1
-    i = (offset + j[:, None] * K + torch.arange(K, device=bad_rows.device)) % E
-    return (i % ep_size) * local + torch.div(i, ep_size, rounding_mode="floor")
-
-
-def _bad_rows(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """bool [T]: a -1 (or out-of-range) slot, or a repeated expert in the row."""
-    bad = ((idx < 0) | (idx >= num_experts)).any(dim=1)
-    if idx.shape[1] > 1:
-        s = idx.sort(dim=1).values
-        bad = bad | (s[:, 1:] == s[:, :-1]).any(dim=1)
-    return bad
+    return spread_rows(num_tokens, E, K, ep_size, offset, device)
 
 
 # ----------------------------------------------------------------------------- the router
@@ -326,14 +340,8 @@ class ReplayTopKRouter(TopKRouter):
         mask = mask.reshape(T).to(device=device)
         return mask if mask.dtype == torch.bool else mask != 0
 
-    def _replay_indices(self, target, logits: torch.Tensor, action,
-                        mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Recorded [T, K] ids -> ids with K distinct valid experts in every row: rows the
-        replay mask excludes take Megatron's native selection (verl's semantics; their
-        recorded values are not read), rows without a usable route follow the padding
-        policy."""
-        T, E = logits.shape
-        K = self.topk
+    def _check_target(self, target, T: int, K: int, action) -> torch.Tensor:
+        """The recorded [T, K] ids as a signed integer tensor; a clear error otherwise."""
         if not isinstance(target, torch.Tensor):
             raise ReplayRoutingError(f"{self._where()}: {action.name}: the target indices are "
                                      f"{type(target).__name__}, not a tensor")
@@ -348,59 +356,63 @@ class ReplayTopKRouter(TopKRouter):
                 f"{tuple(target.shape)} but this call routes T={T} tokens with top-k K={K}; "
                 f"the routing does not line up with the tokens (check the packing, CP and SP "
                 f"splits and the micro-batch)")
-        idx = target.to(device=logits.device)
+        return target
+
+    def _gate(self, logits, idx, *, mask=None, fallback=None, padding="empty") -> DenseRouting:
+        """replay_ops.gate_dense with Megatron's semantics for this router: the dense probs
+        and routing map, the row flags, the plan; no host read."""
+        sem = gate_semantics(self.config, self.score_function, self.topk)
+        return replay_ops.gate_dense(
+            logits, idx, replay_mask=mask, fallback=fallback, padding=padding,
+            ep_size=self.ep_size, spread_offset=((self.layer_number or 1) - 1) * self.topk,
+            underflow_guard=True, validate=False, backend=self.replay_options.backend, **sem)
+
+    def _replay(self, target, logits: torch.Tensor, action, mask=None) -> DenseRouting:
+        """The dense routing of recorded [T, K] ids: rows the replay mask excludes take
+        Megatron's native selection (verl's semantics; their recorded values are not read),
+        rows without a usable route follow the padding policy, every row K distinct experts.
+
+        At most one host read, of the row flags the gate wrote, and only with validate or
+        padding="error". Without it, "topk" and the replay mask take the native top-k of
+        every row, computed before the gate and passed in as its fallback rows."""
+        T, E = logits.shape
+        K = self.topk
+        idx = self._check_target(target, T, K, action).to(device=logits.device)
         keep = self._replay_mask(mask, T, action, logits.device)
         opts = self.replay_options
-        bad = _bad_rows(idx, E)
-        in_mask = None if keep is None else keep[:, None]
-        if keep is not None:
-            bad = bad & keep
-        # At most one host read per call: the range check (validate) and the padding rows
-        # the policy needs on the host ('error', or 'topk' with validate) share it.
-        out_of_range = None
-        if opts.validate:
-            oor = (idx < -1) | (idx >= E)
-            out_of_range = (oor if in_mask is None else oor & in_mask).any().view(1)
-        host_rows = opts.padding == "error" or (opts.padding == "topk" and opts.validate)
-        # rows that take Megatron's native selection: outside the mask, and for 'topk' the
-        # rows without a usable route
-        native = bad if opts.padding == "topk" else None
-        if keep is not None:
-            native = ~keep if native is None else native | ~keep
-        if host_rows:
-            # row flags, then T+1 copies of the range flag: the count, which nonzero reads
-            # anyway, exceeds the number of row flags exactly when an id is out of range.
-            row_flags = bad if opts.padding == "error" else native
-            flags = row_flags if out_of_range is None else \
-                torch.cat([row_flags, out_of_range.expand(T + 1)])
-            rows = flags.nonzero().flatten()  # the one host read
-            if rows.numel() > T:
-                self._raise_out_of_range(idx if in_mask is None else
-                                         torch.where(in_mask, idx, -1), E, action)
-        elif out_of_range is not None and bool(out_of_range):  # the one host read
-            self._raise_out_of_range(idx if in_mask is None else torch.where(in_mask, idx, -1),
-                                     E, action)
-        if opts.padding == "error" and rows.numel():
-            t = int(rows[0])
+        read = opts.validate or opts.padding == "error"
+        fallback = None
+        if keep is not None or (opts.padding == "topk" and not read):
+            with torch.no_grad():
+                fallback = self.native_topk(logits.detach())
+        if opts.padding == "spread":
+            padding = "spread"
+        else:
+            padding = "fallback" if opts.padding == "topk" and fallback is not None else "empty"
+        out = self._gate(logits, idx, mask=keep, fallback=fallback, padding=padding)
+        if not read:
+            return out
+        flags = out.row_flags.numpy(force=True)  # the one host read
+        bad_bits = ROW_EMPTY_SLOT | ROW_OUT_OF_RANGE | ROW_REPEAT  # a masked row is not bad
+        if opts.validate and (flags & ROW_OUT_OF_RANGE).any():
+            self._raise_out_of_range(idx if keep is None else
+                                     torch.where(keep[:, None], idx, -1), E, action)
+        bad = (flags & bad_bits) != 0
+        if opts.padding == "error" and bad.any():
+            t = int(bad.argmax())
             raise ReplayRoutingError(
                 f"{self._where()}: {action.name}: row {t} has no usable route "
                 f"{idx[t].tolist()} (a -1 slot or a repeated expert) and padding='error'; "
-                f"{rows.numel()} of {T} rows are like this")
-        out = idx.long()
-        if opts.padding == "spread":
-            offset = ((self.layer_number or 1) - 1) * K
-            out = torch.where(bad[:, None], spread_experts(bad, E, K, self.ep_size, offset), out)
-        if native is None:
-            return out
-        if opts.padding == "topk" and host_rows:  # native top-k on those rows only
-            if rows.numel():
-                out = out.clone()
-                with torch.no_grad():
-                    out[rows] = self.native_topk(logits.detach()[rows])
-            return out
-        with torch.no_grad():  # no host read: native top-k of every row, kept where needed
-            fill = self.native_topk(logits.detach())
-        return torch.where(native[:, None], fill, out)
+                f"{int(bad.sum())} of {T} rows are like this")
+        if opts.padding == "topk" and fallback is None and bad.any():
+            # Megatron's own selection on the flagged rows only, then the gate again
+            rows = torch.from_numpy(bad.nonzero()[0]).to(logits.device)
+            fixed = idx.to(torch.int64)  # a copy for int16/int32 targets; cloned below else
+            fixed = fixed.clone() if fixed is idx else fixed
+            with torch.no_grad():
+                fixed[rows] = self.native_topk(logits.detach()[rows])
+            out = self._gate(logits, fixed)
+        return out
 
     def _raise_out_of_range(self, idx: torch.Tensor, num_experts: int, action) -> None:
         from .data import LayoutError, check_expert_range
@@ -442,25 +454,23 @@ class ReplayTopKRouter(TopKRouter):
         target = rr.replay_backward_list.pop(0)
         return target, (masks.pop(0) if masks is not None else None)
 
-    def _plan(self, logits: torch.Tensor, action) -> RoutingPlan:
+    def _route(self, logits: torch.Tensor, action) -> DenseRouting:
         rr = self.router_replay
         replay = None
         if action == RouterReplayAction.RECORD:
             with torch.no_grad():
                 idx = self.native_topk(logits.detach())
             rr.record_indices(idx)  # Megatron's own method (static buffer where it has one)
-        elif action is not None:
+            return self._gate(logits, idx)
+        if action is not None:
             replay = self._replay_target(rr, action)
         if replay is not None:
-            idx = self._replay_indices(replay[0], logits, action, mask=replay[1])
-        elif action != RouterReplayAction.RECORD:
-            # moe_router_fusion=True without a replay action, or an MTP router given no
-            # target: Megatron's own selection, through the fused gate
-            with torch.no_grad():
-                idx = self.native_topk(logits.detach())
-        sem = gate_semantics(self.config, self.score_function, self.topk)
-        return replay_ops.gate(logits, idx, validate=False, backend=self.replay_options.backend,
-                               **sem)
+            return self._replay(replay[0], logits, action, mask=replay[1])
+        # moe_router_fusion=True without a replay action, or an MTP router given no target:
+        # Megatron's own selection, through the fused gate
+        with torch.no_grad():
+            idx = self.native_topk(logits.detach())
+        return self._gate(logits, idx)
 
     # ---------------------------------------------------------------- routing
     def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
@@ -478,14 +488,12 @@ class ReplayTopKRouter(TopKRouter):
 
         logits = self.apply_z_loss(logits, padding_mask=padding_mask)
 
-        plan = self._plan(logits, action)
-        # A routed weight that underflowed to exactly 0 (fp16, or a far-off logit) would be
-        # lost by the flex dispatcher's torch.topk over probs: raise it to the smallest
-        # normal value of the dtype. Every slot is a valid expert here (the padding policy
-        # filled the rest), so this is done on the [T, K] weights, before the dense layout.
-        w = plan.weights
-        plan = plan._replace(weights=torch.where(w == 0, torch.finfo(w.dtype).tiny, w))
-        probs, routing_map = plan.to_dense()
+        # Megatron's probs and routing map from the gate kernel itself. A routed weight that
+        # underflowed to exactly 0 (fp16, or a far-off logit) would be lost by the flex
+        # dispatcher's torch.topk over probs: the kernel raises it to the smallest normal
+        # value of the dtype (its gradient passes through, as Megatron's would).
+        dense = self._route(logits, action)
+        probs, routing_map, plan = dense.probs, dense.routing_map, dense.plan
 
         dropped = False
         if self.config.moe_expert_capacity_factor is not None:
@@ -522,7 +530,8 @@ class ReplayTopKRouter(TopKRouter):
 
     def plan_for(self, routing_map: torch.Tensor) -> RoutingPlan | None:
         """The RoutingPlan behind `routing_map` if it is this router's latest output and no
-        token was dropped after the gate; else None."""
+        token was dropped after the gate; else None. Its `weights` are None: the probs are
+        dense, and the dispatcher's experts apply them."""
         if self.last_plan is not None and routing_map is self._last_routing_map:
             return self.last_plan
         return None
@@ -542,9 +551,14 @@ def replay_router(options: ReplayOptions | None = None, **kwargs):
 
 def replay_spec(spec, options: ReplayOptions | None = None, **kwargs):
     """Set the router of every MoE layer in a Megatron spec (a layer spec, a decoder
-    block spec, an MTP block spec, or lists of them) to the replay router. The spec is
-    changed in place and returned. Raises if the spec has no MoE layer."""
-    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+    block spec, an MTP block spec, or lists of them) to the replay router, and its layer
+    class to `ReplayMoELayer` (Megatron's MoELayer that switches to the plan dispatcher
+    wherever it applies, unless `plan_dispatch=False`). The spec is changed in place and
+    returned (a new object only where megatron-core >= 0.17 holds the layer as a
+    functools.partial at the top). Raises if the spec has no MoE layer."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+
+    from .dispatcher import ReplayMoELayer
 
     builder = replay_router(options, **kwargs)
     mtp_builder = functools.partial(_as_partial(builder), is_mtp_layer=True)
@@ -589,17 +603,24 @@ def replay_spec(spec, options: ReplayOptions | None = None, **kwargs):
         elif isinstance(obj, functools.partial):  # megatron-core >= 0.17: partial(MoELayer, ...)
             args = [walk(o, in_mtp, inplace) for o in obj.args]
             kw = {k: walk(v, in_mtp, inplace) for k, v in obj.keywords.items()}
-            if any(a is not b for a, b in zip(args, obj.args)) or \
+            func = obj.func
+            if func is MoELayer and any(isinstance(v, MoESubmodules)
+                                        for v in [*args, *kw.values()]):
+                func = ReplayMoELayer  # the plan dispatcher where it applies
+            if func is not obj.func or any(a is not b for a, b in zip(args, obj.args)) or \
                     any(kw[k] is not v for k, v in obj.keywords.items()):
-                if inplace and args == list(obj.args):
+                if inplace and args == list(obj.args) and func is obj.func:
                     obj.keywords.update(kw)
                 else:
-                    out = functools.partial(obj.func, *args, **kw)
+                    out = functools.partial(func, *args, **kw)
         else:
             names = [f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) \
                 else (["submodules"] if getattr(obj, "submodules", None) is not None else [])
             new = {n: walk(getattr(obj, n), in_mtp, inplace) for n in names}
             changed = {n: v for n, v in new.items() if v is not getattr(obj, n)}
+            if getattr(obj, "module", None) is MoELayer and \
+                    isinstance(new.get("submodules"), MoESubmodules):
+                changed["module"] = ReplayMoELayer  # the plan dispatcher where it applies
             if changed:
                 if not inplace:
                     out = copy.copy(obj)
@@ -608,10 +629,10 @@ def replay_spec(spec, options: ReplayOptions | None = None, **kwargs):
         done[key] = out
         return out
 
-    walk(spec, False, True)
+    out = walk(spec, False, True)
     if not found:
         raise UnsupportedConfigError("replay_spec: the spec has no MoE layer (no MoESubmodules)")
-    return spec
+    return out
 
 
 def _is_replay_builder(b) -> bool:
@@ -642,7 +663,8 @@ def _mtp_router_names(chunk) -> set:
 def install(model, options: ReplayOptions | None = None, **kwargs) -> list:
     """Turn every Megatron `TopKRouter` of an already built model (a module or a list of
     virtual-pipeline chunks) into a `ReplayTopKRouter`, in place: same parameters, buffers
-    and `router_replay` object. Returns the routers. Raises on a router subclass that is
+    and `router_replay` object; with `plan_dispatch` (the default) the all-to-all
+    dispatchers switch to the plan dispatcher wherever it applies. Returns the routers. Raises on a router subclass that is
     not Megatron's own (its routing would be lost) and on unsupported configs."""
     if options is None:
         options = ReplayOptions(**kwargs)
@@ -671,4 +693,13 @@ def install(model, options: ReplayOptions | None = None, **kwargs) -> list:
                     f"Megatron's own; replacing it would drop its routing")
     if not routers:
         raise UnsupportedConfigError("install: the model has no TopKRouter (no MoE layer)")
+    if options.plan_dispatch:  # the plan dispatcher wherever it applies
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        from .dispatcher import use_plan_dispatcher
+
+        for chunk in chunks:
+            for m in chunk.modules():
+                if isinstance(m, MoELayer):
+                    use_plan_dispatcher(m)
     return routers
