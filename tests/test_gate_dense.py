@@ -380,6 +380,9 @@ def test_permute_probs_gradcheck_and_opcheck(dev_backend):
     torch.library.opcheck(torch.ops.replay.permute_probs.default,
                           (hidden, probs, plan.sorted_slots, plan.row_id_map,
                            plan.expert_indices, plan.max_rows, backend))
+    torch.library.opcheck(torch.ops.replay.permute_probs_backward.default,
+                          (torch.randn(plan.max_rows, dtype=torch.float64, device=device),
+                           plan.row_id_map, plan.expert_indices, E, backend))
     with pytest.raises(ValueError, match=r"probs must be a float \[T, E\] tensor with T=6"):
         replay_ops.permute(hidden, plan, plan.max_rows, probs=probs[:3], backend=backend)
 

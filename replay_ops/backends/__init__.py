@@ -1,6 +1,6 @@
 """Backend registry and selection.
 
-Three backends implement the six kernels of the contract in `protocol.py`:
+Three backends implement the ten kernels of the contract in `protocol.py`:
 
     native   the C++ CPU kernels and, in a CUDA build, the CUDA kernels (replay_ops._C)
     triton   the Triton kernels (CUDA; CPU tensors only under TRITON_INTERPRET=1)
@@ -134,7 +134,7 @@ def backends(op: str | None = None, device: str = "cpu", shape: tuple | None = N
              dtype: torch.dtype = torch.float32, requested: str | None = None) -> dict:
     """Which backend serves each device, and why the others do not.
 
-    With `op` (one of the six kernels) and `shape` (T, E, K[, H]) it also reports, under
+    With `op` (one of the ten kernels) and `shape` (T, E, K[, H]) it also reports, under
     "call", the backend that runs that call on `device` and why each backend before it
     was passed over (e.g. the CUDA gate's limit on E)."""
     info: dict = {"requested": requested_backend(requested), "active": {}, "backends": {},

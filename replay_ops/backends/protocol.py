@@ -2,7 +2,7 @@
 
 A backend is a module (`replay_ops.backends.torch`, `.triton`, `.native`) that defines
 `NAME`, `available(device_type) -> Support`, `supports(op, device_type, shape, dtype) ->
-Support`, and the six kernels below. The registry (`replay_ops.backends`) checks the
+Support`, and the ten kernels below. The registry (`replay_ops.backends`) checks the
 contract when it loads a module: a module that lacks one of them is a programming error and
 raises `BackendContractError` at once, instead of being reported as "unavailable".
 
