@@ -258,7 +258,7 @@ def _scatter_rows(vals, idx, first, E, dtype):
     T = idx.shape[0]
     safe = torch.where(first, idx, E).long()  # other slots write into a column cut off below
     out = torch.zeros(T, E + 1, dtype=dtype, device=idx.device)
-    return out.scatter(1, safe, torch.where(first, vals, 0.0).to(dtype))[:, :E]
+    return out.scatter(1, safe, torch.where(first, vals, 0.0).to(dtype))[:, :E].contiguous()
 
 
 def gate_dense_fwd(logits, expert_indices, replay_mask, fallback, score_func, normalize,
