@@ -31,7 +31,15 @@ install-test: install
 check-cuda:
 	PY=$(PY) .ci/check_cuda.sh
 
-test: install-test check-cuda
+# Compile every Triton kernel for sm_80 and sm_90 with Triton's own ptxas (no GPU), for the
+# specialisations the launchers choose: no compile error, spill stores within the budget,
+# precise math, fp fusion set, 64-bit stride products. Nothing cached; ~2 minutes on 2 cores.
+# Writes bench/results/triton_compile_sm80_sm90.{md,json} (tools/triton_compile_check.py).
+.PHONY: check-triton
+check-triton:
+	$(PY) tools/triton_compile_check.py
+
+test: install-test check-cuda check-triton
 	$(PY) -m pytest -q tests
 
 # On a GPU machine: the CUDA-only tests, and the rest of the suite on CUDA tensors. Nothing

@@ -13,17 +13,17 @@ NOTE on math (checked on the PTX of every specialisation by tools/triton_compile
   to on and 3.10 to off, so leaving it to the default changes fp32 bits with the Triton
   version). Off, each product and sum is rounded once, as in the CPU interpreter (numpy)
   the CI runs, in the CUDA kernels (built with --fmad=false) and in the reference; the
-  kernels are memory-bound, so the lost FMAs cost nothing measurable.
+  kernels do a few flops per byte moved, so FMAs would save little.
 * Division and square root are IEEE round-to-nearest (div.rn / sqrt.rn, subnormals kept).
   `/` on fp32 compiles to div.full.f32 (2 ulp) and tl.sqrt to sqrt.approx.ftz.f32, which
   flushes a subnormal softplus to 0. fp64 `/` and tl.sqrt are already div.rn / sqrt.rn.
-* exp: `precise_exp` below for fp32 (at most 1 ulp, subnormal results kept), because
-  tl.exp is ex2.approx.f32(x * log2(e)): its error grows with |x| (~40 ulp at x = -80)
-  and the gate tests compare against fp64 at 2x the error of a same-precision reference.
-  It uses only rounded adds, multiplies, floor and bit operations, so the CPU interpreter
-  computes the same bits as the GPU. fp64 keeps tl.exp (libdevice's exp: no approximate
-  instruction).
-* log (only in the gate's log1p, argument in [1, 2]): tl.log, which Triton 3.9 lowers to
+* exp: `precise_exp` below for fp32 (at most 1 ulp, subnormal results kept). tl.exp is
+  ex2.approx.f32 of the rounded x * log2(e), up to 60 ulp off near |x| = 80, and the gate
+  tests hold the kernels to 2x the error of a same-precision reference against fp64.
+  precise_exp uses only rounded adds, multiplies, floor and bit operations, so the CPU
+  interpreter computes the bits the GPU does. fp64 keeps tl.exp (libdevice's exp, no
+  approximate instruction).
+* log (only in the gate's log1p, of 1 + exp(z) >= 1): tl.log, which Triton 3.9 lowers to
   libdevice's logf (the check fails if a Triton version lowers it to lg2.approx).
 """
 import contextlib
