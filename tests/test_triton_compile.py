@@ -76,6 +76,9 @@ def test_rules_flag_what_they_should():
     assert "enable_fp_fusion" in tcc.problems(dict(ok, launch_options={}), 8)[0]
     assert "approximate" in tcc.problems(dict(ok, approx=["sqrt.approx"]), 8)[0]
     assert "does not compile" in tcc.problems(dict(status="error", error="boom"), 8)[0]
+    assert "64-bit integer division" in tcc.problems(dict(ok, int64_divisions=1), 8)[0]
+    assert tcc.INT64_DIVISION.search("div.s64 %rd3, %rd1, %rd2;")
+    assert not tcc.INT64_DIVISION.search("div.s32 %r3, %r1, %r2;")
     ptx = "sqrt.approx.ftz.f32 %f1, %f2;\n div.full.f32 %f3, %f4, %f5;\n ex2.approx.f32 %f6, %f7;"
     import re
 

@@ -38,8 +38,8 @@ Failures (exit status 1): a compile error, or a compile running longer than
 COMPILE_TIMEOUT_S (its process is killed); spill stores above SPILL_BUDGET_BYTES in any
 kernel; a launch that leaves the fp-fusion choice to Triton's default; an approximate or
 flush-to-zero instruction in a kernel whose math is declared precise (MATH_POLICY); a
-32-bit product of a stride argument (int32 overflow, see INT32_RULE); a kernel of the
-modules that no case compiled.
+32-bit product of a stride argument (int32 overflow, see INT32_RULE); a 64-bit integer
+division; a kernel of the modules that no case compiled.
 
 Output: bench/results/triton_compile_sm80_sm90.md and .json (registers, spills, stack,
 shared memory, widest global load, per specialisation and per kernel).
@@ -124,6 +124,10 @@ INT32_SOURCES = re.compile(r"^stride_")
 # One specialisation may take this long to compile; longer is a failure (the slowest
 # takes a few seconds, and make test must stay within minutes on a 2-core machine).
 COMPILE_TIMEOUT_S = 120
+
+# A 64-bit integer division or remainder is a subroutine call on the GPU; the row mapping
+# (slot // K) divided in 64 bits in the gate and permute kernels.
+INT64_DIVISION = re.compile(r"\b(?:div|rem)\.[su]64\b")
 
 TYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp64": "float64",
          "i16": "int16", "i32": "int32", "i64": "int64"}  # torch dtype names
@@ -472,7 +476,8 @@ def compile_job(job: dict) -> dict:
                shared=int(ck.metadata.shared), num_warps=int(ck.metadata.num_warps),
                ld_global_bits=widest_global_load(ptx),
                approx=sorted(k for k, p in APPROX_PATTERNS.items() if re.search(p, ptx)),
-               int32_stride_products=int32_stride_products(ttir))
+               int32_stride_products=int32_stride_products(ttir),
+               int64_divisions=len(re.findall(INT64_DIVISION, ptx)))
     return row
 
 
@@ -565,6 +570,9 @@ def problems(row: dict, budget: int) -> list[str]:
         out.append(f"approximate math in a precise kernel: {', '.join(bad)}")
     if row["int32_stride_products"]:
         out.append(f"32-bit stride products: {row['int32_stride_products'][:3]}")
+    if row.get("int64_divisions"):
+        out.append(f"{row['int64_divisions']} 64-bit integer divisions (a subroutine call on "
+                   "the GPU; the plan's slots and rows are below 2^31: divide in 32 bits)")
     return out
 
 
@@ -628,7 +636,8 @@ def write_report(rows: list[dict], n_cases: int, wall: float, args, failures: li
     L += ["", "## Result", ""]
     L += ([f"- FAIL: {f}" for f in failures] or ["- pass: every specialisation compiles, "
           f"none spills above {args.budget} bytes, every launch sets enable_fp_fusion, "
-          "no approximate or flush-to-zero instruction, no 32-bit stride product"])
+          "no approximate or flush-to-zero instruction, no 32-bit stride product, no 64-bit "
+          "integer division"])
     L += ["", "## Per kernel", "",
           "| kernel | arch | compiles | registers (max) | spill stores (max) | stack (max) | "
           "shared bytes (max) | ld bits (min..max) | compile s (max) | "
