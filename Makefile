@@ -47,12 +47,21 @@ install-test: install
 check-cuda:
 	PY=$(PY) .ci/check_cuda.sh
 
+# Compile every Triton kernel for sm_80 and sm_90 with Triton's own ptxas (no GPU), for the
+# specialisations the launchers choose: no compile error, spill stores within the budget,
+# precise math, fp fusion set, 64-bit stride products. Nothing cached; ~2 minutes on 2 cores.
+# `make test` writes its table under build/; the committed table in bench/results/ comes
+# from `python3 tools/triton_compile_check.py` (its default output).
+.PHONY: check-triton
+check-triton:
+	$(PY) tools/triton_compile_check.py --out build/triton_compile_sm80_sm90
+
 # The whole suite with the pinned megatron-core, then the Megatron and verl tests again
 # with the newest megatron-core. A client that does not import fails the run (no skip).
 CLIENT_TESTS = tests/test_megatron_router.py tests/test_megatron_layers.py \
 	tests/test_megatron_data.py tests/test_megatron_dist.py tests/test_megatron_clients.py \
 	tests/test_verl_clients.py
-test: install-test check-cuda
+test: install-test check-cuda check-triton
 	REPLAY_OPS_REQUIRE_CLIENTS=1 $(PY) -m pytest -q tests
 	REPLAY_OPS_REQUIRE_CLIENTS=1 REPLAY_OPS_EXPECT_MCORE=$(MCORE_NEW) \
 		PYTHONPATH=$(CURDIR)/$(MCORE_NEW_DIR)$${PYTHONPATH:+:$$PYTHONPATH} \

@@ -80,6 +80,38 @@ def test_selection_asks_supports_and_reports_why(monkeypatch):
     assert (native.MAX_EXPERTS, native.MAX_TOPK) == (_C.MAX_EXPERTS, _C.MAX_TOPK)
 
 
+def test_triton_gate_above_its_top_k_falls_through(monkeypatch):
+    """K above the Triton gate's limit (its per-row sums take 1024 slots at most): the
+    triton backend says why in `supports`, selection goes on to torch, and the launchers
+    refuse it with a clear error instead of a CompilationError."""
+    triton_mod = rb.load("triton")
+    if triton_mod is None:
+        pytest.skip("triton is not importable")
+    from replay_ops.triton_kernels import gate as G
+
+    native = rb.load("native")
+    if native is not None:
+        monkeypatch.setattr(native, "available", lambda d: Support(True))
+    monkeypatch.setattr(triton_mod, "available", lambda d: Support(True))
+    K = G.MAX_TOPK
+    assert K == 1024
+    for op in ("gate_fwd", "gate_bwd"):
+        assert triton_mod.supports(op, "cuda", OpShape(8, 2048, K), torch.float32)
+        why = triton_mod.supports(op, "cuda", OpShape(8, 2048, K + 1), torch.float32)
+        assert not why and "K=1025 slots is above the Triton gate kernels' limit of 1024" \
+            in why.reason
+        runs, skipped = rb.explain(op, "cuda", OpShape(8, 2048, K + 1), torch.float32)
+        assert runs == "torch" and "limit of 1024" in skipped["triton"]
+    # permute and unpermute have no limit on K
+    assert triton_mod.supports("unpermute_bwd", "cuda", OpShape(8, 2048, 4096, 64),
+                               torch.float32)
+    with pytest.raises(ValueError, match="K=1025 slots per token is above the Triton gate's "
+                                         "limit of 1024"):
+        G.gate_config(T=4, K=K + 1, E=2048, align=1)
+    with pytest.raises(ValueError, match="limit of 1024"):
+        G.gate_bwd_config(T=4, K=K + 1, E=2048)
+
+
 def test_unavailable_requested_backend_is_an_error():
     if rb.available("native", "cuda"):
         pytest.skip("the native CUDA kernels are available here")

@@ -122,3 +122,37 @@ def test_device_division_edge_cases(program):
         assert_fa_close(got, r["same"][0].to(dtype), r["ref64"][0], f"{sf} weights")
         # the weights are not all zero: these rows have routes with non-negligible scores
         assert (got.abs() > 0).any()
+
+
+def test_sqrtsoftplus_of_a_subnormal_softplus(program):
+    """sqrt(softplus(z)) where softplus(z) = exp(z) is subnormal in fp32 (z < -87.3; at
+    z = -100 it keeps 5 significant bits) or underflows to 0 (z < -103.3), while the score
+    exp(z / 2) is a normal number. The device sequence (ro_exp, ro_log1p, then ro_sqrt's
+    reciprocal square-root estimate refined with FMA) must not flush the subnormal: the
+    score and its gradient are not 0, and are as close to fp64 as the same-precision
+    reference (which goes through the same subnormal). fp64 rows: below -708 exp(z) is
+    subnormal in fp64. The Triton kernels compute exp(z / 2) there instead (see
+    tests/test_triton_kernels.py::test_sqrtsoftplus_of_a_subnormal_softplus)."""
+    rows = [
+        (torch.float32, [-88.0, -95.0, -100.0, -60.0, -103.0, 1.0], [0, 1, 2]),
+        (torch.float32, [-88.0, -95.0, -100.0, -60.0, -103.0, 1.0], [2, 4, -1]),
+        (torch.float32, [-90.5, -96.0, -101.0, -87.0, -5.0, 0.0], [0, 1, 3]),
+        (torch.float64, [-710.0, -720.0, -740.0, -700.0, 0.0, 1.0], [0, 1, 2]),
+    ]
+    cases = [("sqrtsoftplus", norm, r) for norm in (False, True) for r in rows]
+    for (sf, norm, (dtype, x, idx)), vals in zip(cases, _run(program, cases)):
+        K = len(idx)
+        what = f"{sf} normalize={norm} {dtype} x={x} idx={idx}"
+        out_w = torch.tensor(vals[:K], dtype=torch.float64).to(dtype)
+        out_g = torch.tensor(vals[K:], dtype=torch.float64).to(dtype)
+        r = _reference(sf, norm, dtype, x, idx)
+        valid = torch.tensor(idx) >= 0
+        # z < -103.3 (fp32): softplus itself underflows to 0, in the reference too
+        live = valid & (r["same"][0].to(dtype) != 0)
+        assert (out_w[live] != 0).all(), f"score flushed to 0: {out_w} ({what})"
+        sel = torch.tensor([i for i in idx if i >= 0])
+        g_live = torch.zeros(E, dtype=torch.bool)
+        g_live[sel[r["same"][0].to(dtype)[valid] != 0]] = True
+        assert (out_g[g_live] != 0).all(), f"gradient flushed to 0: {out_g} ({what})"
+        assert_fa_close(out_w, r["same"][0].to(dtype), r["ref64"][0], f"weights ({what})")
+        assert_fa_close(out_g, r["same"][1].to(dtype), r["ref64"][1], f"grad ({what})")

@@ -22,7 +22,7 @@ if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
 import triton.language as tl  # noqa: E402
 
 from replay_ops.triton_kernels import gate as G  # noqa: E402
-from replay_ops.triton_kernels._common import cast_rne  # noqa: E402
+from replay_ops.triton_kernels._common import cast_rne, precise_exp  # noqa: E402
 
 
 class _CountingKernel:
@@ -70,7 +70,9 @@ def test_gate_config_pins():
     assert small.single and small.num_chunks == 1
     big = G.gate_config(T=16384, K=8, E=128, align=16)
     assert not big.single
-    assert big.BLOCK_T == 128 and big.num_chunks == 128
+    # the statistics tile BLOCK_T x E_BLOCK is capped (it spilled at 256 x 128)
+    assert big.BLOCK_T == G.STATS_TILE_ELEMS // 128 and big.E_BLOCK == 128
+    assert big.num_chunks == 16384 // big.BLOCK_T
     assert big.E_HIST == 128 and big.K_PAD == 8
     assert big.SLOT_BLOCK * big.E_HIST <= G.ONE_HOT_ELEMS
     assert big.PAD_J == 16  # next_pow2(align - 1)
@@ -79,6 +81,84 @@ def test_gate_config_pins():
     assert odd.num_chunks == triton.cdiv(5000, odd.BLOCK_T)
     bwd = G.gate_bwd_config(T=4096, K=8, E=256)
     assert bwd.BLOCK_T * bwd.K_PAD * bwd.E_BLOCK <= G.GRAD_TILE_ELEMS
+
+
+@pytest.mark.parametrize("K", [1, 2, 6, 8, 64, 1024])
+@pytest.mark.parametrize("E", [1, 7, 48, 128, 1000, 4096])
+def test_gate_tile_cap_and_batch_independent_blocks(K, E):
+    """No forward tile above its cap, and E_BLOCK (the blocking of the softmax statistics,
+    hence their bits) is the same for every T."""
+    if K > E:
+        return
+    blocks = set()
+    for T in (1, 3, 64, 4096, 100000):
+        cfg = G.gate_config(T, K, E, 1)
+        assert cfg.BLOCK_T * cfg.E_BLOCK <= G.STATS_TILE_ELEMS
+        assert cfg.SLOT_BLOCK * cfg.E_HIST <= G.ONE_HOT_ELEMS or cfg.SLOT_BLOCK == 1
+        blocks.add(cfg.E_BLOCK)
+    assert len(blocks) == 1
+
+
+@triton.jit
+def _exp_kernel(X_ptr, Y_ptr, N, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < N
+    tl.store(Y_ptr + o, precise_exp(tl.load(X_ptr + o, mask=m)), mask=m)
+
+
+def test_precise_exp_is_within_one_ulp():
+    """The fp32 exp of the gate kernels, against fp64, over its whole range: every binade
+    of |x| from 2^-30 to 2^7, both signs, and the arguments whose result is subnormal. It
+    uses only rounded adds, multiplies, floor and bit operations (no fusion: the launches
+    turn it off), so these are the bits a GPU computes too."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(0)
+    mags = torch.exp2(torch.arange(-30, 7, dtype=torch.float64).repeat_interleave(512)
+                      + torch.rand(37 * 512, generator=g, dtype=torch.float64))
+    x = torch.cat([mags, -mags, -87.3 - 16.7 * torch.rand(8192, generator=g,
+                                                          dtype=torch.float64),
+                   torch.tensor([0.0, 88.72283, 88.7229, -103.27, -103.28, -104.5, 1e-40])])
+    x = x.to(torch.float32)
+    specials = torch.tensor([float("inf"), float("-inf"), float("nan"), 100.0, -1e4])
+    xs = torch.cat([x, specials]).to(DEVICE)
+    y = torch.empty_like(xs)
+    _exp_kernel[(triton.cdiv(xs.numel(), 1024),)](xs, y, xs.numel(), BLOCK=1024)
+    y = y.cpu()
+    exact = torch.exp(x.double())
+    ulp = torch.from_numpy(np.spacing(np.abs(exact.float().numpy()))).double()
+    ulp = ulp.clamp(min=2.0**-149)  # the subnormal spacing
+    err = ((y[:x.numel()].double() - exact).abs() / ulp)
+    finite = torch.isfinite(exact.float())
+    assert err[finite].max() <= 1.0, (err[finite].max(), x[finite][err[finite].argmax()])
+    assert torch.isinf(y[:x.numel()][~finite]).all()
+    assert (y[:x.numel()][(exact < 2.0**-126) & (exact > 2.0**-149)] > 0).all()  # no flush
+    assert y[-5] == float("inf") and y[-4] == 0.0 and torch.isnan(y[-3])
+    assert y[-2] == float("inf") and y[-1] == 0.0
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_sqrtsoftplus_of_a_subnormal_softplus(normalize):
+    """sqrt(softplus(z)) for z where softplus(z) = exp(z) is subnormal in fp32 (z < -87.3)
+    or 0 (z < -103.3), while the score exp(z / 2) is a normal number: the scores and the
+    gradient match fp64 to a few ulp (a flushed softplus gave a score of 0 and a gradient
+    of 0; computed through the subnormal, z = -100 kept 5 significant bits)."""
+    z = torch.tensor([[-88.0, -95.0, -100.0, -103.0, -120.0, -170.0, -40.5, -39.5]])
+    idx = torch.arange(z.shape[1])[None, :]
+    grad = torch.tensor([[1.0, -2.0, 0.5, 3.0, -1.0, 2.0, 0.25, 1.5]])
+    kw = dict(score_func="sqrtsoftplus", normalize=normalize, scaling_factor=2.5)
+    lg = z.clone().to(DEVICE).requires_grad_(True)
+    out = replay_ops.gate(lg, idx.to(DEVICE), backend="triton", **kw).weights
+    (out * grad.to(DEVICE)).sum().backward()
+    lg64 = z.double().requires_grad_(True)
+    r64 = ref.gate(lg64, idx, validate=False, **kw).weights
+    (r64 * grad.double()).sum().backward()
+    assert (out != 0).all() and (lg.grad != 0).all()
+    torch.testing.assert_close(out.detach().cpu().double(), r64.detach(), rtol=4e-7, atol=0)
+    # normalised, dz_k = f'(z_k) (g_k / S - D / S^2) cancels: its error is relative to the
+    # largest term
+    atol = 1e-6 * lg64.grad.abs().max().item() if normalize else 0.0
+    torch.testing.assert_close(lg.grad.cpu().double(), lg64.grad, rtol=1e-6, atol=atol)
 
 
 def test_one_launch_when_slots_fit_one_program(launches):
@@ -217,3 +297,37 @@ def test_split_scale_keeps_fp64_precision(s):
     assert float(np.float32(hi)) == hi and float(np.float32(lo)) == lo  # both fp32
     assert abs((hi + lo) - s) <= abs(s) * 2.0**-46
     assert np.float32(np.float32(hi) + np.float32(lo)) == np.float32(s)
+
+
+def test_unpermute_backward_with_many_slots():
+    """dw of the unpermute backward keeps one accumulator per slot (dout is read once per
+    column block): K = 100 (K_PAD 128, fewer token rows per program) and H = 300 (a
+    partial column block) against the torch backend, and the same bits for a token
+    whatever the batch size."""
+    from replay_ops import backends
+    from replay_ops.triton_kernels.unpermute import unpermute_bwd
+
+    torch_backend = backends.load("torch")
+
+    T, E, K, H = 9, 128, 100, 300
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(T, E, generator=g).to(DEVICE)
+    idx = _indices(T, E, K, 3)
+    plan = replay_ops.gate(logits, idx, backend="triton")
+    R = plan.num_rows()
+    x = torch.randn(R, H, generator=g).to(DEVICE)
+    dout = torch.randn(T, H, generator=g).to(DEVICE)
+    args = (plan.row_id_map, plan.sorted_slots, plan.weights)
+    out_dx, out_dw = unpermute_bwd(dout, x, *args)
+    ref_dx, ref_dw = torch_backend.unpermute_bwd(dout, x, *args)
+    torch.testing.assert_close(out_dx, ref_dx, rtol=0, atol=0)
+    torch.testing.assert_close(out_dw, ref_dw, rtol=1e-5, atol=1e-5)
+    assert (out_dw[idx < 0] == 0).all()
+    # tokens 0..2 alone: their rows of x, their slots
+    sub = replay_ops.gate(logits[:3], idx[:3], backend="triton")
+    rows = plan.row_id_map[:3]
+    x3 = torch.zeros(sub.num_rows(), H, device=DEVICE)
+    ok = sub.row_id_map >= 0
+    x3[sub.row_id_map[ok].long()] = x[rows[ok].long()]
+    _, dw3 = unpermute_bwd(dout[:3], x3, sub.row_id_map, sub.sorted_slots, sub.weights)
+    assert torch.equal(dw3, out_dw[:3])

@@ -141,8 +141,8 @@ MUTANTS = [
       "HF: every expert segment runs expert 0"),
     # ----------------------------------------------------- Triton kernels
     M("M25", "triton_kernels/gate.py",
-      "    return tl.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))",
-      "    return 1.0 / (1.0 + e)",
+      "    return tl.where(z >= 0, fdiv(1.0, 1.0 + e), fdiv(e, 1.0 + e))",
+      "    return fdiv(1.0, 1.0 + e)",
       ("tests/test_gate.py", "-k", "triton and modes"), "Triton sigmoid wrong for z < 0"),
     M("M26", "triton_kernels/gate.py",
       "        sp = tl.where(z > _SOFTPLUS_THRESHOLD, z,", "        sp = tl.where(z > 0.0, z,",

@@ -1,5 +1,31 @@
-"""Helpers shared by the Triton kernels: bf16 rounding, fixed-order row sums, the device
-context of a launch."""
+"""Helpers shared by the Triton kernels: bf16 rounding, fixed-order row sums, the precise
+math of the gate kernels, the launch options, the device context of a launch.
+
+NOTE on math (checked on the PTX of every specialisation by tools/triton_compile_check.py):
+
+    kernel                      exp            division     sqrt         fp fusion
+    gate fwd / bwd              precise_exp    div_rn       sqrt_rn      off
+    plan scan / scatter         -              -            -            off
+    permute, gather-sum,        -              -            -            off
+    unpermute dx / dw
+
+* Fusion is off in every kernel (LAUNCH_OPTIONS, passed explicitly: Triton 3.9 defaults
+  to on and 3.10 to off, so leaving it to the default changes fp32 bits with the Triton
+  version). Off, each product and sum is rounded once, as in the CPU interpreter (numpy)
+  the CI runs, in the CUDA kernels (built with --fmad=false) and in the reference; the
+  kernels do a few flops per byte moved, so FMAs would save little.
+* Division and square root are IEEE round-to-nearest (div.rn / sqrt.rn, subnormals kept).
+  `/` on fp32 compiles to div.full.f32 (2 ulp) and tl.sqrt to sqrt.approx.ftz.f32, which
+  flushes a subnormal softplus to 0. fp64 `/` and tl.sqrt are already div.rn / sqrt.rn.
+* exp: `precise_exp` below for fp32 (at most 1 ulp, subnormal results kept). tl.exp is
+  ex2.approx.f32 of the rounded x * log2(e), up to 60 ulp off near |x| = 80, and the gate
+  tests hold the kernels to 2x the error of a same-precision reference against fp64.
+  precise_exp uses only rounded adds, multiplies, floor and bit operations, so the CPU
+  interpreter computes the bits the GPU does. fp64 keeps tl.exp (libdevice's exp, no
+  approximate instruction).
+* log (only in the gate's log1p, of 1 + exp(z) >= 1): tl.log, which Triton 3.9 lowers to
+  libdevice's logf (the check fails if a Triton version lowers it to lg2.approx).
+"""
 import contextlib
 import dataclasses
 
@@ -26,6 +52,13 @@ def cast_rne(x, DT: tl.constexpr):
         return x.to(DT)
 
 
+# Widest row `row_sum` adds (the Triton gate takes K <= this; see gate.MAX_TOPK).
+ROW_SUM_MAX_WIDTH: tl.constexpr = tl.constexpr(1024)
+
+# Options of every launch (see the NOTE on math above).
+LAUNCH_OPTIONS = {"enable_fp_fusion": False}
+
+
 @triton.jit
 def _halve(x, R: tl.constexpr, W: tl.constexpr):
     # [R, W] -> [R, W/2]: element j plus element j + W/2 (a sum of two is order-free)
@@ -38,6 +71,7 @@ def row_sum(x, R: tl.constexpr, W: tl.constexpr):
     tree: at each step element j takes element j + w/2. A plain tl.sum reduces in an order
     that follows the register layout, which changes with the tile shape; this order does
     not, so a row's sum is the same whatever the batch size and the block shape."""
+    tl.static_assert(W <= ROW_SUM_MAX_WIDTH, "row_sum: W is above ROW_SUM_MAX_WIDTH (1024)")
     if W >= 1024:
         x = _halve(x, R, 1024)
     if W >= 512:
@@ -61,6 +95,64 @@ def row_sum(x, R: tl.constexpr, W: tl.constexpr):
     return tl.reshape(x, [R])
 
 
+# exp(r) on |r| <= ln(2)/2: the minimax polynomial of Cephes' expf
+_EXP_P0: tl.constexpr = tl.constexpr(1.9875691500e-4)
+_EXP_P1: tl.constexpr = tl.constexpr(1.3981999507e-3)
+_EXP_P2: tl.constexpr = tl.constexpr(8.3334519073e-3)
+_EXP_P3: tl.constexpr = tl.constexpr(4.1665795894e-2)
+_EXP_P4: tl.constexpr = tl.constexpr(1.6666665459e-1)
+_EXP_P5: tl.constexpr = tl.constexpr(5.0000001201e-1)
+
+
+@triton.jit
+def _exp_f32(x):
+    """exp(x) in fp32 within 1 ulp over the whole range, subnormal results included (the
+    tests/test_triton_kernels.py measures it against fp64 on every fp32 exponent). Cody-Waite
+    reduction x = n ln2 + r with ln2 split so that n * 0.693359375 is exact, Cephes'
+    polynomial for exp(r), then the scaling by 2^n as two exact powers of two, so that a
+    result below 2^-126 is rounded once instead of flushed. NaN stays NaN, +-inf and
+    overflow give inf and 0."""
+    xc = tl.minimum(tl.maximum(x, -104.0), 89.0)
+    n = tl.floor(xc * 1.44269504 + 0.5)
+    r = xc - n * 0.693359375
+    r = r - n * -2.12194440e-4
+    p = ((((_EXP_P0 * r + _EXP_P1) * r + _EXP_P2) * r + _EXP_P3) * r + _EXP_P4) * r + _EXP_P5
+    p = p * (r * r) + r + 1.0
+    ni = n.to(tl.int32)
+    n1 = ni >> 1
+    s1 = ((n1 + 127) << 23).to(tl.float32, bitcast=True)
+    s2 = ((ni - n1 + 127) << 23).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, p * s1 * s2)
+
+
+@triton.jit
+def precise_exp(x):
+    """exp with at most 1 ulp of error (fp32: `_exp_f32`; fp64: tl.exp, libdevice's)."""
+    if x.dtype == tl.float64:
+        return tl.exp(x)
+    else:
+        return _exp_f32(x.to(tl.float32))
+
+
+@triton.jit
+def fdiv(a, b):
+    """a / b rounded to nearest (div.rn; fp32 `/` is div.full, 2 ulp)."""
+    if b.dtype == tl.float64:
+        return a / b
+    else:
+        return tl.div_rn(a, b)
+
+
+@triton.jit
+def fsqrt(x):
+    """sqrt rounded to nearest (sqrt.rn; fp32 tl.sqrt is sqrt.approx.ftz, which flushes
+    subnormal inputs to 0)."""
+    if x.dtype == tl.float64:
+        return tl.sqrt(x)
+    else:
+        return tl.sqrt_rn(x)
+
+
 def device_ctx(t: torch.Tensor):
     """Launch on the tensor's device (Triton uses the current stream of that device)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
@@ -71,7 +163,10 @@ def compute_type(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-TILE_ELEMS = 4096  # BLOCK_R * BLOCK_H of the row kernels
+# NOTE: BLOCK_R * BLOCK_H of the row kernels. At 4096 (32 values a thread at 4 warps) the
+# unpermute backward spilled 40 B (dx) to 5.6 KB (dw) for fp64 and for H not a multiple of
+# 16, where every value needs its own 64-bit address (tools/triton_compile_check.py).
+TILE_ELEMS = 2048
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,7 +43,8 @@ import triton.language as tl
 from replay_ops import scores
 from replay_ops.plan import plan_capacity
 
-from ._common import cast_rne, compute_type, device_ctx, row_sum
+from ._common import (LAUNCH_OPTIONS, ROW_SUM_MAX_WIDTH, cast_rne, compute_type, device_ctx,
+                      fdiv, fsqrt, precise_exp, row_sum)
 
 # Score function ids, from the one table (replay_ops/scores.py).
 _SOFTMAX: tl.constexpr = tl.constexpr(scores.SOFTMAX.id)
@@ -51,12 +52,30 @@ _SIGMOID: tl.constexpr = tl.constexpr(scores.SIGMOID.id)
 _SQRTSOFTPLUS: tl.constexpr = tl.constexpr(scores.SQRTSOFTPLUS.id)
 _SOFTPLUS_THRESHOLD: tl.constexpr = tl.constexpr(scores.SOFTPLUS_THRESHOLD)
 _NORM_EPS: tl.constexpr = tl.constexpr(scores.NORM_EPS)
+# Below this logit, sqrt(softplus(z)) is computed as exp(z / 2): softplus(z) = exp(z) to
+# working precision there (fp64 included: exp(-40) < 2^-53), and exp(z) itself becomes
+# subnormal below -87.3 in fp32 (5 significant bits left at z = -100) or 0, while the score
+# exp(z / 2) is still a normal number.
+_SQRTSP_LOW: tl.constexpr = tl.constexpr(-40.0)
+
+# The largest K of the Triton gate kernels: the sums over a row's slots (`row_sum`) take
+# rows of at most 1024. The backend registry hands larger K to another backend.
+MAX_TOPK = ROW_SUM_MAX_WIDTH.value
 
 # NOTE: above ~4K slots a single program serialises too much work; the 3-launch path keeps
 # every program's share to BLOCK_T*K ~ 1K slots.
 SINGLE_PROGRAM_MAX_SLOTS = 4096
 CHUNK_SLOTS = 1024
-ONE_HOT_ELEMS = 8192  # size of the [SLOT_BLOCK, E_HIST] one-hot tile
+# NOTE: size of the [SLOT_BLOCK, E_HIST] one-hot tiles of the plan (and [CHUNK_BLOCK,
+# E_HIST] of the scan): at 8192 the scan spilled 36 B on sm_80.
+ONE_HOT_ELEMS = 4096
+# NOTE: BLOCK_T * E_BLOCK, the logits tile of the softmax statistics (softmax with
+# normalize=False, forward and backward) that a program holds with its exp. BLOCK_T was
+# up to 256 with E_BLOCK 128: the forward spilled 52 B-2.6 KB, and 20-22 KB at E=384;
+# the backward (BLOCK_T 64, fp64) 2.5 KB (tools/triton_compile_check.py). At 2048 no
+# specialisation spills more than the check's budget of 8 bytes
+# (bench/results/triton_compile_sm80_sm90.md).
+STATS_TILE_ELEMS = 2048
 GRAD_TILE_ELEMS = 8192  # BLOCK_T * K_PAD * E_BLOCK: the work of one column block of the backward
 
 
@@ -83,19 +102,33 @@ class GateBwdConfig:
     E_BLOCK: int
 
 
+def check_top_k(K: int, op: str) -> None:
+    if K > MAX_TOPK:
+        raise ValueError(
+            f"replay_ops {op} (Triton): K={K} slots per token is above the Triton gate's "
+            f"limit of {MAX_TOPK} (its per-row sums take at most {MAX_TOPK} slots); use "
+            f"the torch or native backend"
+        )
+
+
 def gate_config(T: int, K: int, E: int, align: int) -> GateConfig:
-    """Block sizes for the forward kernels."""
+    """Block sizes for the forward kernels. E_BLOCK depends on E only (the blocked softmax
+    statistics then add in the same order whatever T); BLOCK_T is capped so that the
+    statistics tile BLOCK_T x E_BLOCK stays within STATS_TILE_ELEMS."""
+    check_top_k(K, "gate")
     K_PAD = triton.next_power_of_2(K)
     E_HIST = triton.next_power_of_2(E)
+    E_BLOCK = min(E_HIST, 128)
     single = T * K <= SINGLE_PROGRAM_MAX_SLOTS
-    BLOCK_T = max(1, min(triton.next_power_of_2(max(1, CHUNK_SLOTS // K)), 256))
+    BLOCK_T = max(1, min(triton.next_power_of_2(max(1, CHUNK_SLOTS // K)), 256,
+                         STATS_TILE_ELEMS // E_BLOCK))
     BLOCK_T = min(BLOCK_T, triton.next_power_of_2(max(T, 1)))
     return GateConfig(
         single=single,
         BLOCK_T=BLOCK_T,
         K_PAD=K_PAD,
         E_HIST=E_HIST,
-        E_BLOCK=min(E_HIST, 128),
+        E_BLOCK=E_BLOCK,
         SLOT_BLOCK=max(1, min(64, ONE_HOT_ELEMS // E_HIST)),
         PAD_J=max(1, min(triton.next_power_of_2(max(align - 1, 1)), ONE_HOT_ELEMS // E_HIST)),
         TAIL_BLOCK=1024,
@@ -105,9 +138,10 @@ def gate_config(T: int, K: int, E: int, align: int) -> GateConfig:
 
 
 def gate_bwd_config(T: int, K: int, E: int) -> GateBwdConfig:
+    check_top_k(K, "gate backward")
     K_PAD = triton.next_power_of_2(K)
     E_BLOCK = min(triton.next_power_of_2(E), 128)
-    BLOCK_T = max(1, min(64, GRAD_TILE_ELEMS // (K_PAD * E_BLOCK)))
+    BLOCK_T = max(1, min(64, GRAD_TILE_ELEMS // (K_PAD * E_BLOCK), STATS_TILE_ELEMS // E_BLOCK))
     BLOCK_T = min(BLOCK_T, triton.next_power_of_2(max(T, 1)))
     return GateBwdConfig(BLOCK_T=BLOCK_T, K_PAD=K_PAD, E_BLOCK=E_BLOCK)
 
@@ -125,7 +159,7 @@ def split_scale(scaling_factor: float) -> tuple[float, float]:
 def _log1p(u):
     # log(1+u) accurate for tiny u (the classic w = 1+u correction).
     w = 1.0 + u
-    return tl.where(w == 1.0, u, tl.log(w) * u / (w - 1.0))
+    return tl.where(w == 1.0, u, fdiv(tl.log(w) * u, w - 1.0))
 
 
 @triton.jit
@@ -136,8 +170,8 @@ def _scale(scale_hi, scale_lo, CDT: tl.constexpr):
 @triton.jit
 def _sigmoid(z):
     # 1 / (1 + exp(-z)) with the denominator in [1, 2]: exp(-|z|) <= 1 never overflows
-    e = tl.exp(-tl.abs(z))
-    return tl.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    e = precise_exp(-tl.abs(z))
+    return tl.where(z >= 0, fdiv(1.0, 1.0 + e), fdiv(e, 1.0 + e))
 
 
 @triton.jit
@@ -146,10 +180,13 @@ def _score(z, SCORE: tl.constexpr):
     if SCORE == _SIGMOID:
         return _sigmoid(z)
     elif SCORE == _SQRTSOFTPLUS:
-        # sqrt(softplus(z)), softplus linear above 20 like torch.nn.functional.softplus
-        sp = tl.where(z > _SOFTPLUS_THRESHOLD, z,
-                      _log1p(tl.exp(tl.minimum(z, _SOFTPLUS_THRESHOLD))))
-        return tl.sqrt(sp)
+        # sqrt(softplus(z)), softplus linear above 20 like torch.nn.functional.softplus;
+        # exp(z / 2) below _SQRTSP_LOW, where softplus(z) = exp(z) may be subnormal
+        # (tl.minimum/maximum drop a NaN on the GPU: it is put back at the end)
+        zc = tl.minimum(tl.maximum(z, _SQRTSP_LOW), _SOFTPLUS_THRESHOLD)
+        sp = tl.where(z > _SOFTPLUS_THRESHOLD, z, _log1p(precise_exp(zc)))
+        c = tl.where(z < _SQRTSP_LOW, precise_exp(0.5 * z), fsqrt(sp))
+        return tl.where(z != z, z, c)
     else:
         tl.static_assert(False, "replay_ops gate: no element-wise score function of this id")
 
@@ -160,8 +197,10 @@ def _score_grad(z, c, SCORE: tl.constexpr):
     if SCORE == _SIGMOID:
         return c * (1.0 - c)
     elif SCORE == _SQRTSOFTPLUS:
+        # sigmoid(z) / (2 c); below _SQRTSP_LOW, where c = exp(z / 2), the derivative c / 2
         slope = tl.where(z > _SOFTPLUS_THRESHOLD, 1.0, _sigmoid(z))
-        return tl.where(c > 0.0, slope / (2.0 * tl.where(c > 0.0, c, 1.0)), 0.0)
+        dc = tl.where(c > 0.0, fdiv(slope, 2.0 * tl.where(c > 0.0, c, 1.0)), 0.0)
+        return tl.where(z < _SQRTSP_LOW, 0.5 * c, dc)
     else:
         tl.static_assert(False, "replay_ops gate: no element-wise score function of this id")
 
@@ -175,11 +214,13 @@ def _row_softmax_stats(Logits_ptr, rows, rmask, stride_lt, stride_le, E,
     for e0 in range(0, E, E_BLOCK):
         ecols = e0 + tl.arange(0, E_BLOCK)
         lmask = rmask[:, None] & (ecols < E)[None, :]
-        x = tl.load(Logits_ptr + rows[:, None] * stride_lt + ecols[None, :] * stride_le,
+        x = tl.load(Logits_ptr + rows[:, None] * stride_lt
+                    + ecols.to(tl.int64)[None, :] * stride_le,
                     mask=lmask, other=float("-inf")).to(CDT)
         m_new = tl.maximum(m, tl.max(x, axis=1))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.exp(m - shift) + row_sum(tl.exp(x - shift[:, None]), BLOCK_T, E_BLOCK)
+        s = s * precise_exp(m - shift) + row_sum(precise_exp(x - shift[:, None]), BLOCK_T,
+                                                 E_BLOCK)
         m = m_new
     return tl.where(m == float("-inf"), 0.0, m), s
 
@@ -190,16 +231,16 @@ def _masked_softmax(x, valid, BLOCK_T: tl.constexpr, K_PAD: tl.constexpr):
     z = tl.where(valid, x, float("-inf"))
     m = tl.max(z, axis=1)
     m = tl.where(m == float("-inf"), 0.0, m)
-    e = tl.where(valid, tl.exp(z - m[:, None]), 0.0)
+    e = tl.where(valid, precise_exp(z - m[:, None]), 0.0)
     s = row_sum(e, BLOCK_T, K_PAD)
-    return e / tl.where(s > 0.0, s, 1.0)[:, None]
+    return fdiv(e, tl.where(s > 0.0, s, 1.0)[:, None])
 
 
 @triton.jit
 def _load_slots(Idx_ptr, rows, cols, m2, stride_it, stride_ik, E):
     """(int32 expert of each slot, -1 where empty; valid mask) for a [rows, cols] block. The
     range is tested on the index's own width (int64 included) before the narrowing."""
-    raw = tl.load(Idx_ptr + rows[:, None] * stride_it + cols[None, :] * stride_ik,
+    raw = tl.load(Idx_ptr + rows[:, None] * stride_it + cols.to(tl.int64)[None, :] * stride_ik,
                   mask=m2, other=-1)
     valid = m2 & (raw >= 0) & (raw < E)
     return tl.where(valid, raw, -1).to(tl.int32), valid
@@ -225,13 +266,13 @@ def _gate_weights_block(
         else:
             m, s = _row_softmax_stats(Logits_ptr, rows, rmask, stride_lt, stride_le, E,
                                       CDT, BLOCK_T, E_BLOCK)
-            w = tl.exp(x - m[:, None]) / tl.where(s > 0.0, s, 1.0)[:, None]
+            w = fdiv(precise_exp(x - m[:, None]), tl.where(s > 0.0, s, 1.0)[:, None])
     else:
         c = tl.where(valid, _score(x, SCORE), 0.0)
         if NORMALIZE:
             nvalid = tl.sum(valid.to(tl.int32), axis=1)
             denom = row_sum(c, BLOCK_T, K_PAD) + _NORM_EPS
-            w = tl.where((nvalid > 1)[:, None], c / denom[:, None], c)
+            w = tl.where((nvalid > 1)[:, None], fdiv(c, denom[:, None]), c)
         else:
             w = c
     w = tl.where(valid, w * _scale(scale_hi, scale_lo, CDT), 0.0)
@@ -242,11 +283,13 @@ def _gate_weights_block(
 
 @triton.jit
 def _slot_experts(Idx_ptr, f, fmask, K, stride_it, stride_ik, E):
-    """Expert of flat slot f: -1 for empty slots (any value outside [0, E)) and past the end."""
-    f = f.to(tl.int64)
+    """Expert of flat slot f: -1 for empty slots (any value outside [0, E)) and past the end.
+    The division is 32-bit (a 64-bit one is a subroutine on the GPU): f < T*K < 2^31."""
+    f = f.to(tl.int32)
     t = f // K
     k = f - t * K
-    raw = tl.load(Idx_ptr + t * stride_it + k * stride_ik, mask=fmask, other=-1)
+    raw = tl.load(Idx_ptr + t.to(tl.int64) * stride_it + k.to(tl.int64) * stride_ik,
+                  mask=fmask, other=-1)
     return tl.where((raw >= 0) & (raw < E), raw, -1).to(tl.int32)
 
 
@@ -285,7 +328,8 @@ def _write_offsets_and_padding(
         pm = emask[:, None] & (j[None, :] < npad[:, None])
         tl.store(Sorted_ptr + start[:, None] + j[None, :],
                  tl.full([E_HIST, PAD_J], -1, tl.int32), mask=pm)
-    for p0 in range(total, n_sorted, TAIL_BLOCK):
+    # 64-bit: p0 + TAIL_BLOCK passes 2^31 when n_sorted is close to it
+    for p0 in range(total.to(tl.int64), n_sorted, TAIL_BLOCK):
         p = p0 + tl.arange(0, TAIL_BLOCK)
         tl.store(Sorted_ptr + p, tl.full([TAIL_BLOCK], -1, tl.int32), mask=p < n_sorted)
     return offsets
@@ -420,7 +464,8 @@ def _gate_bwd_kernel(
         sigmoid/sqrtsp:    dz_k = f'(z_k) * s (g_k / S - (D / S) / S)   (normalised;
                            D = sum_j g_j c_j)
                            dz_k = f'(z_k) * s g_k                       (otherwise)
-    The slot gradients of a column are added in column order k = 0..K-1. Each output element
+    The slot gradients of a column are added in column order k = 0..K-1 (a loop, not
+    unrolled: unrolled, K = 200 took 9 s to compile and spilled 2.8 KB). Each output element
     is written exactly once; no atomics."""
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -436,7 +481,7 @@ def _gate_bwd_kernel(
         m, s = _row_softmax_stats(Logits_ptr, rows, rmask, stride_lt, stride_le, E,
                                   CDT, BLOCK_T, E_BLOCK)
         s = tl.where(s > 0.0, s, 1.0)
-        dz = tl.where(valid, g * (tl.exp(x - m[:, None]) / s[:, None]), 0.0)
+        dz = tl.where(valid, g * fdiv(precise_exp(x - m[:, None]), s[:, None]), 0.0)
         c = row_sum(dz, BLOCK_T, K_PAD)
     else:
         if SCORE == _SOFTMAX:
@@ -449,7 +494,7 @@ def _gate_bwd_kernel(
                 nvalid = tl.sum(valid.to(tl.int32), axis=1)
                 S = row_sum(c, BLOCK_T, K_PAD) + _NORM_EPS
                 D = row_sum(g * c, BLOCK_T, K_PAD)
-                gn = g / S[:, None] - ((D / S) / S)[:, None]
+                gn = fdiv(g, S[:, None]) - fdiv(fdiv(D, S), S)[:, None]
                 g = tl.where((nvalid > 1)[:, None], gn, g)
             dz = g * dc
         dz = tl.where(valid, dz, 0.0)
@@ -457,15 +502,16 @@ def _gate_bwd_kernel(
         ecols = e0 + tl.arange(0, E_BLOCK)
         emask = rmask[:, None] & (ecols < E)[None, :]
         acc = tl.zeros([BLOCK_T, E_BLOCK], CDT)
-        for k in tl.static_range(K_PAD):
+        for k in range(0, K):
             # column k of idx and dz (a masked sum with one term is exact)
             ik = tl.sum(tl.where(cols[None, :] == k, idx, 0), axis=1)
             dk = tl.sum(tl.where(cols[None, :] == k, dz, 0.0), axis=1)
             acc += tl.where(ik[:, None] == ecols[None, :], dk[:, None], 0.0)
         if DENSE:
-            xl = tl.load(Logits_ptr + rows[:, None] * stride_lt + ecols[None, :] * stride_le,
+            xl = tl.load(Logits_ptr + rows[:, None] * stride_lt
+                         + ecols.to(tl.int64)[None, :] * stride_le,
                          mask=emask, other=float("-inf")).to(CDT)
-            acc = acc - tl.exp(xl - m[:, None]) / s[:, None] * c[:, None]
+            acc = acc - fdiv(precise_exp(xl - m[:, None]), s[:, None]) * c[:, None]
         tl.store(DLogits_ptr + rows[:, None] * E + ecols[None, :],
                  cast_rne(acc, DLogits_ptr.dtype.element_ty), mask=emask)
 
@@ -501,17 +547,17 @@ def gate_fwd(logits, expert_indices, score_func, normalize, scaling_factor, alig
             SCORE=scores.get(score_func).id, NORMALIZE=bool(normalize),
             CDT=compute_type(logits.dtype), SINGLE=cfg.single, BLOCK_T=cfg.BLOCK_T,
             K_PAD=cfg.K_PAD, E_BLOCK=cfg.E_BLOCK, E_HIST=cfg.E_HIST, SLOT_BLOCK=cfg.SLOT_BLOCK,
-            PAD_J=cfg.PAD_J, TAIL_BLOCK=cfg.TAIL_BLOCK,
+            PAD_J=cfg.PAD_J, TAIL_BLOCK=cfg.TAIL_BLOCK, **LAUNCH_OPTIONS,
         )
         if not cfg.single:
             _plan_scan_kernel[(1,)](
                 chunk_counts, tpe, offsets, sorted_slots, cfg.num_chunks, E, align, n_sorted,
                 E_HIST=cfg.E_HIST, CHUNK_BLOCK=cfg.CHUNK_BLOCK, PAD_J=cfg.PAD_J,
-                TAIL_BLOCK=cfg.TAIL_BLOCK,
+                TAIL_BLOCK=cfg.TAIL_BLOCK, **LAUNCH_OPTIONS,
             )
             _plan_scatter_kernel[(cfg.num_chunks,)](
                 idx_out, row_id_map, chunk_counts, offsets, sorted_slots, T, E, K,
-                BLOCK_T=cfg.BLOCK_T, SLOT_BLOCK=cfg.SLOT_BLOCK,
+                BLOCK_T=cfg.BLOCK_T, SLOT_BLOCK=cfg.SLOT_BLOCK, **LAUNCH_OPTIONS,
             )
     return weights, idx_out, tpe, offsets, row_id_map, sorted_slots
 
@@ -531,6 +577,6 @@ def gate_bwd(grad_weights, logits, expert_indices, score_func, normalize, scalin
             T, E, K, logits.stride(0), logits.stride(1), *split_scale(scaling_factor),
             SCORE=sf.id, NORMALIZE=bool(normalize),
             DENSE=(sf is scores.SOFTMAX and not normalize), CDT=compute_type(logits.dtype),
-            BLOCK_T=cfg.BLOCK_T, K_PAD=cfg.K_PAD, E_BLOCK=cfg.E_BLOCK,
+            BLOCK_T=cfg.BLOCK_T, K_PAD=cfg.K_PAD, E_BLOCK=cfg.E_BLOCK, **LAUNCH_OPTIONS,
         )
     return grad

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import device_ctx, row_config
+from ._common import LAUNCH_OPTIONS, device_ctx, row_config
 from .unpermute import gather_sum
 
 
@@ -33,13 +33,15 @@ def _permute_fwd_kernel(
     pid = tl.program_id(0).to(tl.int64)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < num_rows
-    slot = tl.load(Sorted_ptr + r, mask=rmask & (r < n_sorted), other=-1).to(tl.int64)
-    tok = tl.where(slot >= 0, slot // K, 0)
+    # int32 slots (< 2^31) divided in 32 bits: a 64-bit division is a subroutine on the GPU
+    slot = tl.load(Sorted_ptr + r, mask=rmask & (r < n_sorted), other=-1)
+    tok = tl.where(slot >= 0, slot // K, 0).to(tl.int64)
     has = (slot >= 0) & (tok < T)
     for h0 in range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         hm = (h < H)[None, :]
-        v = tl.load(X_ptr + tok[:, None] * stride_xt + h[None, :] * stride_xh,
+        # 64-bit column offsets: H * stride_xh passes 2^31 for a column-major [T, H] input
+        v = tl.load(X_ptr + tok[:, None] * stride_xt + h.to(tl.int64)[None, :] * stride_xh,
                     mask=has[:, None] & hm, other=0.0)
         tl.store(Out_ptr + r[:, None] * H + h[None, :], v, mask=rmask[:, None] & hm)
 
@@ -58,6 +60,7 @@ def permute_fwd(hidden, sorted_slots, row_id_map, num_rows):
         _permute_fwd_kernel[(triton.cdiv(num_rows, cfg.BLOCK_R),)](
             hidden, sorted_slots, out, num_rows, sorted_slots.shape[0], T, H, K,
             hidden.stride(0), hidden.stride(1), BLOCK_R=cfg.BLOCK_R, BLOCK_H=cfg.BLOCK_H,
+            **LAUNCH_OPTIONS,
         )
     return out
 

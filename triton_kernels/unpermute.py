@@ -17,7 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cast_rne, compute_type, device_ctx, row_config, row_sum
+from ._common import LAUNCH_OPTIONS, cast_rne, compute_type, device_ctx, row_config, row_sum
+
+# NOTE: [BLOCK_T, K_PAD] accumulators of the dw kernel (one per slot of a token block): with
+# them grad_out is read once per column block instead of once per slot. 1024 fp32 values are
+# 8 registers a thread at 4 warps.
+DW_ACC_ELEMS = 1024
 
 
 @triton.jit
@@ -44,7 +49,7 @@ def _gather_sum_kernel(
         for k in range(0, K):
             row = tl.load(RowMap_ptr + t * K + k, mask=tmask, other=-1).to(tl.int64)
             ok = (row >= 0) & (row < R)
-            v = tl.load(Src_ptr + row[:, None] * stride_sr + h[None, :] * stride_sh,
+            v = tl.load(Src_ptr + row[:, None] * stride_sr + h.to(tl.int64)[None, :] * stride_sh,
                         mask=ok[:, None] & hm, other=0.0).to(CDT)
             if WEIGHTED:
                 w = tl.load(W_ptr + t * K + k, mask=ok, other=0.0).to(CDT)
@@ -68,9 +73,11 @@ def _unpermute_bwd_dx_kernel(
     pid = tl.program_id(0).to(tl.int64)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < R
-    slot = tl.load(Sorted_ptr + r, mask=rmask & (r < n_sorted), other=-1).to(tl.int64)
+    # int32 slots (< 2^31) divided in 32 bits: a 64-bit division is a subroutine on the GPU
+    slot = tl.load(Sorted_ptr + r, mask=rmask & (r < n_sorted), other=-1)
     s = tl.where(slot >= 0, slot, 0)
-    tok = s // K
+    tok = (s // K).to(tl.int64)
+    s = s.to(tl.int64)
     has = (slot >= 0) & (tok < T)
     w = tl.load(W_ptr + s, mask=has, other=0.0).to(CDT)
     for h0 in range(0, H, BLOCK_H):
@@ -91,24 +98,31 @@ def _unpermute_bwd_dw_kernel(
     # sizes and strides
     T, H, K, R, stride_xr, stride_xh,
     # constexprs
-    CDT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    CDT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, K_PAD: tl.constexpr,
 ):
+    """dw[t,k] = <dout[t], x[row_id_map[t,k]]>: per column block, the dout tile is loaded
+    once and each slot's partial dot product (a fixed-order row_sum) is added to its
+    accumulator, so each dw[t,k] adds its column blocks in order h0 = 0, BLOCK_H, ..."""
     pid = tl.program_id(0).to(tl.int64)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < T
-    for k in range(0, K):
-        row = tl.load(RowMap_ptr + t * K + k, mask=tmask, other=-1).to(tl.int64)
-        ok = (row >= 0) & (row < R)
-        acc = tl.zeros([BLOCK_T], CDT)
-        for h0 in range(0, H, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)
-            hm = (h < H)[None, :]
-            g = tl.load(G_ptr + t[:, None] * H + h[None, :], mask=tmask[:, None] & hm,
-                        other=0.0).to(CDT)
-            x = tl.load(X_ptr + row[:, None] * stride_xr + h[None, :] * stride_xh,
+    cols = tl.arange(0, K_PAD)
+    acc = tl.zeros([BLOCK_T, K_PAD], CDT)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        hm = (h < H)[None, :]
+        g = tl.load(G_ptr + t[:, None] * H + h[None, :], mask=tmask[:, None] & hm,
+                    other=0.0).to(CDT)
+        for k in range(0, K):
+            row = tl.load(RowMap_ptr + t * K + k, mask=tmask, other=-1).to(tl.int64)
+            ok = (row >= 0) & (row < R)
+            x = tl.load(X_ptr + row[:, None] * stride_xr + h.to(tl.int64)[None, :] * stride_xh,
                         mask=ok[:, None] & hm, other=0.0).to(CDT)
-            acc += row_sum(g * x, BLOCK_T, BLOCK_H)
-        tl.store(DW_ptr + t * K + k, cast_rne(acc, DW_ptr.dtype.element_ty), mask=tmask)
+            # adding 0 to the other columns leaves them exact
+            acc += tl.where(cols[None, :] == k, row_sum(g * x, BLOCK_T, BLOCK_H)[:, None], 0.0)
+    out = t[:, None] * K + cols[None, :]
+    tl.store(DW_ptr + out, cast_rne(acc, DW_ptr.dtype.element_ty),
+             mask=tmask[:, None] & (cols < K)[None, :])
 
 
 def gather_sum(src, row_id_map, weights):
@@ -125,7 +139,7 @@ def gather_sum(src, row_id_map, weights):
             src, row_id_map, src if weights is None else weights.contiguous(), out,
             T, H, K, R, src.stride(0), src.stride(1),
             WEIGHTED=weights is not None, CDT=compute_type(src.dtype),
-            BLOCK_T=cfg.BLOCK_R, BLOCK_H=cfg.BLOCK_H,
+            BLOCK_T=cfg.BLOCK_R, BLOCK_H=cfg.BLOCK_H, **LAUNCH_OPTIONS,
         )
     return out
 
@@ -151,12 +165,15 @@ def unpermute_bwd(grad_out, expert_out, row_id_map, sorted_slots, weights):
         if R > 0 and H > 0:
             _unpermute_bwd_dx_kernel[(triton.cdiv(R, cfg.BLOCK_R),)](
                 grad_out, sorted_slots, weights, grad_x, R, sorted_slots.shape[0], T, H, K,
-                CDT=cdt, BLOCK_R=cfg.BLOCK_R, BLOCK_H=cfg.BLOCK_H,
+                CDT=cdt, BLOCK_R=cfg.BLOCK_R, BLOCK_H=cfg.BLOCK_H, **LAUNCH_OPTIONS,
             )
         if T > 0 and H > 0:
-            _unpermute_bwd_dw_kernel[(triton.cdiv(T, cfg.BLOCK_R),)](
+            K_PAD = triton.next_power_of_2(max(K, 1))
+            # two tiles live (dout and x): half the rows of the other row kernels
+            block_t = max(1, min(cfg.BLOCK_R // 2, DW_ACC_ELEMS // K_PAD))
+            _unpermute_bwd_dw_kernel[(triton.cdiv(T, block_t),)](
                 grad_out, expert_out, row_id_map, grad_w, T, H, K, R,
                 expert_out.stride(0), expert_out.stride(1), CDT=cdt,
-                BLOCK_T=cfg.BLOCK_R, BLOCK_H=cfg.BLOCK_H,
+                BLOCK_T=block_t, BLOCK_H=cfg.BLOCK_H, K_PAD=K_PAD, **LAUNCH_OPTIONS,
             )
     return grad_x, grad_w

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from ..triton_kernels.gate import gate_bwd, gate_fwd
+from ..triton_kernels.gate import MAX_TOPK, gate_bwd, gate_fwd
 from ..triton_kernels.permute import permute_bwd, permute_fwd
 from ..triton_kernels.unpermute import unpermute_bwd, unpermute_fwd
 from .protocol import YES, Support
@@ -33,6 +33,10 @@ def available(device_type: str) -> Support:
 
 
 def supports(op, device_type, shape, dtype) -> Support:
+    if op in ("gate_fwd", "gate_bwd", "gate_dense_fwd", "gate_dense_bwd",
+              "permute_probs_bwd") and shape.K > MAX_TOPK:
+        return Support(False, f"K={shape.K} slots is above the Triton gate kernels' limit "
+                              f"of {MAX_TOPK} (their per-row sums take at most {MAX_TOPK})")
     return YES
 
 
@@ -40,7 +44,8 @@ def describe() -> dict:
     import triton
 
     return {"version": triton.__version__,
-            "interpreter": os.environ.get("TRITON_INTERPRET", "0") == "1"}
+            "interpreter": os.environ.get("TRITON_INTERPRET", "0") == "1",
+            "limits": {"triton_gate_max_top_k": MAX_TOPK}}
 
 
 # Dense mode (triton_kernels/gate_dense.py).
