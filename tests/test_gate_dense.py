@@ -481,12 +481,17 @@ def test_triton_dense_config_and_launches(monkeypatch):
     dense rows with chunk ranks, gate.py's scan and scatter) for a chunked plan."""
     D = _triton_dense()
     cfg = D.gate_dense_config(4096, 8, 128, 1)
-    assert (cfg.plan.single, cfg.plan.BLOCK_T, cfg.ROW_BLOCK) == (False, 128, 64)
+    assert not cfg.plan.single and cfg.plan == D.gate_config(4096, 8, 128, 1)
+    assert cfg.ROW_BLOCK == min(cfg.plan.BLOCK_T, D.SLOT_TILE_ELEMS // 8)
     assert D.gate_dense_config(10, 2, 8, 1).plan.single
-    assert D.gate_dense_config(100, 32, 64, 1).ROW_BLOCK == 4  # the pair tile bounds it
+    big = D.gate_dense_config(1000, 512, 256, 1)
+    assert big.ROW_BLOCK == min(big.plan.BLOCK_T, D.SLOT_TILE_ELEMS // 256)
     log = []
-    for name in ("_gate_dense_fwd_kernel", "_plan_scan_kernel", "_plan_scatter_kernel"):
-        fn = getattr(D, name)
+    from replay_ops.triton_kernels import gate as G
+
+    for mod, name in ((D, "_gate_dense_fwd_kernel"), (G, "_plan_scan_kernel"),
+                      (G, "_plan_scatter_kernel")):
+        fn = getattr(mod, name)
 
         class Counting:
             def __init__(self, fn, name):
@@ -496,7 +501,7 @@ def test_triton_dense_config_and_launches(monkeypatch):
                 log.append(self.name)
                 return self.fn[grid]
 
-        monkeypatch.setattr(D, name, Counting(fn, name))
+        monkeypatch.setattr(mod, name, Counting(fn, name))
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     T, E, K = 700, 16, 8
     logits = make_logits(T, E, device=dev)

@@ -45,7 +45,8 @@ def test_all_pairs_covers_every_pair_of_values():
 def test_cases_reach_every_launcher_and_regime():
     cs = tcc.cases()
     assert {c["op"] for c in cs} == {"gate_fwd", "gate_bwd", "permute_fwd", "permute_bwd",
-                                     "unpermute_fwd", "unpermute_bwd"}
+                                     "unpermute_fwd", "unpermute_bwd", "gate_dense_fwd",
+                                     "gate_dense_bwd", "permute_probs_fwd", "permute_probs_bwd"}
     gate = [c for c in cs if c["op"] == "gate_fwd"]
     assert {(c["logits"], c["index"]) for c in gate} == set(
         itertools.product(tcc.LOGITS_DTYPES, tcc.INDEX_DTYPES))
@@ -65,7 +66,9 @@ def test_every_kernel_has_a_launch_and_every_launch_sets_fp_fusion():
     kernels = {line.split()[0] for line in out.stdout.splitlines() if line.startswith("_")}
     assert kernels == {"_gate_fwd_kernel", "_plan_scan_kernel", "_plan_scatter_kernel",
                        "_gate_bwd_kernel", "_permute_fwd_kernel", "_gather_sum_kernel",
-                       "_unpermute_bwd_dx_kernel", "_unpermute_bwd_dw_kernel"}
+                       "_unpermute_bwd_dx_kernel", "_unpermute_bwd_dw_kernel",
+                       "_gate_dense_fwd_kernel", "_gate_dense_bwd_kernel",
+                       "_permute_probs_fwd_kernel", "_permute_probs_bwd_kernel"}
 
 
 def test_rules_flag_what_they_should():

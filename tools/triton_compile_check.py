@@ -85,7 +85,7 @@ def setup_environment() -> str:
 
 ARCHS = (80, 90)
 KERNEL_MODULES = ("replay_ops.triton_kernels.gate", "replay_ops.triton_kernels.permute",
-                  "replay_ops.triton_kernels.unpermute")
+                  "replay_ops.triton_kernels.unpermute", "replay_ops.triton_kernels.gate_dense")
 
 # Spill stores allowed per kernel, in bytes: 8, two 32-bit values or one pointer. What
 # spills below that here is ptxas parking a value that is live across a loop in local
@@ -198,6 +198,10 @@ INDEX_DTYPES = ["i64", "i32", "i16"]
 # rows sliced from a wider tensor (a row stride >= 2^31: the stride argument is i64).
 LAYOUTS = ["contiguous", "column-major", "wide-rows"]
 ROW_H = [1, 7, 100, 256, 4096]  # H=1 is a constexpr 1; 7 and 100 are not multiples of 16
+# The dense gate (gate_dense.py): its row-pass and plan regimes, its padding modes and inputs.
+DENSE_SHAPES = [(1, 8, 1), (512, 64, 8), (16384, 128, 8), (5000, 48, 2), (512, 256, 64),
+                (19, 1000, 200)]
+DENSE_PADDING = ["empty", "spread", "fallback"]
 ROW_DTYPES = ["fp32", "fp16", "bf16", "fp64"]
 
 
@@ -210,6 +214,14 @@ def op_factors() -> dict[str, dict[str, list]]:
         "gate_bwd": {"mode": SCORE_MODES, "shape": GATE_BWD_SHAPES, "logits": LOGITS_DTYPES,
                      "index": INDEX_DTYPES, "layout": LAYOUTS[:2]},
     }
+    out["gate_dense_fwd"] = {"mode": SCORE_MODES, "shape": DENSE_SHAPES, "logits": LOGITS_DTYPES,
+                             "index": INDEX_DTYPES, "padding": DENSE_PADDING,
+                             "mask": [False, True], "plan": [True, False],
+                             "guard": [True, False]}
+    out["gate_dense_bwd"] = {"mode": SCORE_MODES, "shape": DENSE_SHAPES, "logits": LOGITS_DTYPES,
+                             "grad": ["contiguous", "expanded"]}
+    for op in ("permute_probs_fwd", "permute_probs_bwd"):
+        out[op] = {"dtype": ROW_DTYPES, "K": [1, 2, 8, 64], "T": [1, 999, 4096]}
     for op in ("permute_fwd", "permute_bwd", "unpermute_fwd", "unpermute_bwd"):
         f = {"dtype": ROW_DTYPES, "H": ROW_H, "K": [1, 2, 8], "T": [1, 999, 4096]}
         if op != "permute_bwd":  # permute_bwd's grad_out is contiguous (ops.py)
@@ -257,10 +269,38 @@ def run_launcher(case: dict) -> None:
     import torch
 
     from replay_ops.plan import plan_capacity
-    from replay_ops.triton_kernels import gate, permute, unpermute
+    from replay_ops.triton_kernels import gate, gate_dense, permute, unpermute
 
     i32 = dict(dtype=torch.int32, device="meta")
     op = case["op"]
+    if op in ("gate_dense_fwd", "gate_dense_bwd"):
+        T, E, K = case["shape"]
+        sf, norm = case["mode"]
+        logits = _hidden((T, E), case["logits"], "contiguous")
+        if op == "gate_dense_fwd":
+            idx = torch.empty(T, K, dtype=getattr(torch, TYPES[case["index"]]), device="meta")
+            mask = torch.empty(T, dtype=torch.bool, device="meta") if case["mask"] else None
+            fb = torch.empty(T, K, dtype=torch.int64, device="meta") \
+                if case["padding"] == "fallback" or case["mask"] else None
+            gate_dense.gate_dense_fwd(logits, idx, mask, fb, sf, norm, 1.0, case["padding"],
+                                      2 if E % 2 == 0 else 1, 3, case["guard"], 1, case["plan"])
+        else:
+            g = logits if case["grad"] == "contiguous" else \
+                torch.empty(1, 1, dtype=logits.dtype, device="meta").expand(T, E)
+            gate_dense.gate_dense_bwd(g, logits, torch.empty(T, K, **i32), sf, norm, 1.0)
+        return
+    if op in ("permute_probs_fwd", "permute_probs_bwd"):
+        T, K, E = case["T"], case["K"], 64
+        dt = getattr(torch, TYPES[case["dtype"]])
+        idx = torch.empty(T, K, **i32)
+        if op == "permute_probs_fwd":
+            gate_dense.permute_probs_fwd(torch.empty(T, E, dtype=dt, device="meta"),
+                                         torch.empty(plan_capacity(T, K, E, 1), **i32), idx,
+                                         T * K)
+        else:
+            gate_dense.permute_probs_bwd(torch.empty(T * K, dtype=dt, device="meta"),
+                                         torch.empty(T, K, **i32), idx, E)
+        return
     if op in ("gate_fwd", "gate_bwd"):
         T, E, K = case["shape"]
         sf, norm = case["mode"]

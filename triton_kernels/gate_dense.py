@@ -36,20 +36,20 @@ import triton.language as tl
 from replay_ops import scores
 from replay_ops.plan import PADDING_MODES, plan_capacity
 
-from ._common import cast_rne, compute_type, device_ctx, row_sum
+from . import gate as _gate  # its plan kernels, looked up at launch (tools patch them there)
+from ._common import LAUNCH_OPTIONS, cast_rne, compute_type, device_ctx, fdiv, precise_exp, row_sum
 from .gate import (
     _NORM_EPS,
     _SOFTMAX,
     _masked_softmax,
     _one_hot_ranks,
-    _plan_scan_kernel,
-    _plan_scatter_kernel,
     _row_softmax_stats,
     _scale,
     _score,
     _score_grad,
     _slot_experts,
     _write_offsets_and_padding,
+    check_top_k,
     gate_bwd_config,
     gate_config,
     split_scale,
@@ -59,9 +59,10 @@ _PAD_SPREAD: tl.constexpr = tl.constexpr(PADDING_MODES["spread"])
 _PAD_FALLBACK: tl.constexpr = tl.constexpr(PADDING_MODES["fallback"])
 _SPREAD_HASH: tl.constexpr = tl.constexpr(2654435769)
 
-# NOTE: the repeat test compares every pair of slots of a row, a [BLOCK_T, K_PAD, K_PAD]
-# tile; 4096 elements keep it in registers for K up to 16 with 16 rows per block.
-PAIR_TILE_ELEMS = 4096
+# NOTE: the row pass holds [ROW_BLOCK, K_PAD] slot tiles beside gate.py's
+# [BLOCK_T, E_BLOCK] tiles; 4096 slots per block compile without spills for K up to
+# gate.MAX_TOPK (tools/triton_compile_check.py).
+SLOT_TILE_ELEMS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +74,7 @@ class DenseConfig:
 def gate_dense_config(T: int, K: int, E: int, align: int) -> DenseConfig:
     plan = gate_config(T, K, E, align)
     k_pad = triton.next_power_of_2(K)
-    row_block = max(1, min(plan.BLOCK_T, PAIR_TILE_ELEMS // (k_pad * k_pad)))
+    row_block = max(1, min(plan.BLOCK_T, SLOT_TILE_ELEMS // k_pad))
     return DenseConfig(plan=plan, ROW_BLOCK=row_block)
 
 
@@ -104,32 +105,37 @@ def _resolve_rows(Idx_ptr, Mask_ptr, Fb_ptr, rows, rmask, cols, T, E, K,
                   HAS_MASK: tl.constexpr, HAS_FB: tl.constexpr, PADDING: tl.constexpr):
     """(int32 experts [R, K_PAD] (-1 empty), flags int32 [R]) of a block of rows."""
     m2 = rmask[:, None] & (cols < K)[None, :]
-    raw = tl.load(Idx_ptr + rows[:, None] * stride_it + cols[None, :] * stride_ik,
+    raw = tl.load(Idx_ptr + rows[:, None] * stride_it + cols.to(tl.int64)[None, :] * stride_ik,
                   mask=m2, other=-1).to(tl.int64)
     inr = m2 & (raw >= 0) & (raw < E)
     empty = tl.max((m2 & (raw == -1)).to(tl.int32), axis=1)
     oor = tl.max((m2 & (raw != -1) & ~inr).to(tl.int32), axis=1)
-    same = (raw[:, :, None] == raw[:, None, :]) & inr[:, :, None] & \
-        (cols[None, None, :] < cols[None, :, None])
-    rep = tl.max(tl.max(same.to(tl.int32), axis=2), axis=1)
+    # a repeat: some later slot holds the id of slot j (a loop over j, not a [K, K] tile,
+    # which spills for large K)
+    rep = tl.zeros_like(empty)
+    for j in range(0, K):
+        cj = tl.sum(tl.where(cols[None, :] == j, raw, 0), axis=1)
+        later = inr & (cols[None, :] > j) & (raw == cj[:, None]) & ((cj >= 0) & (cj < E))[:, None]
+        rep = tl.maximum(rep, tl.max(later.to(tl.int32), axis=1))
     flags = empty * 1 + oor * 2 + rep * 4
     if HAS_MASK:
         keep = tl.load(Mask_ptr + rows, mask=rmask, other=1).to(tl.int32)
         flags = tl.where(keep != 0, flags, 8)
     rec = tl.where(inr, raw, -1)
     if HAS_FB:
-        fbr = tl.load(Fb_ptr + rows[:, None] * stride_ft + cols[None, :] * stride_fk,
+        fbr = tl.load(Fb_ptr + rows[:, None] * stride_ft + cols.to(tl.int64)[None, :] * stride_fk,
                       mask=m2, other=-1).to(tl.int64)
         fbr = tl.where(m2 & (fbr >= 0) & (fbr < E), fbr, -1)
     else:
         fbr = rec
     if PADDING == _PAD_SPREAD:
-        s = rows * K
+        # 32-bit divisions (t*K < 2^31, every value below 4E): a 64-bit one is a subroutine
+        s = (rows * K).to(tl.int32)
         c = s // E
-        w = ((c * _SPREAD_HASH) & 0xFFFFFFFF) * E >> 32
+        w = (((c.to(tl.int64) * _SPREAD_HASH) & 0xFFFFFFFF) * E >> 32).to(tl.int32)
         i = (s % E + offset_mod + w)[:, None] + cols[None, :]
         i = i % E
-        fill = (i % ep_size) * (E // ep_size) + i // ep_size
+        fill = ((i % ep_size) * (E // ep_size) + i // ep_size).to(tl.int64)
     elif PADDING == _PAD_FALLBACK:
         fill = fbr
     else:
@@ -166,13 +172,13 @@ def _dense_rows(
         else:
             m, s = _row_softmax_stats(Logits_ptr, rows, rmask, stride_lt, stride_le, E,
                                       CDT, ROW_BLOCK, E_BLOCK)
-            w = tl.exp(x - m[:, None]) / tl.where(s > 0.0, s, 1.0)[:, None]
+            w = fdiv(precise_exp(x - m[:, None]), tl.where(s > 0.0, s, 1.0)[:, None])
     else:
         c = tl.where(valid, _score(x, SCORE), 0.0)
         if NORMALIZE:
             nvalid = tl.sum(valid.to(tl.int32), axis=1)
             denom = row_sum(c, ROW_BLOCK, K_PAD) + _NORM_EPS
-            w = tl.where((nvalid > 1)[:, None], c / denom[:, None], c)
+            w = tl.where((nvalid > 1)[:, None], fdiv(c, denom[:, None]), c)
         else:
             w = c
     w = tl.where(valid, w * _scale(scale_hi, scale_lo, CDT), 0.0)
@@ -183,7 +189,7 @@ def _dense_rows(
         emask = rmask[:, None] & (ecols < E)[None, :]
         acc = tl.zeros([ROW_BLOCK, E_BLOCK], CDT)
         hit = tl.zeros([ROW_BLOCK, E_BLOCK], tl.int32)
-        for k in tl.static_range(K_PAD):
+        for k in range(0, K):  # a loop, not unrolled (see gate.py's backward)
             on = _col(idx, cols, k)[:, None] == ecols[None, :]
             acc += tl.where(on, _col(w, cols, k)[:, None], 0.0)
             hit = tl.maximum(hit, on.to(tl.int32))
@@ -295,7 +301,7 @@ def _gate_dense_bwd_kernel(
         m, s = _row_softmax_stats(Logits_ptr, rows, rmask, stride_lt, stride_le, E,
                                   CDT, BLOCK_T, E_BLOCK)
         s = tl.where(s > 0.0, s, 1.0)
-        dz = tl.where(valid, g * (tl.exp(x - m[:, None]) / s[:, None]), 0.0)
+        dz = tl.where(valid, g * fdiv(precise_exp(x - m[:, None]), s[:, None]), 0.0)
         c = row_sum(dz, BLOCK_T, K_PAD)
     else:
         if SCORE == _SOFTMAX:
@@ -308,7 +314,7 @@ def _gate_dense_bwd_kernel(
                 nvalid = tl.sum(valid.to(tl.int32), axis=1)
                 S = row_sum(c, BLOCK_T, K_PAD) + _NORM_EPS
                 D = row_sum(g * c, BLOCK_T, K_PAD)
-                gn = g / S[:, None] - ((D / S) / S)[:, None]
+                gn = fdiv(g, S[:, None]) - fdiv(fdiv(D, S), S)[:, None]
                 g = tl.where((nvalid > 1)[:, None], gn, g)
             dz = g * dc
         dz = tl.where(valid, dz, 0.0)
@@ -316,13 +322,14 @@ def _gate_dense_bwd_kernel(
         ecols = e0 + tl.arange(0, E_BLOCK)
         emask = rmask[:, None] & (ecols < E)[None, :]
         acc = tl.zeros([BLOCK_T, E_BLOCK], CDT)
-        for k in tl.static_range(K_PAD):
+        for k in range(0, K):
             acc += tl.where(_col(idx, cols, k)[:, None] == ecols[None, :],
                             _col(dz, cols, k)[:, None], 0.0)
         if DENSE:
-            xl = tl.load(Logits_ptr + rows[:, None] * stride_lt + ecols[None, :] * stride_le,
+            xl = tl.load(Logits_ptr + rows[:, None] * stride_lt
+                         + ecols.to(tl.int64)[None, :] * stride_le,
                          mask=emask, other=float("-inf")).to(CDT)
-            acc = acc - tl.exp(xl - m[:, None]) / s[:, None] * c[:, None]
+            acc = acc - fdiv(precise_exp(xl - m[:, None]), s[:, None]) * c[:, None]
         tl.store(DLogits_ptr + rows[:, None] * E + ecols[None, :],
                  cast_rne(acc, DLogits_ptr.dtype.element_ty), mask=emask)
 
@@ -341,10 +348,11 @@ def _permute_probs_fwd_kernel(
     pid = tl.program_id(0).to(tl.int64)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < num_rows
-    slot = tl.load(Sorted_ptr + r, mask=rmask & (r < n_sorted), other=-1).to(tl.int64)
-    tok = tl.where(slot >= 0, slot // K, 0)
+    # int32 slots (< 2^31) divided in 32 bits: a 64-bit division is a subroutine on the GPU
+    slot = tl.load(Sorted_ptr + r, mask=rmask & (r < n_sorted), other=-1)
+    tok = tl.where(slot >= 0, slot // K, 0).to(tl.int64)
     has = (slot >= 0) & (tok < T)
-    e = tl.load(Idx_ptr + tl.where(has, slot, 0), mask=has, other=-1).to(tl.int64)
+    e = tl.load(Idx_ptr + tl.where(has, slot, 0).to(tl.int64), mask=has, other=-1).to(tl.int64)
     ok = has & (e >= 0) & (e < E)
     v = tl.load(Probs_ptr + tok * stride_pt + e * stride_pe, mask=ok, other=0.0)
     tl.store(Out_ptr + r, v, mask=rmask)
@@ -376,7 +384,7 @@ def _permute_probs_bwd_kernel(
         ecols = e0 + tl.arange(0, E_BLOCK)
         emask = rmask[:, None] & (ecols < E)[None, :]
         acc = tl.zeros([BLOCK_T, E_BLOCK], CDT)
-        for k in tl.static_range(K_PAD):
+        for k in range(0, K):
             acc += tl.where(_col(idx, cols, k)[:, None] == ecols[None, :],
                             _col(g, cols, k)[:, None], 0.0)
         tl.store(Out_ptr + rows[:, None] * E + ecols[None, :],
@@ -390,6 +398,7 @@ def gate_dense_fwd(logits, expert_indices, replay_mask, fallback, score_func, no
     """The backend contract's gate_dense_fwd; `config` overrides the block sizes."""
     T, E = logits.shape
     K = expert_indices.shape[1]
+    check_top_k(K, "gate_dense")
     dev = logits.device
     i32 = dict(dtype=torch.int32, device=dev)
     probs = torch.empty(T, E, dtype=logits.dtype, device=dev)
@@ -426,17 +435,17 @@ def gate_dense_fwd(logits, expert_indices, replay_mask, fallback, score_func, no
             GUARD=bool(underflow_guard), PLAN=bool(with_plan), SINGLE=pc.single,
             BLOCK_T=pc.BLOCK_T, ROW_BLOCK=cfg.ROW_BLOCK, K_PAD=pc.K_PAD, E_BLOCK=pc.E_BLOCK,
             E_HIST=pc.E_HIST, SLOT_BLOCK=pc.SLOT_BLOCK, PAD_J=pc.PAD_J,
-            TAIL_BLOCK=pc.TAIL_BLOCK,
+            TAIL_BLOCK=pc.TAIL_BLOCK, **LAUNCH_OPTIONS,
         )
         if with_plan and not pc.single:
-            _plan_scan_kernel[(1,)](
+            _gate._plan_scan_kernel[(1,)](
                 chunk_counts, tpe, offsets, sorted_slots, pc.num_chunks, E, align, n_sorted,
                 E_HIST=pc.E_HIST, CHUNK_BLOCK=pc.CHUNK_BLOCK, PAD_J=pc.PAD_J,
-                TAIL_BLOCK=pc.TAIL_BLOCK,
+                TAIL_BLOCK=pc.TAIL_BLOCK, **LAUNCH_OPTIONS,
             )
-            _plan_scatter_kernel[(pc.num_chunks,)](
+            _gate._plan_scatter_kernel[(pc.num_chunks,)](
                 idx_out, row_id_map, chunk_counts, offsets, sorted_slots, T, E, K,
-                BLOCK_T=pc.BLOCK_T, SLOT_BLOCK=pc.SLOT_BLOCK,
+                BLOCK_T=pc.BLOCK_T, SLOT_BLOCK=pc.SLOT_BLOCK, **LAUNCH_OPTIONS,
             )
     return probs, rmap, flags, idx_out, tpe, offsets, row_id_map, sorted_slots
 
@@ -444,6 +453,7 @@ def gate_dense_fwd(logits, expert_indices, replay_mask, fallback, score_func, no
 def gate_dense_bwd(grad_probs, logits, expert_indices, score_func, normalize, scaling_factor):
     T, E = logits.shape
     K = expert_indices.shape[1]
+    check_top_k(K, "gate_dense_backward")
     grad = torch.empty(T, E, dtype=logits.dtype, device=logits.device)
     if T == 0:
         return grad
@@ -456,7 +466,7 @@ def gate_dense_bwd(grad_probs, logits, expert_indices, score_func, normalize, sc
             logits.stride(1), *split_scale(scaling_factor),
             SCORE=sf.id, NORMALIZE=bool(normalize),
             DENSE=(sf is scores.SOFTMAX and not normalize), CDT=compute_type(logits.dtype),
-            BLOCK_T=cfg.BLOCK_T, K_PAD=cfg.K_PAD, E_BLOCK=cfg.E_BLOCK,
+            BLOCK_T=cfg.BLOCK_T, K_PAD=cfg.K_PAD, E_BLOCK=cfg.E_BLOCK, **LAUNCH_OPTIONS,
         )
     return grad
 
@@ -477,13 +487,14 @@ def permute_probs_fwd(probs, sorted_slots, expert_indices, num_rows):
         _permute_probs_fwd_kernel[(triton.cdiv(num_rows, PROBS_BLOCK_R),)](
             probs, sorted_slots, expert_indices.contiguous(), out, num_rows,
             sorted_slots.shape[0], T, E, K, probs.stride(0), probs.stride(1),
-            BLOCK_R=PROBS_BLOCK_R,
+            BLOCK_R=PROBS_BLOCK_R, **LAUNCH_OPTIONS,
         )
     return out
 
 
 def permute_probs_bwd(grad, row_id_map, expert_indices, num_experts):
     T, K = row_id_map.shape
+    check_top_k(K, "permute_probs_backward")
     E = num_experts
     out = torch.empty(T, E, dtype=grad.dtype, device=grad.device)
     if T == 0 or E == 0:
@@ -493,6 +504,6 @@ def permute_probs_bwd(grad, row_id_map, expert_indices, num_experts):
         _permute_probs_bwd_kernel[(triton.cdiv(T, cfg.BLOCK_T),)](
             grad.contiguous(), row_id_map.contiguous(), expert_indices.contiguous(), out,
             T, E, K, grad.shape[0], CDT=compute_type(grad.dtype), BLOCK_T=cfg.BLOCK_T,
-            K_PAD=cfg.K_PAD, E_BLOCK=cfg.E_BLOCK,
+            K_PAD=cfg.K_PAD, E_BLOCK=cfg.E_BLOCK, **LAUNCH_OPTIONS,
         )
     return out
