@@ -97,8 +97,9 @@ def make_fns(T, E, K, H, dtype, routers, moe_utils):
 
     def megatron_step(logits, hidden):
         probs, rmap = route("megatron", logits)
+        # (permuted, probs, sorted indices), then two more values in megatron-core >= 0.17
         permuted, pprobs, sorted_idx = moe_utils.permute(hidden, rmap, probs=probs,
-                                                         num_out_tokens=T * K)
+                                                         num_out_tokens=T * K)[:3]
         out = moe_utils.unpermute(permuted, sorted_idx, restore_shape=hidden.shape,
                                   routing_map=rmap)
         return out, pprobs
