@@ -446,6 +446,59 @@ def _plan_scatter_kernel(
 
 
 @triton.jit
+def _col(x, cols, k):
+    """Column k of a [R, K_PAD] tile (a masked sum with one term is exact)."""
+    return tl.sum(tl.where(cols[None, :] == k, x, 0), axis=1)
+
+
+@triton.jit
+def _store_logit_grad(g, idx, valid, Logits_ptr, DLogits_ptr, rows, cols, rmask, E, K,
+                      stride_lt, stride_le, SCORE: tl.constexpr, NORMALIZE: tl.constexpr,
+                      DENSE: tl.constexpr, CDT: tl.constexpr, BLOCK_T: tl.constexpr,
+                      K_PAD: tl.constexpr, E_BLOCK: tl.constexpr):
+    """The rows' dense [T, E] logits gradient from the scaled slot gradients g
+    [BLOCK_T, K_PAD] (the math of `_gate_bwd_kernel`'s docstring), written once per
+    element; shared by the gate's and the dense gate's backward kernels."""
+    x = tl.load(Logits_ptr + rows[:, None] * stride_lt + idx.to(tl.int64) * stride_le,
+                mask=valid, other=0.0).to(CDT)
+    if DENSE:
+        m, s = _row_softmax_stats(Logits_ptr, rows, rmask, stride_lt, stride_le, E,
+                                  CDT, BLOCK_T, E_BLOCK)
+        s = tl.where(s > 0.0, s, 1.0)
+        dz = tl.where(valid, g * fdiv(precise_exp(x - m[:, None]), s[:, None]), 0.0)
+        c = row_sum(dz, BLOCK_T, K_PAD)
+    else:
+        if SCORE == _SOFTMAX:
+            q = _masked_softmax(x, valid, BLOCK_T, K_PAD)
+            dz = q * (g - row_sum(g * q, BLOCK_T, K_PAD)[:, None])
+        else:
+            c = tl.where(valid, _score(x, SCORE), 0.0)
+            dc = _score_grad(x, c, SCORE)
+            if NORMALIZE:
+                nvalid = tl.sum(valid.to(tl.int32), axis=1)
+                S = row_sum(c, BLOCK_T, K_PAD) + _NORM_EPS
+                D = row_sum(g * c, BLOCK_T, K_PAD)
+                gn = fdiv(g, S[:, None]) - fdiv(fdiv(D, S), S)[:, None]
+                g = tl.where((nvalid > 1)[:, None], gn, g)
+            dz = g * dc
+        dz = tl.where(valid, dz, 0.0)
+    for e0 in range(0, E, E_BLOCK):
+        ecols = e0 + tl.arange(0, E_BLOCK)
+        emask = rmask[:, None] & (ecols < E)[None, :]
+        acc = tl.zeros([BLOCK_T, E_BLOCK], CDT)
+        for k in range(0, K):
+            acc += tl.where(_col(idx, cols, k)[:, None] == ecols[None, :],
+                            _col(dz, cols, k)[:, None], 0.0)
+        if DENSE:
+            xl = tl.load(Logits_ptr + rows[:, None] * stride_lt
+                         + ecols.to(tl.int64)[None, :] * stride_le,
+                         mask=emask, other=float("-inf")).to(CDT)
+            acc = acc - fdiv(precise_exp(xl - m[:, None]), s[:, None]) * c[:, None]
+        tl.store(DLogits_ptr + rows[:, None] * E + ecols[None, :],
+                 cast_rne(acc, DLogits_ptr.dtype.element_ty), mask=emask)
+
+
+@triton.jit
 def _gate_bwd_kernel(
     # inputs
     G_ptr, Logits_ptr, Idx_ptr,
@@ -475,45 +528,9 @@ def _gate_bwd_kernel(
     kk = rows[:, None] * K + cols[None, :]
     idx, valid = _load_slots(Idx_ptr, rows, cols, m2, K, 1, E)
     g = tl.load(G_ptr + kk, mask=valid, other=0.0).to(CDT) * _scale(scale_hi, scale_lo, CDT)
-    x = tl.load(Logits_ptr + rows[:, None] * stride_lt + idx.to(tl.int64) * stride_le,
-                mask=valid, other=0.0).to(CDT)
-    if DENSE:
-        m, s = _row_softmax_stats(Logits_ptr, rows, rmask, stride_lt, stride_le, E,
-                                  CDT, BLOCK_T, E_BLOCK)
-        s = tl.where(s > 0.0, s, 1.0)
-        dz = tl.where(valid, g * fdiv(precise_exp(x - m[:, None]), s[:, None]), 0.0)
-        c = row_sum(dz, BLOCK_T, K_PAD)
-    else:
-        if SCORE == _SOFTMAX:
-            q = _masked_softmax(x, valid, BLOCK_T, K_PAD)
-            dz = q * (g - row_sum(g * q, BLOCK_T, K_PAD)[:, None])
-        else:
-            c = tl.where(valid, _score(x, SCORE), 0.0)
-            dc = _score_grad(x, c, SCORE)
-            if NORMALIZE:
-                nvalid = tl.sum(valid.to(tl.int32), axis=1)
-                S = row_sum(c, BLOCK_T, K_PAD) + _NORM_EPS
-                D = row_sum(g * c, BLOCK_T, K_PAD)
-                gn = fdiv(g, S[:, None]) - fdiv(fdiv(D, S), S)[:, None]
-                g = tl.where((nvalid > 1)[:, None], gn, g)
-            dz = g * dc
-        dz = tl.where(valid, dz, 0.0)
-    for e0 in range(0, E, E_BLOCK):
-        ecols = e0 + tl.arange(0, E_BLOCK)
-        emask = rmask[:, None] & (ecols < E)[None, :]
-        acc = tl.zeros([BLOCK_T, E_BLOCK], CDT)
-        for k in range(0, K):
-            # column k of idx and dz (a masked sum with one term is exact)
-            ik = tl.sum(tl.where(cols[None, :] == k, idx, 0), axis=1)
-            dk = tl.sum(tl.where(cols[None, :] == k, dz, 0.0), axis=1)
-            acc += tl.where(ik[:, None] == ecols[None, :], dk[:, None], 0.0)
-        if DENSE:
-            xl = tl.load(Logits_ptr + rows[:, None] * stride_lt
-                         + ecols.to(tl.int64)[None, :] * stride_le,
-                         mask=emask, other=float("-inf")).to(CDT)
-            acc = acc - fdiv(precise_exp(xl - m[:, None]), s[:, None]) * c[:, None]
-        tl.store(DLogits_ptr + rows[:, None] * E + ecols[None, :],
-                 cast_rne(acc, DLogits_ptr.dtype.element_ty), mask=emask)
+    _store_logit_grad(g, idx, valid, Logits_ptr, DLogits_ptr, rows, cols, rmask, E, K,
+                      stride_lt, stride_le, SCORE, NORMALIZE, DENSE, CDT, BLOCK_T, K_PAD,
+                      E_BLOCK)
 
 
 # -------------------------------------------------------------------------- launchers
