@@ -258,24 +258,8 @@ def _gate_weights_block(
     rmask = rows < T
     m2 = rmask[:, None] & (cols < K)[None, :]
     idx, valid = _load_slots(Idx_ptr, rows, cols, m2, stride_it, stride_ik, E)
-    x = tl.load(Logits_ptr + rows[:, None] * stride_lt + idx.to(tl.int64) * stride_le,
-                mask=valid, other=0.0).to(CDT)
-    if SCORE == _SOFTMAX:
-        if NORMALIZE:
-            w = _masked_softmax(x, valid, BLOCK_T, K_PAD)
-        else:
-            m, s = _row_softmax_stats(Logits_ptr, rows, rmask, stride_lt, stride_le, E,
-                                      CDT, BLOCK_T, E_BLOCK)
-            w = fdiv(precise_exp(x - m[:, None]), tl.where(s > 0.0, s, 1.0)[:, None])
-    else:
-        c = tl.where(valid, _score(x, SCORE), 0.0)
-        if NORMALIZE:
-            nvalid = tl.sum(valid.to(tl.int32), axis=1)
-            denom = row_sum(c, BLOCK_T, K_PAD) + _NORM_EPS
-            w = tl.where((nvalid > 1)[:, None], fdiv(c, denom[:, None]), c)
-        else:
-            w = c
-    w = tl.where(valid, w * _scale(scale_hi, scale_lo, CDT), 0.0)
+    w = _slot_weights(idx, valid, Logits_ptr, rows, rmask, E, stride_lt, stride_le, scale_hi,
+                      scale_lo, SCORE, NORMALIZE, CDT, BLOCK_T, K_PAD, E_BLOCK)
     out = rows[:, None] * K + cols[None, :]
     tl.store(W_ptr + out, cast_rne(w, W_ptr.dtype.element_ty), mask=m2)
     tl.store(IdxOut_ptr + out, idx, mask=m2)
@@ -443,6 +427,33 @@ def _plan_scatter_kernel(
         row = tl.where(valid, base + rank, -1)
         tl.store(RowMap_ptr + f, row, mask=fmask)
         tl.store(Sorted_ptr + row, f.to(tl.int32), mask=valid)
+
+
+@triton.jit
+def _slot_weights(idx, valid, Logits_ptr, rows, rmask, E, stride_lt, stride_le, scale_hi,
+                  scale_lo, SCORE: tl.constexpr, NORMALIZE: tl.constexpr, CDT: tl.constexpr,
+                  BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, E_BLOCK: tl.constexpr):
+    """Scaled gate weights [BLOCK_T, K_PAD] of the rows' valid slots (0 elsewhere), in the
+    compute dtype; shared by the gate's and the dense gate's forward kernels."""
+    x = tl.load(Logits_ptr + rows[:, None] * stride_lt + idx.to(tl.int64) * stride_le,
+                mask=valid, other=0.0).to(CDT)
+    if SCORE == _SOFTMAX:
+        if NORMALIZE:
+            w = _masked_softmax(x, valid, BLOCK_T, K_PAD)
+        else:
+            m, s = _row_softmax_stats(Logits_ptr, rows, rmask, stride_lt, stride_le, E,
+                                      CDT, BLOCK_T, E_BLOCK)
+            w = fdiv(precise_exp(x - m[:, None]), tl.where(s > 0.0, s, 1.0)[:, None])
+    else:
+        c = tl.where(valid, _score(x, SCORE), 0.0)
+        if NORMALIZE:
+            nvalid = tl.sum(valid.to(tl.int32), axis=1)
+            denom = row_sum(c, BLOCK_T, K_PAD) + _NORM_EPS
+            w = tl.where((nvalid > 1)[:, None], fdiv(c, denom[:, None]), c)
+        else:
+            w = c
+    w = tl.where(valid, w * _scale(scale_hi, scale_lo, CDT), 0.0)
+    return w
 
 
 @triton.jit

@@ -37,17 +37,13 @@ from replay_ops import scores
 from replay_ops.plan import PADDING_MODES, plan_capacity
 
 from . import gate as _gate  # its plan kernels, looked up at launch (tools patch them there)
-from ._common import LAUNCH_OPTIONS, cast_rne, compute_type, device_ctx, fdiv, precise_exp, row_sum
+from ._common import LAUNCH_OPTIONS, cast_rne, compute_type, device_ctx
 from .gate import (
+    _slot_weights,
     _col,
     _store_logit_grad,
-    _NORM_EPS,
-    _SOFTMAX,
-    _masked_softmax,
     _one_hot_ranks,
-    _row_softmax_stats,
     _scale,
-    _score,
     _slot_experts,
     _write_offsets_and_padding,
     check_top_k,
@@ -159,24 +155,8 @@ def _dense_rows(
                                stride_it, stride_ik, stride_ft, stride_fk, ep_size,
                                offset_mod, HAS_MASK, HAS_FB, PADDING)
     valid = idx >= 0
-    x = tl.load(Logits_ptr + rows[:, None] * stride_lt + idx.to(tl.int64) * stride_le,
-                mask=valid, other=0.0).to(CDT)
-    if SCORE == _SOFTMAX:
-        if NORMALIZE:
-            w = _masked_softmax(x, valid, ROW_BLOCK, K_PAD)
-        else:
-            m, s = _row_softmax_stats(Logits_ptr, rows, rmask, stride_lt, stride_le, E,
-                                      CDT, ROW_BLOCK, E_BLOCK)
-            w = fdiv(precise_exp(x - m[:, None]), tl.where(s > 0.0, s, 1.0)[:, None])
-    else:
-        c = tl.where(valid, _score(x, SCORE), 0.0)
-        if NORMALIZE:
-            nvalid = tl.sum(valid.to(tl.int32), axis=1)
-            denom = row_sum(c, ROW_BLOCK, K_PAD) + _NORM_EPS
-            w = tl.where((nvalid > 1)[:, None], fdiv(c, denom[:, None]), c)
-        else:
-            w = c
-    w = tl.where(valid, w * _scale(scale_hi, scale_lo, CDT), 0.0)
+    w = _slot_weights(idx, valid, Logits_ptr, rows, rmask, E, stride_lt, stride_le, scale_hi,
+                      scale_lo, SCORE, NORMALIZE, CDT, ROW_BLOCK, K_PAD, E_BLOCK)
     tl.store(IdxOut_ptr + rows[:, None] * K + cols[None, :], idx, mask=m2)
     tl.store(Flags_ptr + rows, flags.to(tl.uint8), mask=rmask)
     for e0 in range(0, E, E_BLOCK):
