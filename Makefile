@@ -75,11 +75,25 @@ test-gpu:
 	$(PY) -m pytest -q -m gpu $(GPU_PYTEST_ARGS) tests
 
 # On a GPU machine, offline, within 25 minutes on one H100: build the CUDA extension, run
-# make test-gpu, the compute-sanitizer runs and bench/bench_all.py --device cuda, each under a
-# time limit; writes bench/results/<device>.md and the logs (tools/gpu_check.py --help).
+# make test-gpu, the compute-sanitizer runs, bench/bench_all.py and bench/bench_megatron.py
+# with --device cuda, each under a time limit; writes bench/results/<device>.md and the logs (tools/gpu_check.py --help).
 GPU_CHECK_ARGS ?=
 gpu-check:
 	$(PY) tools/gpu_check.py $(GPU_CHECK_ARGS)
+
+# On a machine with network, for a GPU machine without it: the wheels the GPU steps need and
+# a CUDA image usually lacks (megatron-core, pinned, for the megatron step), for that
+# machine's Python (GPU_PYTHON), into GPU_WHEELS. There: make gpu-check
+# GPU_CHECK_ARGS="--wheels build/gpu_wheels".
+GPU_PYTHON ?= 3.12
+GPU_WHEELS ?= build/gpu_wheels
+.PHONY: gpu-wheels
+gpu-wheels:
+	$(PY) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+		--python-version $(GPU_PYTHON) --implementation cp --platform manylinux_2_28_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d $(GPU_WHEELS) \
+		"megatron-core==$(MCORE_PIN)"
+	@ls -l $(GPU_WHEELS)
 
 demo: install
 	$(PY) -m replay_ops demo

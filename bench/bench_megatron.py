@@ -28,6 +28,13 @@ the replay router with validate=True (`replay-router`) and validate=False
 model; on the GPU each native gate call is one launch).
 
 Hidden dtype: --dtype; logits fp32 (moe_router_dtype="fp32").
+
+Devices: `--device cpu` (the default) installs the CPU stand-ins; `--device cuda` runs
+Megatron-Core as it runs on a GPU (no stand-ins; its router without TransformerEngine's
+fused kernels, as on the CPU) and the replay router on the package's CUDA kernels (or
+Triton's, where the extension has no CUDA kernels). On CUDA the counts are also taken on
+the GPU and a count whose backward added nothing is refused (autograd runs a GPU backward
+on its device thread: the counter must see it there).
 """
 from __future__ import annotations
 
@@ -55,7 +62,7 @@ ROUTE_FWD_SPEEDUP = 2.0
 STEP_FULL_SPEEDUP = 1.5
 
 
-def setup(E, K, H):
+def setup(E, K, H, device="cpu"):
     import _megatron_env as env  # CPU stand-ins for Megatron (test/bench only)
 
     env.install_cpu_shims()
@@ -75,6 +82,7 @@ def setup(E, K, H):
                "replay-router/novalidate": rom.ReplayTopKRouter(
                    cfg, pg, options=rom.ReplayOptions(validate=False))}
     for r in routers.values():
+        r.to(device)
         r.load_state_dict(routers["megatron"].state_dict())
         r.set_layer_number(1)
         r.router_replay.clear_indices()
@@ -82,13 +90,13 @@ def setup(E, K, H):
     return routers, moe_utils
 
 
-def make_fns(T, E, K, H, dtype, routers, moe_utils):
+def make_fns(T, E, K, H, dtype, routers, moe_utils, device="cpu"):
     import replay_ops
 
     g = torch.Generator().manual_seed(T + E)
-    logits0 = torch.randn(T, E, generator=g) * 2
-    target = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
-    hidden0 = torch.randn(T, H, generator=g).to(dtype)
+    logits0 = (torch.randn(T, E, generator=g) * 2).to(device)
+    target = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K].to(device)
+    hidden0 = torch.randn(T, H, generator=g).to(device=device, dtype=dtype)
 
     def route(name, logits):
         r = routers[name]
@@ -125,7 +133,7 @@ def make_fns(T, E, K, H, dtype, routers, moe_utils):
 
 def grads_for(outs, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(o.shape, generator=g).to(o.dtype) for o in outs]
+    return [torch.randn(o.shape, generator=g).to(device=o.device, dtype=o.dtype) for o in outs]
 
 
 def call(fn, mode, logits0, hidden0, op):
@@ -175,18 +183,18 @@ def counts(fn):
 
 def run(args):
     device = args.device
-    if device != "cpu":
-        raise SystemExit("bench_megatron: the Megatron stand-ins here are for the CPU")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"bench_megatron: --device {device}, but torch sees no CUDA device")
     env = harness.env_info(device)
     copy_bw = args.copy_bw or harness.copy_bandwidth(device)
     rows, summary, targets = [], [], []
     for E in args.E:
-        routers, moe_utils = setup(E, args.K, args.H)
+        routers, moe_utils = setup(E, args.K, args.H, device)
         for dtype_name in args.dtype:
             dtype = DTYPES[dtype_name]
             for T in args.T:
                 logits0, hidden0, ops = make_fns(T, E, args.K, args.H, dtype, routers,
-                                                 moe_utils)
+                                                 moe_utils, device)
                 check_same(ops, logits0, hidden0)
                 case = dict(T=T, E=E, K=args.K, H=args.H, dtype=dtype_name)
                 res = {}
@@ -207,7 +215,8 @@ def run(args):
                                                               / times[n]["ms_median"])
                             rows.append(row)
                             res[(op, mode, n)] = row
-                targets += evaluate(res, case)
+                backward_counted(res)
+                targets += evaluate(res, case, device)
                 m = res[("step", "full", "megatron")]
                 o = res[("step", "full", "replay-router+plan")]
                 summary.append(
@@ -224,9 +233,21 @@ def run(args):
     return rows, summary
 
 
-def evaluate(res, case):
+def backward_counted(res):
+    """Each provider's fwd+bwd count exceeds its forward count: the counter saw the
+    backward (on a GPU autograd runs it on its own device thread)."""
+    for (op, mode, name), row in res.items():
+        fwd = res.get((op, "fwd", name))
+        if mode == "full" and fwd is not None and row["launches"] <= fwd["launches"]:
+            raise RuntimeError(f"bench_megatron: {op} {name}: fwd+bwd counted "
+                               f"{row['launches']} launches, forward {fwd['launches']}; the "
+                               "backward was not seen by the counter")
+
+
+def evaluate(res, case, device="cpu"):
     """One row per target and case: the value, the bound, met or missed."""
     tag = "T={T} E={E} {dtype}".format(**case)
+    clock = "GPU time" if str(device).startswith("cuda") else "CPU time"
     out = []
 
     def add(name, value, bound, ok, blocking=""):
@@ -250,10 +271,10 @@ def evaluate(res, case):
     nv = res[("step", "full", "replay-router+plan/novalidate")]
     add("step fwd+bwd host syncs, validate=False, EP=1", nv["syncs"], "== 0", nv["syncs"] == 0,
         ops_str(nv["ops"]))
-    add("route fwd speedup (CPU time)", round(rf["speedup_vs_megatron"], 2),
+    add(f"route fwd speedup ({clock})", round(rf["speedup_vs_megatron"], 2),
         f">= {ROUTE_FWD_SPEEDUP}", rf["speedup_vs_megatron"] >= ROUTE_FWD_SPEEDUP,
         f"{rf['ms_median']:.3f} ms vs {res[('route', 'fwd', 'megatron')]['ms_median']:.3f} ms")
-    add("step fwd+bwd speedup (CPU time)", round(o["speedup_vs_megatron"], 2),
+    add(f"step fwd+bwd speedup ({clock})", round(o["speedup_vs_megatron"], 2),
         f">= {STEP_FULL_SPEEDUP}", o["speedup_vs_megatron"] >= STEP_FULL_SPEEDUP,
         f"{o['ms_median']:.1f} ms vs {m['ms_median']:.1f} ms")
     return out

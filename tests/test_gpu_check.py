@@ -92,6 +92,9 @@ def test_test_steps_are_make_test_gpu_split_by_sanitizer(tmp_path):
     assert argv[1:] == ["bench/bench_all.py", "--device", "cuda", "--out", "h100_bench"]
     steps = by_name(gc.plan_steps(args("--bench-args", "--runs 2"), facts(), tmp_path, "h100"))
     assert steps["bench"].commands[0][0][-3:] == ["h100_bench", "--runs", "2"]
+    (argv, _), = steps["megatron"].commands
+    assert argv[1:] == ["bench/bench_megatron.py", "--device", "cuda", "--out", "h100_megatron"]
+    assert steps["megatron"].bench_stem == "h100_megatron"
     # pytest-xdist, where installed: workers share the GPU (fewer for the sanitizer runs)
     steps = by_name(gc.plan_steps(args(), facts(packages=dict(ALL_PACKAGES)), tmp_path, "h"))
     assert "-n 4" in steps["test"].commands[0][0][-1]
@@ -128,6 +131,9 @@ def test_a_step_that_cannot_run_says_why(tmp_path):
     assert steps["test"].skip is None
     note = " ".join(steps["test"].notes)
     assert "omegaconf" in note and "megatron-core" in note
+    # ... but the Megatron benchmark needs megatron-core
+    assert steps["megatron"].skip.startswith("missing Python packages: megatron-core")
+    assert steps["bench"].skip is None
     # --skip-gpu and --steps are requests, not missing needs
     a = args("--skip-gpu")
     for n, s in by_name(gc.select_steps(gc.plan_steps(a, facts(), tmp_path, "x"), a)).items():
@@ -253,6 +259,27 @@ def test_bench_results_become_the_benchmark_table():
     assert "| gate | fwd | native | 16384 | 64 | 2 |  | bfloat16 | 0.1 |" in "\n".join(lines)
 
 
+def test_megatron_results_give_a_targets_table():
+    doc = {"summary": ["T=4096 E=128 float32: route fwd 2.50x"],
+           "targets": [{"case": "T=4096 E=128 float32", "target": "route fwd launches",
+                        "value": 1, "bound": "<= 3", "met": True, "blocking": ""},
+                       {"case": "T=4096 E=128 float32", "target": "step bytes / megatron",
+                        "value": 0.86, "bound": "<= 0.8", "met": False,
+                        "blocking": "MB by op: a|b 3.0"}],
+           "rows": [{"op": "route", "mode": "fwd", "provider": "megatron", "T": 4096,
+                     "E": 128, "dtype": "float32", "launches": 8, "syncs": 0,
+                     "bytes": 1000, "ms_median": 0.25, "speedup_vs_megatron": 1.0}]}
+    text = "\n".join(gc.bench_markdown(doc, gc.MEGATRON_COLS))
+    assert "Targets: 1 of 2 met." in text
+    assert "| T=4096 E=128 float32 | step bytes / megatron | 0.86 | <= 0.8 | False | " \
+           "MB by op: a\\|b 3.0 |" in text
+    assert "| route | fwd | megatron | 4096 | 128 | float32 | 8 | 0 | 1000 | 0.25 |" in text
+    md = gc.render_summary(facts(), [], {"command": "x", "started": "now"},
+                           {"megatron": doc})
+    assert "## Megatron-Core benchmark" in md and "Targets: 1 of 2 met." in md
+    assert "No result of the bench step from this run." in md
+
+
 def test_long_logs_are_capped(tmp_path, monkeypatch):
     monkeypatch.setattr(gc, "LOG_HEAD", 100)
     monkeypatch.setattr(gc, "LOG_TAIL", 200)
@@ -280,6 +307,8 @@ def test_the_command_line_with_the_gpu_steps_skipped(tmp_path):
     assert "-m pip install --no-build-isolation --no-deps --no-index -v -e ." in md
     assert "make test-gpu" in md or "-m pytest -q -m gpu" in md
     assert "bench/bench_all.py --device cuda" in md
+    assert "bench/bench_megatron.py --device cuda --out ci_megatron" in md
+    assert "## Megatron-Core benchmark" in md
     import torch
 
     assert f"| torch | {torch.__version__} " in md

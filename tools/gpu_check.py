@@ -7,19 +7,23 @@
 
 Steps, in order, each under its own time limit (and all of them under --budget, 1500 s):
 
-  build      (330 s) the CUDA extension, offline:
+  build      (300 s) the CUDA extension, offline:
              REPLAY_OPS_CUDA=1 TORCH_CUDA_ARCH_LIST=<capability of GPU 0, e.g. 9.0>
              MAX_JOBS=<cpus> python -m pip install --no-build-isolation --no-deps --no-index -v -e .
              then a native gate call on the GPU (the kernel image loads and runs)
-  test       (510 s) make test-gpu GPU_PYTEST_ARGS="-k 'not sanitizer' -n 4 ..."  (the GPU
+  test       (480 s) make test-gpu GPU_PYTEST_ARGS="-k 'not sanitizer' -n 4 ..."  (the GPU
              tests and the rest of the suite on CUDA tensors, without the compute-sanitizer
              runs; -n: pytest-xdist workers sharing the GPU, where pytest-xdist is installed)
-  sanitizer  (330 s) make test-gpu GPU_PYTEST_ARGS="-k sanitizer -n 3 ..."  (compute-sanitizer
+  sanitizer  (300 s) make test-gpu GPU_PYTEST_ARGS="-k sanitizer -n 3 ..."  (compute-sanitizer
              memcheck, racecheck, initcheck and synccheck: tests/test_gpu_sanitizer.py and the
              runs of tests/test_native.py)
-  bench      (300 s) python bench/bench_all.py --device cuda --out <device>_bench  (the speed
+  bench      (270 s) python bench/bench_all.py --device cuda --out <device>_bench  (the speed
              target shapes; writes bench/results/<device>_bench.{json,md}; --bench-args adds
              arguments, e.g. "--runs 2")
+  megatron   (150 s) python bench/bench_megatron.py --device cuda --out <device>_megatron
+             (Megatron-Core's router and permutation against the replay router and the plan
+             dispatcher's calls, in the same run: launches, syncs, bytes and GPU times, with
+             the fast path's targets; needs megatron-core, a --no-deps wheel is enough)
 
 Output: bench/results/<device>.md, one summary (device, driver, torch / Triton / CUDA
 versions, git SHA, pass or fail and duration of each step, the benchmark table, the last
@@ -36,8 +40,10 @@ Exit status: 0 when every selected step passed; 1 when a step failed or ran past
 What the GPU machine needs: a CUDA build of torch (2.6 or newer) and the CUDA toolkit that
 matches it (nvcc, compute-sanitizer), make, a C++ compiler, Python packages setuptools, pip,
 pytest, numpy, triton and safetensors (the test modules import it); transformers is optional
-(the Hugging Face tests skip without it), ninja makes the build parallel. omegaconf,
-pyyaml and megatron-core are used only by CPU tests. The check lists what is missing.
+(the Hugging Face tests skip without it), ninja makes the build parallel. megatron-core
+(`pip install --no-deps`; the version in the Makefile's MCORE_VERSION) is needed by the
+megatron step. omegaconf and pyyaml are used only by CPU tests. The check lists what is
+missing; `make gpu-wheels` downloads the wheels a GPU machine without network lacks.
 
 A machine with no network gets a missing package as a wheel, built or downloaded elsewhere
 for its Python version and platform, for example on a machine with network:
@@ -72,8 +78,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 LOG_DIR = "gpu_check_logs"
-STEPS = ("build", "test", "sanitizer", "bench")
-LIMITS_S = {"build": 330, "test": 510, "sanitizer": 330, "bench": 300}  # 1470 s in all
+STEPS = ("build", "test", "sanitizer", "bench", "megatron")
+LIMITS_S = {"build": 300, "test": 480, "sanitizer": 300, "bench": 270,
+            "megatron": 150}  # 1500 s in all
 BUDGET_S = 1500  # 25 minutes on one H100
 MIN_STEP_S = 20  # a step with less time left than this is not started
 PROBE_TIMEOUT_S = 180
@@ -95,13 +102,14 @@ PACKAGES = (
     ("transformers", "transformers", "test: the Hugging Face tests (they skip without it)"),
     ("yaml", "pyyaml", "CPU tests only (router replay config)"),
     ("omegaconf", "omegaconf", "CPU tests only (router replay config)"),
-    ("megatron.core", "megatron-core", "CPU tests only (Megatron-Core)"),
+    ("megatron.core", "megatron-core", "megatron: bench/bench_megatron.py; the CPU tests"),
 )
 REQUIRED = {
     "build": ("setuptools", "pip"),
     "test": ("pytest", "numpy"),
     "sanitizer": ("pytest", "numpy"),
     "bench": ("numpy",),
+    "megatron": ("numpy", "megatron-core"),
 }
 
 FACTS_PROBE = r"""
@@ -373,6 +381,10 @@ def plan_steps(args, facts: dict, logs: Path, slug: str) -> list[Step]:
              [([py, "bench/bench_all.py", "--device", "cuda", "--out", f"{slug}_bench",
                 *shlex.split(args.bench_args)], {})],
              limits["bench"], bench_stem=f"{slug}_bench"),
+        Step("megatron", "bench/bench_megatron.py: Megatron-Core against the replay router",
+             [([py, "bench/bench_megatron.py", "--device", "cuda", "--out",
+                f"{slug}_megatron"], {})],
+             limits["megatron"], bench_stem=f"{slug}_megatron"),
     ]
     for s in steps[1:3]:
         if not use_make:
@@ -588,24 +600,39 @@ BENCH_COLS = ("op", "mode", "provider", "T", "E", "K", "H", "dtype", "ms_median"
               "ms_p80", "speedup_vs_reference", "gbps", "frac_of_copy_bw")
 
 
-def bench_markdown(doc: dict) -> list[str]:
+MEGATRON_COLS = ("op", "mode", "provider", "T", "E", "dtype", "launches", "syncs", "bytes",
+                 "ms_median", "ms_p20", "ms_p80", "speedup_vs_megatron")
+TARGET_COLS = ("case", "target", "value", "bound", "met", "blocking")
+BENCH_TITLES = {"bench": ("Benchmark", BENCH_COLS),
+                "megatron": ("Megatron-Core benchmark", MEGATRON_COLS)}
+
+
+def bench_markdown(doc: dict, cols=None) -> list[str]:
     def fmt(v):
         if isinstance(v, float):
             return f"{v:.4g}"
         return "" if v is None else str(v)
 
     out = []
+    cols = tuple(cols or BENCH_COLS)
     bw = doc.get("copy_bandwidth") or {}
     if bw.get("gbps"):
         out += [f"Copy bandwidth measured in the same run: {bw['gbps']:.1f} GB/s "
                 f"(read + write, {int(bw.get('bytes', 0)) >> 20} MiB buffer).", ""]
     if doc.get("summary"):
         out += [f"- {s}" for s in doc["summary"]] + [""]
+    targets = doc.get("targets") or []
+    if targets:
+        met = sum(bool(t.get("met")) for t in targets)
+        out += [f"Targets: {met} of {len(targets)} met.", "",
+                "| " + " | ".join(TARGET_COLS) + " |", "|" + "---|" * len(TARGET_COLS)]
+        out += ["| " + " | ".join(_md_escape(fmt(t.get(c))) for c in TARGET_COLS) + " |"
+                for t in targets] + [""]
     rows = doc.get("rows") or []
     if rows:
-        out.append("| " + " | ".join(BENCH_COLS) + " |")
-        out.append("|" + "---|" * len(BENCH_COLS))
-        out += ["| " + " | ".join(fmt(r.get(c)) for c in BENCH_COLS) + " |" for r in rows]
+        out.append("| " + " | ".join(cols) + " |")
+        out.append("|" + "---|" * len(cols))
+        out += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
     return out
 
 
@@ -613,7 +640,9 @@ def _md_escape(s: str) -> str:
     return str(s).replace("|", "\\|").replace("\n", " ")
 
 
-def render_summary(facts: dict, results: list[Result], meta: dict, bench: dict | None) -> str:
+def render_summary(facts: dict, results: list[Result], meta: dict,
+                   benches: dict | None = None) -> str:
+    """The summary; `benches` maps a benchmark step's name to its results (JSON)."""
     devs = facts.get("devices") or []
     name = devs[0]["name"] if devs else "no CUDA device"
     overall = overall_status(results)
@@ -663,11 +692,13 @@ def render_summary(facts: dict, results: list[Result], meta: dict, bench: dict |
             c = c if len(c) < 400 else c[:400] + " ..."
             lines.append(f"- {r.name}: `{c}`")
     lines.append("")
-    lines += ["## Benchmark", ""]
-    if bench:
-        lines += bench_markdown(bench) + [""]
-    else:
-        lines += ["No benchmark result from this run.", ""]
+    for name, (title, cols) in BENCH_TITLES.items():
+        doc = (benches or {}).get(name)
+        lines += [f"## {title}", ""]
+        if doc:
+            lines += bench_markdown(doc, cols) + [""]
+        else:
+            lines += [f"No result of the {name} step from this run.", ""]
     bad = [r for r in results if r.status in ("fail", "timeout")]
     if bad:
         lines += ["## Failing steps", ""]
@@ -820,7 +851,7 @@ def main(argv=None) -> int:
                 p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p)))
                 for a, e in s.commands]
     results: list[Result] = []
-    bench = None
+    benches: dict = {}
 
     def write():
         shown = list(results)
@@ -838,7 +869,9 @@ def main(argv=None) -> int:
                                     detail="not run yet"))
         order = {n: i for i, n in enumerate(STEPS)}
         shown.sort(key=lambda r: order[r.name])
-        b = bench or (load_bench(results_dir, f"{slug}_bench") if "bench" in earlier else None)
+        b = {s.name: benches.get(s.name) or (load_bench(results_dir, s.bench_stem)
+                                              if s.name in earlier else None)
+             for s in steps if s.bench_stem}
         write_text_atomic(summary_path, render_summary(facts, shown, meta, b))
         save_state(state_path, facts, shown, meta)
         return shown
@@ -869,7 +902,7 @@ def main(argv=None) -> int:
                 src = RESULTS / f"{s.bench_stem}.{ext}"
                 if results_dir != RESULTS and src.exists():
                     shutil.move(str(src), results_dir / src.name)
-            bench = load_bench(results_dir, s.bench_stem)
+            benches[s.name] = load_bench(results_dir, s.bench_stem)
         results.append(res)
         write()
         print(f"[gpu-check] {s.name}: {res.status} ({res.seconds:.0f} s) {res.detail}",
