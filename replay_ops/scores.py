@@ -17,8 +17,9 @@ Math, in the compute dtype (fp32, or fp64 for fp64 logits):
     softmax       forward: softmax over the last dimension      (not element-wise)
     sigmoid       forward: 1 / (1 + exp(-x))                    f'(x) = f (1 - f)
     sqrtsoftplus  forward: sqrt(softplus(x)), softplus linear   f'(x) = sigmoid(x) / (2 f),
-                  above 20 as in torch.nn.functional.softplus;  1 / (2 f) above 20, and 0
-                  0 where softplus underflows                   where f = 0
+                  above 20 as in torch.nn.functional.softplus;  1 / (2 f) above 20,
+                  0 where softplus underflows                   e^(x/2) / 2 below -20,
+                                                                and 0 where f = 0
 """
 from __future__ import annotations
 
@@ -65,8 +66,14 @@ def _sqrt_softplus(x):
 
 
 def _sqrt_softplus_vjp(x, y, g):
+    # sigmoid(x) / (2 y). Below -SOFTPLUS_THRESHOLD, softplus(x) = e^x and sigmoid(x) = e^x
+    # to within e^x (< 2e-9, under fp32's epsilon), so the slope is e^(x/2) / 2: computed so,
+    # because torch.sigmoid flushes its subnormal results to 0 (from x below about -87.3 in
+    # fp32), which made the gradient 0 where the true one is still ~1e-20.
     slope = torch.where(x > SOFTPLUS_THRESHOLD, 1.0, torch.sigmoid(x))
-    return torch.where(y > 0, g * slope / (2 * torch.where(y > 0, y, 1.0)), 0.0)
+    d = torch.where(x < -SOFTPLUS_THRESHOLD, 0.5 * torch.exp(0.5 * x),
+                    slope / (2 * torch.where(y > 0, y, 1.0)))
+    return torch.where(y > 0, g * d, 0.0)
 
 
 SOFTMAX = ScoreFunc("softmax", 0, False, lambda x: torch.softmax(x, dim=-1), _softmax_vjp)

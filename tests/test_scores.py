@@ -46,6 +46,28 @@ def test_forward_and_vjp_match_autograd(name):
     torch.testing.assert_close(y.detach(), ref.scores(x.detach(), name), rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sqrt_softplus_gradient_far_below_zero(dtype):
+    """Far below zero the slope sigmoid(x) is subnormal in fp32 (torch.sigmoid flushes it
+    to 0 there) while the gradient, ~e^(x/2) / 2, is still a normal number: the vjp gives
+    it to 1e-5, checked against the fp64 autograd of the oracle. Where softplus itself
+    underflows (fp32, x below about -103.3) the score and its gradient are 0."""
+    sf = scores.SQRTSOFTPLUS
+    xs = [-21.0, -40.0, -60.0, -87.0, -88.5, -95.0, -100.0, -103.0]
+    x = torch.tensor(xs, dtype=dtype)
+    y = sf.forward(x)
+    g = torch.linspace(0.5, 2.0, len(xs), dtype=dtype)
+    got = sf.vjp(x, y, g)
+    x64 = x.double().requires_grad_(True)
+    (want,) = torch.autograd.grad(ref.sqrt_softplus(x64), x64, g.double())
+    assert (got != 0).all(), got
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0)
+    if dtype == torch.float32:
+        x = torch.tensor([-104.0, -120.0])
+        y = sf.forward(x)
+        assert (y == 0).all() and (sf.vjp(x, y, torch.ones(2)) == 0).all()
+
+
 def test_unknown_name_is_an_error_in_every_layer():
     with pytest.raises(ValueError, match=r"unknown score_func='relu'; expected one of "):
         scores.get("relu")
