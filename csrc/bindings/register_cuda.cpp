@@ -99,23 +99,22 @@ void check_launch(cudaError_t err, const char* op) {
               cudaGetErrorString(err));
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gate_fwd(
-    const at::Tensor& logits_in, const at::Tensor& idx, int64_t score_func, bool normalize,
-    double scaling_factor, int64_t align) {
-  replay_native::check_gate_fwd(logits_in, idx, logits_in.device());
-  const c10::cuda::CUDAGuard guard(logits_in.device());
-  const int sf = replay_native::checked_score_func(score_func);
-  const at::Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
-  const int64_t T = logits.size(0), E = logits.size(1), K = idx.size(1);
-  TORCH_CHECK_VALUE(E <= replay_cuda::kMaxExperts, "replay_ops native CUDA gate supports E <= ",
-                    replay_cuda::kMaxExperts, " experts, got E=", E);
-  replay_native::GateOutputs o(logits, K, align);
+// The gate's launch path (set_gate_path), checked against the number of slots.
+replay_cuda::GatePath checked_gate_path(int64_t T, int64_t K) {
   const auto path = static_cast<replay_cuda::GatePath>(g_gate_path.load());
   TORCH_CHECK_VALUE(path != replay_cuda::GatePath::kSingleCta || T * K <= replay_cuda::kSmallSlots,
                     "replay_ops native CUDA: gate path 'single_cta' takes T*K <= ",
                     replay_cuda::kSmallSlots, " slots, got T*K=", T * K);
-  const size_t ws_bytes = replay_cuda::gate_fwd_workspace_bytes(T, E, K, path);
-  at::Tensor ws = at::empty({static_cast<int64_t>(ws_bytes)}, logits.options().dtype(at::kByte));
+  return path;
+}
+
+// The arguments both gate forwards share: the logits (rows of unit column stride), the
+// indices, the shape and the weights' math; the caller sets the outputs.
+replay_cuda::GateFwdArgs gate_fwd_args(const at::Tensor& logits, const at::Tensor& idx, int sf,
+                                       bool normalize, double scaling_factor, int64_t align) {
+  const int64_t E = logits.size(1);
+  TORCH_CHECK_VALUE(E <= replay_cuda::kMaxExperts, "replay_ops native CUDA gate supports E <= ",
+                    replay_cuda::kMaxExperts, " experts, got E=", E);
   replay_cuda::GateFwdArgs a{};
   a.logits = logits.data_ptr();
   a.logits_dtype = dtype_of(logits, "logits");
@@ -124,20 +123,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   a.index_dtype = itype_of(idx);
   a.stride_it = idx.stride(0);
   a.stride_ik = idx.stride(1);
-  a.T = T;
+  a.T = logits.size(0);
   a.E = E;
-  a.K = K;
+  a.K = idx.size(1);
   a.align = align;
   a.score_func = sf;
   a.normalize = normalize;
   a.scaling_factor = scaling_factor;
+  a.max_ctas = g_gate_max_ctas.load();
+  return a;
+}
+
+// The gate backward's limit on K (its per-thread arrays).
+void check_backward_topk(const at::Tensor& idx) {
+  TORCH_CHECK_VALUE(idx.size(1) <= replay_cuda::kMaxTopK, "replay_ops native CUDA "
+                    "gate_backward supports K <= ", replay_cuda::kMaxTopK, ", got K=", idx.size(1));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gate_fwd(
+    const at::Tensor& logits_in, const at::Tensor& idx, int64_t score_func, bool normalize,
+    double scaling_factor, int64_t align) {
+  replay_native::check_gate_fwd(logits_in, idx, logits_in.device());
+  const c10::cuda::CUDAGuard guard(logits_in.device());
+  const int sf = replay_native::checked_score_func(score_func);
+  const at::Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
+  replay_cuda::GateFwdArgs a = gate_fwd_args(logits, idx, sf, normalize, scaling_factor, align);
+  const int64_t T = a.T, E = a.E, K = a.K;
+  replay_native::GateOutputs o(logits, K, align);
+  const auto path = checked_gate_path(T, K);
+  const size_t ws_bytes = replay_cuda::gate_fwd_workspace_bytes(T, E, K, path);
+  at::Tensor ws = at::empty({static_cast<int64_t>(ws_bytes)}, logits.options().dtype(at::kByte));
   a.weights = o.weights.data_ptr();
   a.indices32 = o.idx32.data_ptr<int32_t>();
   a.tokens_per_expert = o.counts.data_ptr<int32_t>();
   a.expert_offsets = o.offsets.data_ptr<int32_t>();
   a.row_id_map = o.row_id_map.data_ptr<int32_t>();
   a.sorted_slots = o.sorted_slots.data_ptr<int32_t>();
-  a.max_ctas = g_gate_max_ctas.load();
   check_launch(replay_cuda::gate_fwd(a, ws_bytes ? ws.data_ptr() : nullptr,
                                      c10::cuda::getCurrentCUDAStream(), path),
                "gate");
@@ -150,8 +171,7 @@ at::Tensor gate_bwd(const at::Tensor& grad_weights, const at::Tensor& logits_in,
   replay_native::check_gate_bwd(grad_weights, logits_in, idx, logits_in.device());
   const c10::cuda::CUDAGuard guard(logits_in.device());
   const int sf = replay_native::checked_score_func(score_func);
-  TORCH_CHECK_VALUE(idx.size(1) <= replay_cuda::kMaxTopK, "replay_ops native CUDA "
-                    "gate_backward supports K <= ", replay_cuda::kMaxTopK, ", got K=", idx.size(1));
+  check_backward_topk(idx);
   const at::Tensor logits = logits_in.contiguous();
   const at::Tensor i32 = idx.contiguous();
   const at::Tensor g = grad_weights.to(acc_dtype(logits.scalar_type())).contiguous();
@@ -176,36 +196,17 @@ gate_dense_fwd(const at::Tensor& logits_in, const at::Tensor& idx,
   const c10::cuda::CUDAGuard guard(logits_in.device());
   const int sf = replay_native::checked_score_func(score_func);
   const at::Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
-  const int64_t T = logits.size(0), E = logits.size(1), K = idx.size(1);
-  TORCH_CHECK_VALUE(E <= replay_cuda::kMaxExperts, "replay_ops native CUDA gate supports E <= ",
-                    replay_cuda::kMaxExperts, " experts, got E=", E);
+  replay_cuda::GateFwdArgs a = gate_fwd_args(logits, idx, sf, normalize, scaling_factor, align);
+  const int64_t T = a.T, E = a.E, K = a.K;
   replay_native::DenseGateOutputs o(logits, K, align, with_plan);
   const at::Tensor mask = replay_mask ? replay_mask->contiguous() : at::Tensor();
   const at::Tensor fb = fallback ? fallback->to(at::kLong).contiguous() : at::Tensor();
   // the weights of the dense rows, in the compute type (scratch)
   at::Tensor w = at::empty({T, K}, logits.options().dtype(acc_dtype(logits.scalar_type())));
-  const auto path = static_cast<replay_cuda::GatePath>(g_gate_path.load());
-  TORCH_CHECK_VALUE(path != replay_cuda::GatePath::kSingleCta || T * K <= replay_cuda::kSmallSlots,
-                    "replay_ops native CUDA: gate path 'single_cta' takes T*K <= ",
-                    replay_cuda::kSmallSlots, " slots, got T*K=", T * K);
+  const auto path = checked_gate_path(T, K);
   const size_t ws_bytes =
       with_plan ? replay_cuda::gate_fwd_workspace_bytes(T, E, K, path, true) : 0;
   at::Tensor ws = at::empty({static_cast<int64_t>(ws_bytes)}, logits.options().dtype(at::kByte));
-  replay_cuda::GateFwdArgs a{};
-  a.logits = logits.data_ptr();
-  a.logits_dtype = dtype_of(logits, "logits");
-  a.stride_lt = logits.stride(0);
-  a.indices = idx.data_ptr();
-  a.index_dtype = itype_of(idx);
-  a.stride_it = idx.stride(0);
-  a.stride_ik = idx.stride(1);
-  a.T = T;
-  a.E = E;
-  a.K = K;
-  a.align = align;
-  a.score_func = sf;
-  a.normalize = normalize;
-  a.scaling_factor = scaling_factor;
   a.weights = w.data_ptr();
   a.indices32 = o.idx32.data_ptr<int32_t>();
   if (with_plan) {
@@ -214,7 +215,6 @@ gate_dense_fwd(const at::Tensor& logits_in, const at::Tensor& idx,
     a.row_id_map = o.row_id_map.data_ptr<int32_t>();
     a.sorted_slots = o.sorted_slots.data_ptr<int32_t>();
   }
-  a.max_ctas = g_gate_max_ctas.load();
   a.probs = o.probs.data_ptr();
   a.routing_map = reinterpret_cast<uint8_t*>(o.routing_map.data_ptr<bool>());
   a.row_flags = o.row_flags.data_ptr<uint8_t>();
@@ -237,8 +237,7 @@ at::Tensor gate_dense_bwd(const at::Tensor& grad_probs, const at::Tensor& logits
   replay_native::check_gate_dense_bwd(grad_probs, logits_in, idx, logits_in.device());
   const c10::cuda::CUDAGuard guard(logits_in.device());
   const int sf = replay_native::checked_score_func(score_func);
-  TORCH_CHECK_VALUE(idx.size(1) <= replay_cuda::kMaxTopK, "replay_ops native CUDA "
-                    "gate_backward supports K <= ", replay_cuda::kMaxTopK, ", got K=", idx.size(1));
+  check_backward_topk(idx);
   const at::Tensor logits = logits_in.contiguous();
   const at::Tensor i32 = idx.contiguous();
   at::Tensor grad = at::empty_like(logits);
