@@ -65,15 +65,20 @@ def _(logits, expert_indices, replay_mask, score_func, normalize, scaling_factor
     check_gate_inputs(logits, expert_indices, replay_mask, score_func, align)
     T, E = logits.shape
     K = expert_indices.shape[1]
-    i32 = dict(dtype=PLAN_DTYPE, device=logits.device)
-    return (
-        logits.new_empty(T, K),
-        torch.empty(T, K, **i32),
-        torch.empty(E, **i32),
-        torch.empty(E + 1, **i32),
-        torch.empty(T, K, **i32),
-        torch.empty(plan_capacity(T, K, E, align), **i32),
-    )
+    return (logits.new_empty(T, K), torch.empty(T, K, dtype=PLAN_DTYPE, device=logits.device),
+            *_fake_plan(T, K, E, align, logits.device))
+
+
+def _fake_plan(T, K, E, align, device, present=True):
+    """The plan's four outputs of a gate op (counts [E], offsets [E + 1], row_id_map [T, K],
+    sorted_slots [capacity]), as empty tensors; sized 0 (row_id_map [0, K]) when the op
+    does not build the plan."""
+    i32 = dict(dtype=PLAN_DTYPE, device=device)
+    if not present:
+        return (torch.empty(0, **i32), torch.empty(0, **i32), torch.empty(0, K, **i32),
+                torch.empty(0, **i32))
+    return (torch.empty(E, **i32), torch.empty(E + 1, **i32), torch.empty(T, K, **i32),
+            torch.empty(plan_capacity(T, K, E, align), **i32))
 
 
 def _gate_setup(ctx, inputs, output):
@@ -315,15 +320,10 @@ def _(logits, expert_indices, replay_mask, fallback, score_func, normalize, scal
     T, E = logits.shape
     K = expert_indices.shape[1]
     dev = logits.device
-    i32 = dict(dtype=PLAN_DTYPE, device=dev)
-    if with_plan:
-        plan = (torch.empty(E, **i32), torch.empty(E + 1, **i32), torch.empty(T, K, **i32),
-                torch.empty(plan_capacity(T, K, E, align), **i32))
-    else:
-        plan = (torch.empty(0, **i32), torch.empty(0, **i32), torch.empty(0, K, **i32),
-                torch.empty(0, **i32))
     return (logits.new_empty(T, E), torch.empty(T, E, dtype=torch.bool, device=dev),
-            torch.empty(T, dtype=torch.uint8, device=dev), torch.empty(T, K, **i32), *plan)
+            torch.empty(T, dtype=torch.uint8, device=dev),
+            torch.empty(T, K, dtype=PLAN_DTYPE, device=dev),
+            *_fake_plan(T, K, E, align, dev, with_plan))
 
 
 def _gate_dense_setup(ctx, inputs, output):
