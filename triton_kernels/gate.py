@@ -320,33 +320,16 @@ def _write_offsets_and_padding(
 
 
 @triton.jit
-def _gate_fwd_kernel(
-    # inputs
-    Logits_ptr, Idx_ptr,
-    # outputs
-    W_ptr, IdxOut_ptr, RowMap_ptr, ChunkCounts_ptr, Tpe_ptr, Offsets_ptr, Sorted_ptr,
-    # sizes and strides
-    T, E, K, stride_lt, stride_le, stride_it, stride_ik, scale_hi, scale_lo, align, n_sorted,
-    # constexprs
-    SCORE: tl.constexpr, NORMALIZE: tl.constexpr, CDT: tl.constexpr, SINGLE: tl.constexpr,
-    BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, E_BLOCK: tl.constexpr, E_HIST: tl.constexpr,
-    SLOT_BLOCK: tl.constexpr, PAD_J: tl.constexpr, TAIL_BLOCK: tl.constexpr,
+def _plan_of_slots(
+    Idx_ptr, stride_it, stride_ik, RowMap_ptr, ChunkCounts_ptr, Tpe_ptr, Offsets_ptr,
+    Sorted_ptr, pid, f_begin, f_end, E, K, align, n_sorted,
+    SINGLE: tl.constexpr, E_HIST: tl.constexpr, SLOT_BLOCK: tl.constexpr,
+    PAD_J: tl.constexpr, TAIL_BLOCK: tl.constexpr,
 ):
-    """Weights for this program's rows, then either the whole plan (SINGLE) or this
-    chunk's slot ranks (kept in row_id_map) and expert histogram (multi-chunk)."""
-    pid = tl.program_id(0).to(tl.int64)
-    if SINGLE:
-        row_begin = 0
-        row_end = T
-    else:
-        row_begin = pid * BLOCK_T
-        row_end = tl.minimum(row_begin + BLOCK_T, T)
-    for r0 in range(row_begin, row_end, BLOCK_T):
-        _gate_weights_block(Logits_ptr, Idx_ptr, W_ptr, IdxOut_ptr, r0, T, E, K,
-                            stride_lt, stride_le, stride_it, stride_ik, scale_hi, scale_lo,
-                            SCORE, NORMALIZE, CDT, BLOCK_T, K_PAD, E_BLOCK)
-    f_begin = row_begin * K
-    f_end = row_end * K
+    """The plan over the slots [f_begin, f_end) of the experts at Idx_ptr (both gate
+    kernels): with SINGLE (every slot) the whole plan, a histogram pass then a rank-and-
+    scatter pass; else this chunk's slot ranks (kept in row_id_map) and its expert
+    histogram (row `pid` of ChunkCounts) for the scan and scatter kernels."""
     running = tl.zeros([E_HIST], tl.int32)
     if SINGLE:
         # pass 1: histogram
@@ -379,6 +362,37 @@ def _gate_fwd_kernel(
             tl.store(RowMap_ptr + f, tl.where(e >= 0, rank, -1), mask=fmask)
         ecols = tl.arange(0, E_HIST)
         tl.store(ChunkCounts_ptr + pid * E + ecols, running, mask=ecols < E)
+
+
+@triton.jit
+def _gate_fwd_kernel(
+    # inputs
+    Logits_ptr, Idx_ptr,
+    # outputs
+    W_ptr, IdxOut_ptr, RowMap_ptr, ChunkCounts_ptr, Tpe_ptr, Offsets_ptr, Sorted_ptr,
+    # sizes and strides
+    T, E, K, stride_lt, stride_le, stride_it, stride_ik, scale_hi, scale_lo, align, n_sorted,
+    # constexprs
+    SCORE: tl.constexpr, NORMALIZE: tl.constexpr, CDT: tl.constexpr, SINGLE: tl.constexpr,
+    BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, E_BLOCK: tl.constexpr, E_HIST: tl.constexpr,
+    SLOT_BLOCK: tl.constexpr, PAD_J: tl.constexpr, TAIL_BLOCK: tl.constexpr,
+):
+    """Weights for this program's rows, then either the whole plan (SINGLE) or this
+    chunk's slot ranks (kept in row_id_map) and expert histogram (multi-chunk)."""
+    pid = tl.program_id(0).to(tl.int64)
+    if SINGLE:
+        row_begin = 0
+        row_end = T
+    else:
+        row_begin = pid * BLOCK_T
+        row_end = tl.minimum(row_begin + BLOCK_T, T)
+    for r0 in range(row_begin, row_end, BLOCK_T):
+        _gate_weights_block(Logits_ptr, Idx_ptr, W_ptr, IdxOut_ptr, r0, T, E, K,
+                            stride_lt, stride_le, stride_it, stride_ik, scale_hi, scale_lo,
+                            SCORE, NORMALIZE, CDT, BLOCK_T, K_PAD, E_BLOCK)
+    _plan_of_slots(Idx_ptr, stride_it, stride_ik, RowMap_ptr, ChunkCounts_ptr, Tpe_ptr,
+                   Offsets_ptr, Sorted_ptr, pid, row_begin * K, row_end * K, E, K, align,
+                   n_sorted, SINGLE, E_HIST, SLOT_BLOCK, PAD_J, TAIL_BLOCK)
 
 
 @triton.jit

@@ -39,13 +39,11 @@ from replay_ops.plan import PADDING_MODES, plan_capacity
 from . import gate as _gate  # its plan kernels, looked up at launch (tools patch them there)
 from ._common import LAUNCH_OPTIONS, cast_rne, compute_type, device_ctx
 from .gate import (
+    _plan_of_slots,
     _slot_weights,
     _col,
     _store_logit_grad,
-    _one_hot_ranks,
     _scale,
-    _slot_experts,
-    _write_offsets_and_padding,
     check_top_k,
     gate_bwd_config,
     gate_config,
@@ -212,38 +210,9 @@ def _gate_dense_fwd_kernel(
                     ROW_BLOCK, K_PAD, E_BLOCK)
     if PLAN:
         tl.debug_barrier()  # the experts this program wrote are read back below
-        f_begin = row_begin * K
-        f_end = row_end * K
-        running = tl.zeros([E_HIST], tl.int32)
-        if SINGLE:
-            for f0 in range(f_begin, f_end, SLOT_BLOCK):
-                f = f0 + tl.arange(0, SLOT_BLOCK)
-                e = _slot_experts(IdxOut_ptr, f, f < f_end, K, K, 1, E)
-                hit = (e[:, None] == tl.arange(0, E_HIST)[None, :]).to(tl.int32)
-                running += tl.sum(hit, axis=0)
-            offsets = _write_offsets_and_padding(running, Tpe_ptr, Offsets_ptr, Sorted_ptr, E,
-                                                 align, n_sorted, E_HIST, PAD_J, TAIL_BLOCK)
-            running = tl.zeros([E_HIST], tl.int32)
-            for f0 in range(f_begin, f_end, SLOT_BLOCK):
-                f = f0 + tl.arange(0, SLOT_BLOCK)
-                fmask = f < f_end
-                e = _slot_experts(IdxOut_ptr, f, fmask, K, K, 1, E)
-                rank, running = _one_hot_ranks(e, running, E_HIST)
-                base = tl.sum(tl.where(e[:, None] == tl.arange(0, E_HIST)[None, :],
-                                       offsets[None, :], 0), axis=1)
-                ok = fmask & (e >= 0)
-                row = tl.where(ok, base + rank, -1)
-                tl.store(RowMap_ptr + f, row, mask=fmask)
-                tl.store(Sorted_ptr + row, f.to(tl.int32), mask=ok)
-        else:
-            for f0 in range(f_begin, f_end, SLOT_BLOCK):
-                f = f0 + tl.arange(0, SLOT_BLOCK)
-                fmask = f < f_end
-                e = _slot_experts(IdxOut_ptr, f, fmask, K, K, 1, E)
-                rank, running = _one_hot_ranks(e, running, E_HIST)
-                tl.store(RowMap_ptr + f, tl.where(e >= 0, rank, -1), mask=fmask)
-            ecols = tl.arange(0, E_HIST)
-            tl.store(ChunkCounts_ptr + pid * E + ecols, running, mask=ecols < E)
+        _plan_of_slots(IdxOut_ptr, K, 1, RowMap_ptr, ChunkCounts_ptr, Tpe_ptr, Offsets_ptr,
+                       Sorted_ptr, pid, row_begin * K, row_end * K, E, K, align, n_sorted,
+                       SINGLE, E_HIST, SLOT_BLOCK, PAD_J, TAIL_BLOCK)
 
 
 @triton.jit
