@@ -275,10 +275,11 @@ def _bad_entries(r: torch.Tensor, num_experts: int, keep: torch.Tensor | None):
 
 
 def check_plan_tensors(name: str, row_id_map: torch.Tensor, sorted_slots: torch.Tensor) -> None:
-    if row_id_map.dtype != PLAN_DTYPE or row_id_map.dim() != 2:
+    if row_id_map.dtype != PLAN_DTYPE or row_id_map.dim() != 2 or row_id_map.shape[1] < 1:
         raise ValueError(
-            f"replay_ops.{name}: row_id_map must be int32 [T, K], got {row_id_map.dtype} "
-            f"{tuple(row_id_map.shape)}; pass the RoutingPlan returned by replay_ops.gate"
+            f"replay_ops.{name}: row_id_map must be int32 [T, K] with K >= 1, got "
+            f"{row_id_map.dtype} {tuple(row_id_map.shape)}; pass the RoutingPlan returned by "
+            "replay_ops.gate"
         )
     if sorted_slots.dtype != PLAN_DTYPE or sorted_slots.dim() != 1:
         raise ValueError(

@@ -208,6 +208,30 @@ def test_without_plan(dev_backend):
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("with_plan", [True, False])
+@pytest.mark.parametrize("dev_backend", BACKENDS)
+def test_zero_tokens(dev_backend, with_plan):
+    """T = 0 (an empty micro-batch on a rank): empty outputs, the plan of no slots (its
+    align padding included), and an empty gradient from a [0, E] gradient that is not an
+    expanded scalar (a [0, E] tensor has no data to point at)."""
+    device, backend = dev_backend
+    E, K, align = 8, 2, 4
+    logits = torch.zeros(0, E, device=device, requires_grad=True)
+    idx = torch.zeros(0, K, dtype=torch.int64, device=device)
+    out = replay_ops.gate_dense(logits, idx, padding="spread", align=align, with_plan=with_plan,
+                                backend=backend)
+    want = ref.gate_dense(logits.detach(), idx, padding="spread", align=align)
+    assert out.probs.shape == (0, E) and out.routing_map.shape == (0, E)
+    assert out.row_flags.shape == (0,) and out.expert_indices.shape == (0, K)
+    if with_plan:
+        for name in ("tokens_per_expert", "expert_offsets", "sorted_slots"):
+            assert_int_equal(getattr(out.plan, name), getattr(want.plan, name), name)
+    else:
+        assert out.plan is None
+    (grad,) = torch.autograd.grad(out.probs, logits, torch.zeros(0, E, device=device))
+    assert grad.shape == (0, E)
+
+
 # ------------------------------------------------------------------------ gradients
 @pytest.mark.parametrize("device,backend,mode", case_params(
     MODES, [("softmax", False), ("sigmoid", True), ("sqrtsoftplus", False)],

@@ -616,3 +616,18 @@ def test_cuda_compute_sanitizer(tool):
         env=dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1"),
     )
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout[-4000:] + out.stderr[-4000:]
+
+
+@needs_native
+@pytest.mark.parametrize("align", [2**31, 2**62, 2**63 - 1])
+def test_direct_calls_refuse_a_plan_past_int32_even_where_int64_wraps(align):
+    """The kernels' own capacity check (direct torch.ops.replay_native calls, past the
+    Python checks): T*K + E*(align-1) is compared without forming the product, which for a
+    huge align wraps int64 to a small value and let a zero 32-bit align reach the kernels."""
+    _native()
+    logits, idx = make_logits(3, 4), make_indices(3, 4, 2)
+    with pytest.raises(ValueError, match="does not fit its int32"):
+        torch.ops.replay_native.gate_fwd(logits, idx, 0, True, 1.0, align)
+    with pytest.raises(ValueError, match="does not fit its int32"):
+        torch.ops.replay_native.gate_dense_fwd(logits, idx, None, None, 0, True, 1.0, 0, 1, 0,
+                                               False, align, True)

@@ -271,6 +271,14 @@ def test_permute_bad_plan_tensors(dev_backend):
     with raises(ValueError, "replay_ops.permute:", "sorted_slots", "int32", "torch.int64"):
         replay_ops.permute(h, plan._replace(sorted_slots=plan.sorted_slots.long()), plan.max_rows,
                            backend=backend)
+    # a plan with no slot column comes from no gate (it refuses K = 0)
+    no_k = plan.row_id_map[:, :0]
+    with raises(ValueError, "replay_ops.permute:", "row_id_map", "K >= 1", "(3, 0)"):
+        replay_ops.permute(h, plan._replace(row_id_map=no_k), plan.max_rows, backend=backend)
+    with raises(ValueError, "replay_ops.unpermute:", "row_id_map", "K >= 1", "(3, 0)"):
+        replay_ops.unpermute(torch.zeros(plan.max_rows, 2, device=device),
+                             plan._replace(row_id_map=no_k, weights=plan.weights[:, :0]),
+                             backend=backend)
 
 
 # --------------------------------------------------------------- unpermute checks

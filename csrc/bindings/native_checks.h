@@ -19,11 +19,15 @@ namespace replay_native {
 
 inline int64_t checked_plan_capacity(int64_t T, int64_t K, int64_t E, int64_t align) {
   TORCH_CHECK_VALUE(align >= 1, "replay_ops native gate: align must be >= 1, got ", align);
-  const int64_t n = replay_math::plan_capacity(T, K, E, align);
-  TORCH_CHECK_VALUE(n < (int64_t(1) << 31), "replay_ops native gate: the plan needs "
-                    "T*K + E*(align-1) = ", n, " rows (T=", T, ", K=", K, ", E=", E, ", align=",
-                    align, "), which does not fit its int32 tensors");
-  return n;
+  constexpr int64_t kRows = int64_t(1) << 31;
+  // compared before multiplying: T*K or E*(align-1) could wrap int64 for a huge align
+  const bool fits = T >= 0 && K >= 0 && E >= 0 && (K == 0 || T < kRows / K) &&
+                    (E == 0 || align - 1 <= (kRows - T * K) / E);
+  TORCH_CHECK_VALUE(fits && replay_math::plan_capacity(T, K, E, align) < kRows,
+                    "replay_ops native gate: the plan needs T*K + E*(align-1) rows (T=", T,
+                    ", K=", K, ", E=", E, ", align=", align, "), which does not fit its int32 "
+                    "tensors (2^31 rows at most)");
+  return replay_math::plan_capacity(T, K, E, align);
 }
 
 inline int checked_score_func(int64_t id) {

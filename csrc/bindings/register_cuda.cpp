@@ -203,7 +203,8 @@ gate_dense_fwd(const at::Tensor& logits_in, const at::Tensor& idx,
   const at::Tensor fb = fallback ? fallback->to(at::kLong).contiguous() : at::Tensor();
   // the weights of the dense rows, in the compute type (scratch)
   at::Tensor w = at::empty({T, K}, logits.options().dtype(acc_dtype(logits.scalar_type())));
-  const auto path = checked_gate_path(T, K);
+  // the path matters only for the plan (the dense rows alone are one launch)
+  const auto path = with_plan ? checked_gate_path(T, K) : replay_cuda::GatePath::kAuto;
   const size_t ws_bytes =
       with_plan ? replay_cuda::gate_fwd_workspace_bytes(T, E, K, path, true) : 0;
   at::Tensor ws = at::empty({static_cast<int64_t>(ws_bytes)}, logits.options().dtype(at::kByte));

@@ -254,13 +254,15 @@ __device__ void block_offsets(const int32_t* counts, int64_t E, int32_t align, i
 __device__ __forceinline__ void fill_unused(const int32_t* off, const int32_t* counts, int64_t E,
                                             int64_t n_sorted, int32_t* sorted_slots) {
   // 32-bit loops (E <= kMaxExperts, plan rows < 2^31): a 64-bit trip count is a division
-  // call, and a call spills registers
-  const int32_t nE = static_cast<int32_t>(E), n = static_cast<int32_t>(n_sorted);
-  for (int32_t e = blockIdx.x; e < nE; e += gridDim.x)
-    for (int32_t r = off[e] + counts[e] + threadIdx.x; r < off[e + 1]; r += blockDim.x)
+  // call, and a call spills registers. Unsigned: a row below 2^31 plus a stride below 2^31
+  // stays below 2^32, where a signed counter would overflow near the 2^31 capacity.
+  const uint32_t nE = static_cast<uint32_t>(E), n = static_cast<uint32_t>(n_sorted);
+  for (uint32_t e = blockIdx.x; e < nE; e += gridDim.x)
+    for (uint32_t r = static_cast<uint32_t>(off[e] + counts[e]) + threadIdx.x;
+         r < static_cast<uint32_t>(off[e + 1]); r += blockDim.x)
       sorted_slots[r] = -1;
-  const int32_t stride = static_cast<int32_t>(gridDim.x * blockDim.x);
-  for (int32_t r = off[nE] + static_cast<int32_t>(blockIdx.x * blockDim.x + threadIdx.x); r < n;
+  const uint32_t stride = gridDim.x * blockDim.x;
+  for (uint32_t r = static_cast<uint32_t>(off[nE]) + blockIdx.x * blockDim.x + threadIdx.x; r < n;
        r += stride)
     sorted_slots[r] = -1;
 }
@@ -574,11 +576,18 @@ cudaError_t coop_capacity(Kernel kernel, size_t smem, int64_t& ctas) {
 template <typename scalar_t, typename index_t>
 cudaError_t launch_gate_fwd(const GateFwdArgs& a, void* workspace, cudaStream_t stream,
                             GatePath path) {
-  if (a.probs != nullptr && !a.with_plan) {
+  if (!a.with_plan) {  // gate_dense's rows alone
+    // before any test of `probs`: a [0, E] tensor has no data pointer
     if (a.T == 0) return cudaSuccess;
+    if (a.probs == nullptr) return cudaErrorInvalidValue;
     _gate_dense_rows_kernel<scalar_t, index_t>
         <<<static_cast<unsigned>(ceil_div(a.T, kRowsPerCta)), kRowsPerCta, 0, stream>>>(a);
     return cudaGetLastError();
+  }
+  // the plan's outputs: [E] and [E + 1] (E >= 1), never empty; sorted_slots may be (T*K = 0)
+  if (a.tokens_per_expert == nullptr || a.expert_offsets == nullptr ||
+      (a.row_id_map == nullptr && a.T * a.K > 0)) {
+    return cudaErrorInvalidValue;
   }
   path = resolve_path(a.T, a.K, path, a.probs != nullptr ? a.T * a.E : 0);
   if (path == GatePath::kSingleCta) {
@@ -658,10 +667,9 @@ cudaError_t gate_dense_bwd(const void* grad_probs, int64_t stride_gt, int64_t st
                            const void* logits, DType logits_dtype, const int32_t* indices32,
                            int64_t T, int64_t E, int64_t K, int score_func, bool normalize,
                            double scaling_factor, void* grad_logits, cudaStream_t stream) {
-  if (E < 1 || K < 1 || K > kMaxTopK || T < 0 || grad_probs == nullptr) {
-    return cudaErrorInvalidValue;
-  }
-  if (T == 0) return cudaSuccess;
+  if (E < 1 || K < 1 || K > kMaxTopK || T < 0) return cudaErrorInvalidValue;
+  if (T == 0) return cudaSuccess;  // a [0, E] gradient has no data pointer
+  if (grad_probs == nullptr) return cudaErrorInvalidValue;
   const unsigned grid = detail::grid_1d(detail::ceil_div(T, 8));
   RO_CUDA_DISPATCH_FLOAT(logits_dtype, {
     _gate_bwd_kernel<scalar_t><<<grid, 256, 0, stream>>>(

@@ -59,7 +59,8 @@ struct GateFwdArgs {
   int64_t ep_size = 1;
   int64_t spread_offset = 0;       // already reduced mod E
   bool underflow_guard = false;
-  bool with_plan = true;           // false: the dense rows only (plan outputs untouched)
+  bool with_plan = true;           // false: the dense rows only (plan outputs untouched);
+                                   // only gate_dense sets it, and then T = 0 launches nothing
 };
 
 // How gate_fwd runs its three steps (weights + per-chunk histograms, a scan over the chunks,
