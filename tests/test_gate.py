@@ -619,3 +619,33 @@ def test_out_of_range_without_validation_is_an_empty_slot(device, backend, case)
         assert_plan_ints_equal(out, want)
         assert (out.weights[cleaned.to(device) < 0] == 0).all(), bad
         check_plan_structure(out, cleaned, E, 4)
+
+
+@pytest.mark.parametrize("dev_backend", backend_params())
+def test_softmax_over_a_selection_of_infinite_logits(dev_backend):
+    """Softmax over the selection (normalize=True) where the max of the valid selected
+    logits is not finite: it is taken as 0, as in the oracle, so a selection of -inf logits
+    gets weights 0 and zero gradients (torch.softmax would give NaN), and a +inf logit gets
+    NaN while the finite ones get 0. Every backend, gate and gate_dense, forward and
+    backward, against the oracle (NaN where it has NaN)."""
+    device, backend = dev_backend
+    ninf, inf = float("-inf"), float("inf")
+    logits = torch.tensor([[ninf, ninf, 1.0, 2.0],   # every selected logit -inf
+                           [inf, 0.0, 1.0, 2.0],     # one +inf
+                           [ninf, 0.0, 1.0, 2.0],    # one -inf among finite ones
+                           [ninf, 3.0, ninf, 2.0]],  # -inf and an empty slot
+                          device=device)
+    idx = torch.tensor([[0, 1], [0, 1], [0, 1], [0, -1]], device=device)
+    g = torch.tensor([[0.5, -1.0], [1.0, 2.0], [0.25, 1.5], [1.0, 3.0]], device=device)
+    x = logits.clone().requires_grad_(True)
+    w = replay_ops.gate(x, idx, validate=False, backend=backend).weights
+    (gx,) = torch.autograd.grad(w, x, g)
+    x64 = logits.double().requires_grad_(True)
+    want = ref.gate(x64, idx, validate=False).weights
+    (gwant,) = torch.autograd.grad(want, x64, g.double())
+    assert want[0].eq(0).all() and gwant[0].eq(0).all()  # the case this test is about
+    torch.testing.assert_close(w.double(), want, equal_nan=True)
+    torch.testing.assert_close(gx.double(), gwant, equal_nan=True)
+    d = replay_ops.gate_dense(logits, idx, validate=False, backend=backend)
+    dwant = ref.gate_dense(logits.double(), idx)
+    torch.testing.assert_close(d.probs.double(), dwant.probs, equal_nan=True)

@@ -234,7 +234,9 @@ RO_HD inline acc_t gate_weight(int score_func, bool normalize, acc_t z, acc_t st
 //   element-wise: s = sum score(z) over valid slots
 template <typename acc_t>
 RO_HD inline acc_t finite_or_zero(acc_t m, bool any) {
-  return any ? m : acc_t(0);
+  // 0 also for an infinite max (every valid selected logit -inf, or one +inf), as the
+  // oracle's where(isfinite(m), m, 0): -inf - -inf would make the row NaN
+  return any && m > acc_t(-INFINITY) && m < acc_t(INFINITY) ? m : acc_t(0);
 }
 
 // Softmax statistics over the valid selected logits of one row: m = max over valid z[k]

@@ -39,13 +39,24 @@ def _slot_logits(x: torch.Tensor, idx: torch.Tensor):
     return x.gather(1, safe), valid, safe
 
 
+def _selected_softmax(z, valid) -> torch.Tensor:
+    """Softmax over the valid selected logits of each row. Its max is taken as 0 where it
+    is not finite (no valid slot, every valid logit -inf, or a +inf), as in the kernels and
+    the oracle: a selection of -inf logits gets weights 0, not torch.softmax's NaN."""
+    zs = torch.where(valid, z, float("-inf"))
+    m = zs.amax(dim=1, keepdim=True)
+    e = torch.exp(zs - torch.where(torch.isfinite(m), m, 0.0))
+    s = e.sum(dim=1, keepdim=True)
+    return e / torch.where(s > 0, s, 1.0)
+
+
 def _weights(x, idx, sf, normalize: bool) -> torch.Tensor:
     """Unscaled gate weights [T, K] in the compute dtype (0 for empty slots)."""
     z, valid, safe = _slot_logits(x, idx)
     if sf is scores.SOFTMAX and not normalize:
         w = sf.forward(x).gather(1, safe)  # softmax over all E, then gather
     elif sf is scores.SOFTMAX:
-        w = sf.forward(torch.where(valid, z, float("-inf")))  # softmax over the selection
+        w = _selected_softmax(z, valid)
     elif sf.elementwise:
         w = torch.where(valid, sf.forward(z), 0.0)
         if normalize:
@@ -101,7 +112,7 @@ def gate_bwd(grad_weights, logits, idx, score_func, normalize, scaling_factor):
         dp = torch.zeros_like(x).scatter_add(1, safe, g)
         return sf.vjp(x, sf.forward(x), dp).to(logits.dtype)
     if sf is scores.SOFTMAX:
-        q = torch.where(valid, sf.forward(torch.where(valid, z, float("-inf"))), 0.0)
+        q = torch.where(valid, _selected_softmax(z, valid), 0.0)
         dz = sf.vjp(z, q, g)
     elif sf.elementwise:
         c = torch.where(valid, sf.forward(z), 0.0)
