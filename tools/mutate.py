@@ -10,6 +10,9 @@ their installed place, `replay_ops/triton_kernels`), applies one mutant at a tim
 the native extension when the mutant is in C++ (ninja recompiles only the changed file),
 runs the tests that should catch it, and restores the file. A mutant is *killed* when those
 tests fail (or time out) and *survives* when they pass: a survivor is a hole in the tests.
+Before anything runs, every chosen mutant is checked against the checkout: one whose
+original text does not occur exactly once in its file (the code moved) is refused, and
+the script exits with status 2 naming it.
 
 The results table is printed and written to tools/mutation_results.md. This is not part of
 `make test` (it rebuilds C++ several times); run it after changing the code or the tests.
@@ -187,8 +190,17 @@ MUTANTS = [
 def _sandbox(work: Path) -> Path:
     """A copy of the tree laid out as installed, with the built extension."""
     box = work / "tree"
-    ignore = shutil.ignore_patterns(".git", "build", "demo_out", "__pycache__", "*.egg-info",
+    common = shutil.ignore_patterns(".git", "build", "demo_out", "__pycache__", "*.egg-info",
                                     ".pytest_cache")
+
+    def ignore(folder, names):
+        skip = set(common(folder, names))
+        if Path(folder).resolve() == (ROOT / "replay_ops").resolve():
+            # a checkout may hold the installed place of the kernels (a link or a copy):
+            # the sandbox gets its own copy of triton_kernels/ below
+            skip.add("triton_kernels")
+        return skip
+
     shutil.copytree(ROOT, box, ignore=ignore)
     shutil.copytree(ROOT / "triton_kernels", box / "replay_ops" / "triton_kernels",
                     ignore=shutil.ignore_patterns("__pycache__"))
@@ -215,6 +227,29 @@ def _target(box: Path, rel: str) -> Path:
     if rel.startswith("triton_kernels/"):
         return box / "replay_ops" / rel
     return box / rel
+
+
+def check_mutants(mutants) -> list[str]:
+    """The problems of a list of mutants, checked against this checkout before anything
+    runs: a duplicate id, a file that does not exist, an `old` text that does not occur
+    exactly once in its file, or a `new` text equal to it."""
+    problems = []
+    seen = set()
+    for m in mutants:
+        if m.id in seen:
+            problems.append(f"{m.id}: the id is used twice")
+        seen.add(m.id)
+        path = ROOT / m.file
+        if not path.is_file():
+            problems.append(f"{m.id}: {m.file} does not exist")
+            continue
+        n = path.read_text().count(m.old)
+        if n != 1:
+            problems.append(f"{m.id}: its original text occurs {n} times in {m.file} "
+                            f"(it must occur exactly once): {m.old!r}")
+        if m.new == m.old:
+            problems.append(f"{m.id}: the mutant changes nothing")
+    return problems
 
 
 def run_mutant(box: Path, m: Mutant, timeout: int) -> tuple[str, float, str]:
@@ -250,7 +285,17 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per mutant's tests")
     args = ap.parse_args(argv)
+    unknown = sorted(set(args.only or ()) - {m.id for m in MUTANTS})
+    if unknown:
+        ap.error(f"unknown mutant ids: {' '.join(unknown)}")
     chosen = [m for m in MUTANTS if not args.only or m.id in args.only]
+    problems = check_mutants(chosen)
+    if problems:
+        print("mutate: refusing to run; these mutants do not apply to the code as it is "
+              "(update their old/new text):", file=sys.stderr)
+        for line in problems:
+            print("  " + line, file=sys.stderr)
+        return 2
     if args.list:
         for m in chosen:
             print(f"{m.id}  {m.file:45s} {m.what}")
