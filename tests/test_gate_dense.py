@@ -149,6 +149,29 @@ def test_row_flags_bits(dev_backend):
     assert out.expert_indices[3].tolist() == [-1, 1, 2]
 
 
+@pytest.mark.parametrize("dev_backend", BACKENDS)
+def test_row_flags_repeats_apart_and_ids_at_the_range_ends(dev_backend):
+    """A repeated expert is flagged wherever its slots sit in the row (not only in adjacent
+    slots), and ids just outside [-1, E) (E itself, -2) are out of range. Flags derived by
+    hand from the definitions; with padding="spread" every flagged row routes K distinct
+    experts."""
+    device, backend = dev_backend
+    E = 8
+    idx = torch.tensor([[3, 4, 3], [5, -1, 5], [2, 1, 6], [0, 8, 2], [-2, 1, 2],
+                        [7, 0, 1]], device=device)
+    want = [ROW_REPEAT, ROW_EMPTY_SLOT | ROW_REPEAT, 0, ROW_OUT_OF_RANGE, ROW_OUT_OF_RANGE, 0]
+    logits = make_logits(len(want), E, device=device)
+    for padding in ("empty", "spread"):
+        out = replay_ops.gate_dense(logits, idx, padding=padding, validate=False,
+                                    backend=backend)
+        assert out.row_flags.cpu().tolist() == want, padding
+        if padding == "spread":
+            assert (out.routing_map.sum(dim=1) == 3).all()
+        else:  # a repeated expert's weights add up; out-of-range ids route nothing
+            assert out.routing_map.sum(dim=1).cpu().tolist() == [2, 1, 3, 2, 2, 3]
+        check_dense(logits, idx, backend, padding=padding)
+
+
 def test_spread_rows_are_distinct_and_balanced():
     """Every spread row has K distinct experts on distinct EP ranks; a run of padding rows
     covers the experts evenly; periodic padding rows (one per packed sequence) do not pile

@@ -3,6 +3,7 @@
     python tools/mutate.py                  # every mutant (make mutate)
     python tools/mutate.py --only M07 M21   # some of them
     python tools/mutate.py --list           # the list, without running it
+    python tools/mutate.py --only M07 --show  # and the test output of killed mutants
 
 Each mutant is one small, deliberate bug: a text replacement in one file of the package
 (Python, Triton or C++). The script copies the tree into a sandbox (the Triton kernels at
@@ -10,6 +11,9 @@ their installed place, `replay_ops/triton_kernels`), applies one mutant at a tim
 the native extension when the mutant is in C++ (ninja recompiles only the changed file),
 runs the tests that should catch it, and restores the file. A mutant is *killed* when those
 tests fail (or time out) and *survives* when they pass: a survivor is a hole in the tests.
+Before anything runs, every chosen mutant is checked against the checkout: one whose
+original text does not occur exactly once in its file (the code moved) is refused, and
+the script exits with status 2 naming it.
 
 The results table is printed and written to tools/mutation_results.md. This is not part of
 `make test` (it rebuilds C++ several times); run it after changing the code or the tests.
@@ -181,14 +185,110 @@ MUTANTS = [
       "          if (r < R) d = dot(g, X + (r < 0 ? 0 : r) * H, H);",
       ("tests/test_unpermute.py", "-k", "native"),
       "C++ unpermute backward: empty slots get a weight gradient"),
+    # ----------------------------------------------------- dense gate (gate_dense), torch
+    M("M35", "replay_ops/backends/torch.py",
+      "    rmap = _scatter_rows(torch.ones_like(tot), idx, first, E, torch.uint8).bool()",
+      "    rmap = probs != 0",
+      ("tests/test_gate_dense.py", "-k", "torch"),
+      "dense (torch): routing_map read off the probs (a routed weight of 0 is not routed)"),
+    M("M36", "replay_ops/backends/torch.py",
+      "    flags |= ((idx < -1) | (idx >= E)).any(dim=1).to(torch.uint8) * _RANGE",
+      "    flags |= ((idx < -1) | (idx > E)).any(dim=1).to(torch.uint8) * _RANGE",
+      ("tests/test_gate_dense.py", "-k", "torch"),
+      "dense (torch) row flags: an id equal to E not flagged out of range"),
+    M("M37", "replay_ops/backends/torch.py",
+      "        s = key.sort(dim=1).values\n",
+      "        s = key\n",
+      ("tests/test_gate_dense.py", "-k", "torch"),
+      "dense (torch) row flags: only a repeat in adjacent slots flagged (no sort)"),
+    M("M38", "replay_ops/backends/torch.py",
+      "    i = (offset % E + s + torch.arange(K, device=device) + w) % E",
+      "    i = (offset % E + s + torch.arange(1, K + 1, device=device) + w) % E",
+      ("tests/test_gate_dense.py", "-k", "torch"),
+      "dense (torch) spread padding: slot values off by one"),
+    M("M39", "replay_ops/backends/torch.py",
+      "    return _scatter_rows(tot, idx, first, num_experts, grad.dtype)",
+      "    return _scatter_rows(torch.where(ok, v, 0.0), idx, first, num_experts, grad.dtype)",
+      ("tests/test_gate_dense.py", "-k", "torch and permute_probs"),
+      "permute(probs=) backward (torch): a repeated expert gets its first row's gradient only"),
+    # ----------------------------------------------------- dense gate, C++ and Triton
+    M("M40", "csrc/cpu/gate_cpu.cpp",
+      "      if (e < 0 || m[e]) continue;  // empty, or a repeat already written",
+      "      if (e < 0) continue;  // empty, or a repeat already written",
+      ("tests/test_gate_dense.py", "-k", "native"),
+      "C++ dense: a repeated expert's entry overwritten by the sum of its later slots"),
+    M("M41", "csrc/include/replay_math.h",
+      "  } else if (flags & kRowMasked) {\n    return -1;",
+      "  } else if (flags & kRowMasked) {\n    e = static_cast<int64_t>(ip[k * sk]);",
+      ("tests/test_gate_dense.py", "-k", "native"),
+      "C++ dense: a masked row without fallback routes its recorded ids"),
+    M("M42", "triton_kernels/gate_dense.py",
+      "            acc += tl.where(on, _col(w, cols, k)[:, None], 0.0)",
+      "            acc = tl.where(on, _col(w, cols, k)[:, None], acc)",
+      ("tests/test_gate_dense.py", "-k", "triton"),
+      "Triton dense: a repeated expert keeps its last slot's weight (not the sum)"),
+    M("M43", "triton_kernels/gate_dense.py",
+      "        fill = tl.where((flags == 8)[:, None], -1, rec)",
+      "        fill = rec",
+      ("tests/test_gate_dense.py", "-k", "triton"),
+      "Triton dense: a masked row without fallback routes its recorded ids"),
+    # ----------------------------------------------------- Megatron router, verl inputs
+    M("M44", "replay_ops/integrations/megatron/router.py",
+      "        if known is not None and known.name == a.name:\n            return known\n",
+      "        if known is not None and known.name == a.name:\n"
+      "            return known if known is a else None\n",
+      ("tests/test_megatron_clients.py", "-k", "verl_enum"),
+      "Megatron router: actions compared by identity (verl's enum routes natively)"),
+    M("M45", "replay_ops/integrations/megatron/router.py",
+      "        out = self._gate(logits, idx, mask=keep, fallback=fallback, padding=padding)",
+      "        out = self._gate(logits, idx, mask=None, fallback=fallback, padding=padding)",
+      ("tests/test_megatron_clients.py", "-k", "replay_mask"),
+      "Megatron router: replay_mask False rows replayed instead of routed natively"),
+    M("M46", "replay_ops/integrations/megatron/router.py",
+      "        return target, (masks.pop(0) if masks is not None else None)",
+      "        return target, (masks[0] if masks is not None else None)",
+      ("tests/test_megatron_clients.py", "-k", "fifo"),
+      "Megatron router: REPLAY_BACKWARD pops the index FIFO but not the mask FIFO"),
+    M("M47", "replay_ops/integrations/megatron/router.py",
+      "        if not rr.replay_backward_list:\n            if self.is_mtp_layer:\n"
+      "                return None\n",
+      "        if not rr.replay_backward_list:\n            if self.is_mtp_layer:\n"
+      "                pass\n",
+      ("tests/test_verl_clients.py", "-k", "one_process"),
+      "Megatron router: an MTP router without target raises under REPLAY_BACKWARD"),
+    M("M48", "replay_ops/integrations/megatron/router.py",
+      "        inplace = (not in_mtp) or mtp_here or (container and parent_inplace)",
+      "        inplace = True",
+      ("tests/test_megatron_layers.py", "-k", "mtp"),
+      "replay_spec: the MTP builder written into the decoder's shared layer specs "
+      "(decoder routers without target route natively)"),
+    M("M49", "replay_ops/_validate.py",
+      "        pos = _first_true(bits < 0)",
+      "        pos = _first_true(bits < -1)",
+      ("tests/test_routing_dtypes.py", "-k", "uint64"),
+      "routing dtypes: uint64 2^64-1 wraps to -1 (an empty slot) in silence"),
+    M("M50", "replay_ops/router_replay/adapters/verl.py",
+      "    elif zero_rows == \"error\" and bool(zero.any()):",
+      "    elif zero_rows == \"error\" and bool(zero.all()):",
+      ("tests/test_adapters.py", "-k", "verl"),
+      "verl layout: a zero row inside the mask accepted (unless every row is zero)"),
 ]
 
 
 def _sandbox(work: Path) -> Path:
     """A copy of the tree laid out as installed, with the built extension."""
     box = work / "tree"
-    ignore = shutil.ignore_patterns(".git", "build", "demo_out", "__pycache__", "*.egg-info",
+    common = shutil.ignore_patterns(".git", "build", "demo_out", "__pycache__", "*.egg-info",
                                     ".pytest_cache")
+
+    def ignore(folder, names):
+        skip = set(common(folder, names))
+        if Path(folder).resolve() == (ROOT / "replay_ops").resolve():
+            # a checkout may hold the installed place of the kernels (a link or a copy):
+            # the sandbox gets its own copy of triton_kernels/ below
+            skip.add("triton_kernels")
+        return skip
+
     shutil.copytree(ROOT, box, ignore=ignore)
     shutil.copytree(ROOT / "triton_kernels", box / "replay_ops" / "triton_kernels",
                     ignore=shutil.ignore_patterns("__pycache__"))
@@ -215,6 +315,29 @@ def _target(box: Path, rel: str) -> Path:
     if rel.startswith("triton_kernels/"):
         return box / "replay_ops" / rel
     return box / rel
+
+
+def check_mutants(mutants) -> list[str]:
+    """The problems of a list of mutants, checked against this checkout before anything
+    runs: a duplicate id, a file that does not exist, an `old` text that does not occur
+    exactly once in its file, or a `new` text equal to it."""
+    problems = []
+    seen = set()
+    for m in mutants:
+        if m.id in seen:
+            problems.append(f"{m.id}: the id is used twice")
+        seen.add(m.id)
+        path = ROOT / m.file
+        if not path.is_file():
+            problems.append(f"{m.id}: {m.file} does not exist")
+            continue
+        n = path.read_text().count(m.old)
+        if n != 1:
+            problems.append(f"{m.id}: its original text occurs {n} times in {m.file} "
+                            f"(it must occur exactly once): {m.old!r}")
+        if m.new == m.old:
+            problems.append(f"{m.id}: the mutant changes nothing")
+    return problems
 
 
 def run_mutant(box: Path, m: Mutant, timeout: int) -> tuple[str, float, str]:
@@ -249,8 +372,20 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", help="mutant ids to run")
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per mutant's tests")
+    ap.add_argument("--show", action="store_true",
+                    help="print the tests' output for killed mutants too (why they died)")
     args = ap.parse_args(argv)
+    unknown = sorted(set(args.only or ()) - {m.id for m in MUTANTS})
+    if unknown:
+        ap.error(f"unknown mutant ids: {' '.join(unknown)}")
     chosen = [m for m in MUTANTS if not args.only or m.id in args.only]
+    problems = check_mutants(chosen)
+    if problems:
+        print("mutate: refusing to run; these mutants do not apply to the code as it is "
+              "(update their old/new text):", file=sys.stderr)
+        for line in problems:
+            print("  " + line, file=sys.stderr)
+        return 2
     if args.list:
         for m in chosen:
             print(f"{m.id}  {m.file:45s} {m.what}")
@@ -268,7 +403,7 @@ def main(argv=None) -> int:
             verdict, dt, out = run_mutant(box, m, args.timeout)
             rows.append((m, verdict, dt))
             print(f"{m.id} {verdict:17s} {dt:6.1f} s  {m.what}", flush=True)
-            if verdict in ("SURVIVED", "stale", "no tests ran"):
+            if args.show or verdict in ("SURVIVED", "stale", "no tests ran"):
                 print(out, flush=True)
     survived = [m.id for m, v, _ in rows if v != "killed" and not v.startswith("killed")]
     if not args.only:
