@@ -334,6 +334,9 @@ def test_native_row_kernels_give_the_same_bits_on_every_cpu_isa(dtype, E):
     for isa in isas[1:]:
         for a, b in zip(results["baseline"], results[isa]):
             assert torch.equal(_bits(a), _bits(b)), f"{isa} differs from baseline"
+    if E >= 16:  # a masked expert's gradient is exactly 0, as on the other backends
+        grad = results["baseline"][1]
+        assert (grad[3, ::5] == 0).all(), grad[3, ::5]
     keep = torch.isfinite(logits).all(dim=1)
     x, i = logits[keep], idx[keep]
     assert_fa_close(

@@ -39,7 +39,9 @@ RO_ALWAYS_INLINE float load_f32(const scalar_t* p, int64_t j) {
 // exp(x) for x <= 0 (a logit minus its row maximum), in a form the compiler vectorises:
 // Cody-Waite reduction by ln 2 and a degree-6 polynomial (Cephes expf coefficients),
 // within about 1 ulp of expf. Arguments below -87 are clamped (exp(-87) = 1.6e-38, which
-// adds nothing to a softmax sum that is at least 1). Only add, mul, compare, convert and
+// adds nothing to a softmax sum that is at least 1); the backward's base row takes exp as 0
+// there (exp_or_zero), so a -inf logit gets a gradient of exactly 0, as on the other
+// backends, instead of -(1.6e-38 / s) A. Only add, mul, compare, convert and
 // shift: each is exact per lane, so every vector width gives the same bits.
 RO_ALWAYS_INLINE float exp_nonpos(float x) {
   x = x < -87.0f ? -87.0f : x;
@@ -90,11 +92,14 @@ template <typename scalar_t>
 RO_ALWAYS_INLINE void sum_tail(const scalar_t* x, int64_t j0, int64_t E, float m, float* ps) {
   for (int64_t j = j0; j < E; ++j) ps[j - j0] = ps[j - j0] + exp_nonpos(load_f32(x, j) - m);
 }
+// exp_nonpos(d), or 0 where d < -87 (or NaN) - the backward's base row.
+RO_ALWAYS_INLINE float exp_or_zero(float d) { return d >= -87.0f ? exp_nonpos(d) : 0.0f; }
+
 template <typename scalar_t>
 RO_ALWAYS_INLINE void full_base_tail(const scalar_t* x, int64_t j0, int64_t E, float m, float s,
                                      float A, float* row) {
   for (int64_t j = j0; j < E; ++j)
-    row[j] = replay_math::softmax_full_base(exp_nonpos(load_f32(x, j) - m), s, A);
+    row[j] = replay_math::softmax_full_base(exp_or_zero(load_f32(x, j) - m), s, A);
 }
 
 // ------------------------------------------------------------------ baseline (any CPU)
@@ -186,8 +191,11 @@ RO_AVX512 void full_base_avx512(const scalar_t* x, int64_t E, float m, float s, 
   const int64_t E0 = E / kLanes * kLanes;
   const __m512 mv = _mm512_set1_ps(m), sv = _mm512_set1_ps(s), av = _mm512_set1_ps(A);
   const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(INT32_MIN));
+  const __m512 lo = _mm512_set1_ps(-87.0f);
   for (int64_t j = 0; j < E0; j += kLanes) {
-    const __m512 e = exp16_avx512(_mm512_sub_ps(load16_avx512(x + j), mv));
+    const __m512 d = _mm512_sub_ps(load16_avx512(x + j), mv);
+    // exp_or_zero: 0 where d < -87 (or NaN)
+    const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, lo, _CMP_GE_OQ), exp16_avx512(d));
     const __m512 q = _mm512_castsi512_ps(_mm512_xor_si512(
         _mm512_castps_si512(_mm512_div_ps(e, sv)), _mm512_castps_si512(sign)));  // -(e / s)
     _mm512_storeu_ps(row + j, _mm512_mul_ps(q, av));
@@ -246,8 +254,11 @@ RO_AVX2 void full_base_avx2(const scalar_t* x, int64_t E, float m, float s, floa
   const int64_t E0 = E / 8 * 8;
   const __m256 mv = _mm256_set1_ps(m), sv = _mm256_set1_ps(s), av = _mm256_set1_ps(A);
   const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 lo = _mm256_set1_ps(-87.0f);
   for (int64_t j = 0; j < E0; j += 8) {
-    const __m256 e = exp8_avx2(_mm256_sub_ps(load8_avx2(x + j), mv));
+    const __m256 d = _mm256_sub_ps(load8_avx2(x + j), mv);
+    // exp_or_zero: 0 where d < -87 (or NaN)
+    const __m256 e = _mm256_and_ps(_mm256_cmp_ps(d, lo, _CMP_GE_OQ), exp8_avx2(d));
     const __m256 q = _mm256_xor_ps(_mm256_div_ps(e, sv), sign);  // -(e / s)
     _mm256_storeu_ps(row + j, _mm256_mul_ps(q, av));
   }
