@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
 #include <tuple>
 
 #include "replay_math.h"
@@ -19,15 +20,15 @@ namespace replay_native {
 
 inline int64_t checked_plan_capacity(int64_t T, int64_t K, int64_t E, int64_t align) {
   TORCH_CHECK_VALUE(align >= 1, "replay_ops native gate: align must be >= 1, got ", align);
-  constexpr int64_t kRows = int64_t(1) << 31;
-  // compared before multiplying: T*K or E*(align-1) could wrap int64 for a huge align
-  const bool fits = T >= 0 && K >= 0 && E >= 0 && (K == 0 || T < kRows / K) &&
-                    (E == 0 || align - 1 <= (kRows - T * K) / E);
-  TORCH_CHECK_VALUE(fits && replay_math::plan_capacity(T, K, E, align) < kRows,
-                    "replay_ops native gate: the plan needs T*K + E*(align-1) rows (T=", T,
-                    ", K=", K, ", E=", E, ", align=", align, "), which does not fit its int32 "
-                    "tensors (2^31 rows at most)");
-  return replay_math::plan_capacity(T, K, E, align);
+  // T*K or E*(align-1) can wrap int64 for a huge align: checked products
+  int64_t tk = 0, pad = 0, n = 0;
+  const bool exact = !__builtin_mul_overflow(T, K, &tk) &&
+                     !__builtin_mul_overflow(E, align - 1, &pad) && !__builtin_add_overflow(tk, pad, &n);
+  TORCH_CHECK_VALUE(exact && n < (int64_t(1) << 31), "replay_ops native gate: the plan needs "
+                    "T*K + E*(align-1) = ", exact ? std::to_string(n) : std::string("over 2^63"),
+                    " rows (T=", T, ", K=", K, ", E=", E, ", align=", align, "), which does not "
+                    "fit its int32 tensors");
+  return n;
 }
 
 inline int checked_score_func(int64_t id) {

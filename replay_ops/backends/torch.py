@@ -44,10 +44,11 @@ def _selected_softmax(z, valid) -> torch.Tensor:
     is not finite (no valid slot, every valid logit -inf, or a +inf), as in the kernels and
     the oracle: a selection of -inf logits gets weights 0, not torch.softmax's NaN."""
     zs = torch.where(valid, z, float("-inf"))
-    m = zs.amax(dim=1, keepdim=True)
-    e = torch.exp(zs - torch.where(torch.isfinite(m), m, 0.0))
+    finite = torch.isfinite(zs.amax(dim=1, keepdim=True))
+    # torch.softmax where the max is finite: the bits of Megatron's own softmax
+    e = torch.exp(torch.where(finite, float("-inf"), zs))  # the max taken as 0 elsewhere
     s = e.sum(dim=1, keepdim=True)
-    return e / torch.where(s > 0, s, 1.0)
+    return torch.where(finite, torch.softmax(zs, dim=1), e / torch.where(s > 0, s, 1.0))
 
 
 def _weights(x, idx, sf, normalize: bool) -> torch.Tensor:
