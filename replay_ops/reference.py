@@ -98,7 +98,7 @@ def gate_weights(
         m = torch.where(torch.isfinite(m), m, 0.0)
         e = torch.exp(z - m)
         s = e.sum(dim=-1, keepdim=True)
-        w = e / torch.where(s > 0, s, 1.0)
+        w = e / torch.where(s == 0, 1.0, s)
     else:
         z = x.gather(1, safe)
         sc = torch.sigmoid(z) if score_func == "sigmoid" else sqrt_softplus(z)

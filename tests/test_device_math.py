@@ -156,3 +156,28 @@ def test_sqrtsoftplus_of_a_subnormal_softplus(program):
         assert (out_g[g_live] != 0).all(), f"gradient flushed to 0: {out_g} ({what})"
         assert_fa_close(out_w, r["same"][0].to(dtype), r["ref64"][0], f"weights ({what})")
         assert_fa_close(out_g, r["same"][1].to(dtype), r["ref64"][1], f"grad ({what})")
+
+
+def test_softmax_of_infinite_logits(program):
+    """The device sequences on non-finite logits give the oracle's values (NaN where it has
+    NaN): over the selection the max is taken as 0 where it is not finite (an all -inf
+    selection gets weights 0 and zero gradients, a +inf gives NaN at its slot and 0 at the
+    finite ones); over all E the result is torch.softmax's (NaN for a row of -inf or with a
+    +inf); a -inf among finite logits gets weight 0 and gradient 0."""
+    ninf, inf = float("-inf"), float("inf")
+    rows = [
+        (torch.float32, [ninf, ninf, 1.0, 2.0, 0.0, 3.0], [0, 1, 2]),
+        (torch.float32, [ninf] * 6, [0, 1, 2]),
+        (torch.float32, [inf, 0.0, 1.0, 2.0, 0.0, 3.0], [0, 1, 2]),
+        (torch.float32, [ninf, 0.0, 1.0, 2.0, 0.0, 3.0], [0, 1, -1]),
+        (torch.float64, [ninf, ninf, ninf, 2.0, 0.0, 3.0], [0, 1, 2]),
+    ]
+    cases = [("softmax", norm, r) for norm in (False, True) for r in rows]
+    for (sf, norm, (dtype, x, idx)), vals in zip(cases, _run(program, cases)):
+        K = len(idx)
+        what = f"{sf} normalize={norm} {dtype} x={x} idx={idx}"
+        out_w = torch.tensor(vals[:K], dtype=torch.float64).to(dtype)
+        out_g = torch.tensor(vals[K:], dtype=torch.float64).to(dtype)
+        r = _reference(sf, norm, dtype, x, idx)
+        torch.testing.assert_close(out_w, r["same"][0].to(dtype), equal_nan=True, msg=what)
+        torch.testing.assert_close(out_g, r["same"][1].to(dtype), equal_nan=True, msg=what)

@@ -621,31 +621,43 @@ def test_out_of_range_without_validation_is_an_empty_slot(device, backend, case)
         check_plan_structure(out, cleaned, E, 4)
 
 
+@pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("dev_backend", backend_params())
-def test_softmax_over_a_selection_of_infinite_logits(dev_backend):
-    """Softmax over the selection (normalize=True) where the max of the valid selected
-    logits is not finite: it is taken as 0, as in the oracle, so a selection of -inf logits
-    gets weights 0 and zero gradients (torch.softmax would give NaN), and a +inf logit gets
-    NaN while the finite ones get 0. Every backend, gate and gate_dense, forward and
-    backward, against the oracle (NaN where it has NaN)."""
+def test_softmax_of_infinite_logits(dev_backend, normalize):
+    """Softmax weights where the max is not finite, every backend against the oracle (NaN
+    where it has NaN), gate and gate_dense, forward and backward.
+
+    Over the selection (normalize=True) the max of the valid selected logits is taken as 0:
+    a selection of -inf logits gets weights 0 and zero gradients (torch.softmax would give
+    NaN), a +inf logit gets NaN and the finite ones 0. Over all E (normalize=False) the
+    weights are torch.softmax's: NaN for a row of -inf logits or with a +inf. A -inf among
+    finite logits gets weight 0 and gradient 0 either way."""
     device, backend = dev_backend
     ninf, inf = float("-inf"), float("inf")
-    logits = torch.tensor([[ninf, ninf, 1.0, 2.0],   # every selected logit -inf
-                           [inf, 0.0, 1.0, 2.0],     # one +inf
-                           [ninf, 0.0, 1.0, 2.0],    # one -inf among finite ones
-                           [ninf, 3.0, ninf, 2.0]],  # -inf and an empty slot
+    logits = torch.tensor([[ninf, ninf, 1.0, 2.0],     # the selection all -inf
+                           [ninf, ninf, ninf, ninf],   # the whole row -inf
+                           [inf, 0.0, 1.0, 2.0],       # one +inf
+                           [100.0, inf, 1.0, 2.0],     # +inf, and exp(100) overflows fp32
+                           [ninf, 0.0, 1.0, 2.0],      # one -inf among finite ones
+                           [ninf, 3.0, ninf, 2.0],     # -inf and an empty slot
+                           [0.5, 3.0, -1.0, 2.0]],     # finite
                           device=device)
-    idx = torch.tensor([[0, 1], [0, 1], [0, 1], [0, -1]], device=device)
-    g = torch.tensor([[0.5, -1.0], [1.0, 2.0], [0.25, 1.5], [1.0, 3.0]], device=device)
+    idx = torch.tensor([[0, 1], [0, 1], [0, 1], [0, 1], [0, 1], [0, -1], [3, 1]], device=device)
+    g = torch.linspace(-1.5, 2.0, idx.numel(), device=device).view(idx.shape)
     x = logits.clone().requires_grad_(True)
-    w = replay_ops.gate(x, idx, validate=False, backend=backend).weights
+    w = replay_ops.gate(x, idx, normalize=normalize, validate=False, backend=backend).weights
     (gx,) = torch.autograd.grad(w, x, g)
-    x64 = logits.double().requires_grad_(True)
-    want = ref.gate(x64, idx, validate=False).weights
-    (gwant,) = torch.autograd.grad(want, x64, g.double())
-    assert want[0].eq(0).all() and gwant[0].eq(0).all()  # the case this test is about
-    torch.testing.assert_close(w.double(), want, equal_nan=True)
-    torch.testing.assert_close(gx.double(), gwant, equal_nan=True)
-    d = replay_ops.gate_dense(logits, idx, validate=False, backend=backend)
-    dwant = ref.gate_dense(logits.double(), idx)
-    torch.testing.assert_close(d.probs.double(), dwant.probs, equal_nan=True)
+    # the oracle in fp32 as well: exp(100) overflows there, not in fp64
+    xr = logits.clone().requires_grad_(True)
+    want = ref.gate(xr, idx, normalize=normalize, validate=False).weights
+    (gwant,) = torch.autograd.grad(want, xr, g)
+    if normalize:  # the case the rule is about
+        assert want[0].eq(0).all() and gwant[0].eq(0).all()
+    else:
+        assert want[1:4].isnan().all() and want[0].eq(0).all()
+    assert want[4, 0] == 0 and gwant[4, 0] == 0
+    torch.testing.assert_close(w, want, equal_nan=True)
+    torch.testing.assert_close(gx, gwant, equal_nan=True)
+    d = replay_ops.gate_dense(logits, idx, normalize=normalize, validate=False, backend=backend)
+    dwant = ref.gate_dense(logits, idx, normalize=normalize)
+    torch.testing.assert_close(d.probs, dwant.probs, equal_nan=True)

@@ -208,7 +208,9 @@ def _score_grad(z, c, SCORE: tl.constexpr):
 @triton.jit
 def _row_softmax_stats(Logits_ptr, rows, rmask, stride_lt, stride_le, E,
                        CDT: tl.constexpr, BLOCK_T: tl.constexpr, E_BLOCK: tl.constexpr):
-    """Online max and sum(exp(x - max)) over all E for a block of rows."""
+    """Online max and sum(exp(x - max)) over all E for a block of rows. A row of -inf logits
+    keeps its max of -inf, so its weights are NaN, as torch.softmax's (the shift of the sum
+    is 0 there, and the sum 0)."""
     m = tl.full([BLOCK_T], float("-inf"), CDT)
     s = tl.zeros([BLOCK_T], CDT)
     for e0 in range(0, E, E_BLOCK):
@@ -222,18 +224,19 @@ def _row_softmax_stats(Logits_ptr, rows, rmask, stride_lt, stride_le, E,
         s = s * precise_exp(m - shift) + row_sum(precise_exp(x - shift[:, None]), BLOCK_T,
                                                  E_BLOCK)
         m = m_new
-    return tl.where(m == float("-inf"), 0.0, m), s
+    return m, s
 
 
 @triton.jit
 def _masked_softmax(x, valid, BLOCK_T: tl.constexpr, K_PAD: tl.constexpr):
-    """Softmax of each row over its valid entries (0 elsewhere; an all-empty row is 0)."""
+    """Softmax of each row over its valid entries (0 elsewhere; an all-empty row is 0). The
+    max is taken as 0 where it is not finite (no valid entry, all -inf, or a +inf)."""
     z = tl.where(valid, x, float("-inf"))
     m = tl.max(z, axis=1)
-    m = tl.where(m == float("-inf"), 0.0, m)
+    m = tl.where((m == float("-inf")) | (m == float("inf")), 0.0, m)
     e = tl.where(valid, precise_exp(z - m[:, None]), 0.0)
     s = row_sum(e, BLOCK_T, K_PAD)
-    return fdiv(e, tl.where(s > 0.0, s, 1.0)[:, None])
+    return fdiv(e, tl.where(s == 0.0, 1.0, s)[:, None])
 
 
 @triton.jit
@@ -457,7 +460,7 @@ def _slot_weights(idx, valid, Logits_ptr, rows, rmask, E, stride_lt, stride_le, 
         else:
             m, s = _row_softmax_stats(Logits_ptr, rows, rmask, stride_lt, stride_le, E,
                                       CDT, BLOCK_T, E_BLOCK)
-            w = fdiv(precise_exp(x - m[:, None]), tl.where(s > 0.0, s, 1.0)[:, None])
+            w = fdiv(precise_exp(x - m[:, None]), tl.where(s == 0.0, 1.0, s)[:, None])
     else:
         c = tl.where(valid, _score(x, SCORE), 0.0)
         if NORMALIZE:
@@ -489,7 +492,7 @@ def _store_logit_grad(g, idx, valid, Logits_ptr, DLogits_ptr, rows, cols, rmask,
     if DENSE:
         m, s = _row_softmax_stats(Logits_ptr, rows, rmask, stride_lt, stride_le, E,
                                   CDT, BLOCK_T, E_BLOCK)
-        s = tl.where(s > 0.0, s, 1.0)
+        s = tl.where(s == 0.0, 1.0, s)
         dz = tl.where(valid, g * fdiv(precise_exp(x - m[:, None]), s[:, None]), 0.0)
         c = row_sum(dz, BLOCK_T, K_PAD)
     else:

@@ -160,7 +160,7 @@ struct GateFwd {
           for (int64_t k = 0; k < K; ++k)
             if (valid[k]) z[k] = rm::ro_exp(z[k] - m);
         }
-        const acc_t sd = s > acc_t(0) ? s : acc_t(1);
+        const acc_t sd = s == acc_t(0) ? acc_t(1) : s;  // a NaN sum stays NaN
         for (int64_t k = 0; k < K; ++k) z[k] = valid[k] ? rm::ro_div(z[k], sd) * scale : acc_t(0);
         break;
       }
@@ -378,7 +378,7 @@ void gate_bwd_impl(GradAt grad_at, const at::Tensor& logits, const at::Tensor& i
         if (sf == rm::kSoftmax) {  // normalize=True: softmax over the selected logits
           acc_t m, s;
           rm::selected_softmax_stats(z.data(), valid.data(), K, m, s);
-          const acc_t sd = s > acc_t(0) ? s : acc_t(1);
+          const acc_t sd = s == acc_t(0) ? acc_t(1) : s;
           acc_t Gs = acc_t(0);
           for (int64_t k = 0; k < K; ++k)
             if (valid[k]) Gs += g[k] * (rm::ro_exp(z[k] - m) / sd);

@@ -513,7 +513,7 @@ __global__ void __launch_bounds__(256) _gate_bwd_kernel(const acc_t<scalar_t>* g
       m = rm::finite_or_zero(mm, nvalid > 0);
       const A ev = v ? rm::ro_exp(z - m) : A(0);
       const A ssum = warp_sum(ev);
-      const A q = rm::ro_div(ev, ssum > A(0) ? ssum : A(1));
+      const A q = rm::ro_div(ev, ssum == A(0) ? A(1) : ssum);
       const A Gs = warp_sum(v ? g * q : A(0));
       dz = v ? rm::softmax_sel_dz(q, g, Gs) : A(0);
     } else {

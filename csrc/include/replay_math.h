@@ -216,7 +216,7 @@ RO_HD inline acc_t gate_weight(int score_func, bool normalize, acc_t z, acc_t st
   acc_t w;
   switch (score_func) {
     case kSoftmax:
-      w = ro_div(ro_exp(z - stat_m), stat_s > acc_t(0) ? stat_s : acc_t(1));
+      w = ro_div(ro_exp(z - stat_m), stat_s == acc_t(0) ? acc_t(1) : stat_s);
       break;
     case kSigmoid:
     case kSqrtsoftplus:

@@ -8,6 +8,7 @@
 //
 // Input, one row per line: dtype(32|64) score_func normalize scale E K  x[E]  idx[K]  g[K]
 // Output, one line per row: the K weights, then the E values of the logits gradient.
+#include <cstdlib>
 #include <cstdio>
 #include <iostream>
 #include <sstream>
@@ -96,21 +97,20 @@ void row(int sf, bool normalize, A scale, const std::vector<A>& x, const std::ve
   std::cout << out.str() << '\n';
 }
 
+// One number, "inf", "-inf" and "nan" included (operator>> does not read them).
+double read_number(std::istringstream& in) {
+  std::string tok;
+  in >> tok;
+  return std::strtod(tok.c_str(), nullptr);
+}
+
 template <typename A>
 void parse_and_run(std::istringstream& in, int sf, bool normalize, double scale, int E, int K) {
   std::vector<A> x(E), g(K);
   std::vector<int> idx(K);
-  for (auto& v : x) {
-    double d;
-    in >> d;
-    v = static_cast<A>(d);
-  }
+  for (auto& v : x) v = static_cast<A>(read_number(in));
   for (auto& v : idx) in >> v;
-  for (auto& v : g) {
-    double d;
-    in >> d;
-    v = static_cast<A>(d);
-  }
+  for (auto& v : g) v = static_cast<A>(read_number(in));
   row<A>(sf, normalize, static_cast<A>(scale), x, idx, g);
 }
 

@@ -48,7 +48,7 @@ def _selected_softmax(z, valid) -> torch.Tensor:
     # torch.softmax where the max is finite: the bits of Megatron's own softmax
     e = torch.exp(torch.where(finite, float("-inf"), zs))  # the max taken as 0 elsewhere
     s = e.sum(dim=1, keepdim=True)
-    return torch.where(finite, torch.softmax(zs, dim=1), e / torch.where(s > 0, s, 1.0))
+    return torch.where(finite, torch.softmax(zs, dim=1), e / torch.where(s == 0, 1.0, s))
 
 
 def _weights(x, idx, sf, normalize: bool) -> torch.Tensor:
