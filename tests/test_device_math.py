@@ -90,16 +90,22 @@ def _reference(sf, norm, dtype, x, idx):
     return out
 
 
-def test_device_arithmetic_on_extreme_logits(program):
-    cases = _cases()
+def _results(program, cases):
+    """Per case: (the case, its description, the device weights [K] and logits gradient [E]
+    in the case's dtype, the references of `_reference`)."""
     results = _run(program, cases)
     assert len(results) == len(cases)
-    for (sf, norm, (dtype, x, idx)), vals in zip(cases, results):
+    for case, vals in zip(cases, results):
+        sf, norm, (dtype, x, idx) = case
         K = len(idx)
-        what = f"{sf} normalize={norm} {dtype} x={x} idx={idx}"
         out_w = torch.tensor(vals[:K], dtype=torch.float64).to(dtype)
         out_g = torch.tensor(vals[K:], dtype=torch.float64).to(dtype)
-        r = _reference(sf, norm, dtype, x, idx)
+        yield (case, f"{sf} normalize={norm} {dtype} x={x} idx={idx}", out_w, out_g,
+               _reference(sf, norm, dtype, x, idx))
+
+
+def test_device_arithmetic_on_extreme_logits(program):
+    for (sf, norm, (dtype, x, idx)), what, out_w, out_g, r in _results(program, _cases()):
         for name, out, same, r64 in (("weights", out_w, r["same"][0], r["ref64"][0]),
                                      ("grad", out_g, r["same"][1], r["ref64"][1])):
             finite = torch.isfinite(r64)
@@ -140,12 +146,7 @@ def test_sqrtsoftplus_of_a_subnormal_softplus(program):
         (torch.float64, [-710.0, -720.0, -740.0, -700.0, 0.0, 1.0], [0, 1, 2]),
     ]
     cases = [("sqrtsoftplus", norm, r) for norm in (False, True) for r in rows]
-    for (sf, norm, (dtype, x, idx)), vals in zip(cases, _run(program, cases)):
-        K = len(idx)
-        what = f"{sf} normalize={norm} {dtype} x={x} idx={idx}"
-        out_w = torch.tensor(vals[:K], dtype=torch.float64).to(dtype)
-        out_g = torch.tensor(vals[K:], dtype=torch.float64).to(dtype)
-        r = _reference(sf, norm, dtype, x, idx)
+    for (sf, norm, (dtype, x, idx)), what, out_w, out_g, r in _results(program, cases):
         valid = torch.tensor(idx) >= 0
         # z < -103.3 (fp32): softplus itself underflows to 0, in the reference too
         live = valid & (r["same"][0].to(dtype) != 0)
@@ -173,11 +174,6 @@ def test_softmax_of_infinite_logits(program):
         (torch.float64, [ninf, ninf, ninf, 2.0, 0.0, 3.0], [0, 1, 2]),
     ]
     cases = [("softmax", norm, r) for norm in (False, True) for r in rows]
-    for (sf, norm, (dtype, x, idx)), vals in zip(cases, _run(program, cases)):
-        K = len(idx)
-        what = f"{sf} normalize={norm} {dtype} x={x} idx={idx}"
-        out_w = torch.tensor(vals[:K], dtype=torch.float64).to(dtype)
-        out_g = torch.tensor(vals[K:], dtype=torch.float64).to(dtype)
-        r = _reference(sf, norm, dtype, x, idx)
+    for (sf, norm, (dtype, x, idx)), what, out_w, out_g, r in _results(program, cases):
         torch.testing.assert_close(out_w, r["same"][0].to(dtype), equal_nan=True, msg=what)
         torch.testing.assert_close(out_g, r["same"][1].to(dtype), equal_nan=True, msg=what)
