@@ -600,6 +600,14 @@ cudaError_t launch_gate_fwd(const GateFwdArgs& a, void* workspace, cudaStream_t 
   int32_t* hist = static_cast<int32_t*>(workspace);
   if (hist == nullptr) return cudaErrorInvalidValue;
   const size_t plan_smem = static_cast<size_t>((kWarps + 1) * a.E + 1) * sizeof(int32_t);
+  if (path == GatePath::kAuto) {
+    // Under stream capture a failed cooperative launch invalidates the whole capture, so the
+    // fallback below could not recover: `auto` takes the three launches there (same bits).
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    cudaError_t err = cudaStreamIsCapturing(stream, &capture);
+    if (err != cudaSuccess) return err;
+    if (capture != cudaStreamCaptureStatusNone) path = GatePath::kThreeLaunches;
+  }
   if (path == GatePath::kAuto || path == GatePath::kCooperative) {
     auto kernel = _gate_plan_coop_kernel<scalar_t, index_t>;
     int64_t ctas = 0;
