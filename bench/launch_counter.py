@@ -31,8 +31,9 @@ What counts (a model of a GPU run, not a measurement of one):
   destination once each. At 3 TB/s and 4 us per launch, `model_us` turns the counts into
   an H100-like time.
 
-Backward ops are counted as long as autograd runs them on the calling thread (CPU tensors;
-on a GPU autograd uses its own device threads, so count on the CPU).
+Backward ops are counted on the CPU and on a GPU: on a GPU autograd runs the backward on its
+own device thread, and PyTorch carries the dispatch-mode stack there (bench_megatron.py
+refuses a count whose backward added no launch, in case a version does not).
 """
 from __future__ import annotations
 

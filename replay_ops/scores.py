@@ -18,7 +18,7 @@ Math, in the compute dtype (fp32, or fp64 for fp64 logits):
     sigmoid       forward: 1 / (1 + exp(-x))                    f'(x) = f (1 - f)
     sqrtsoftplus  forward: sqrt(softplus(x)), softplus linear   f'(x) = sigmoid(x) / (2 f),
                   above 20 as in torch.nn.functional.softplus;  1 / (2 f) above 20,
-                  0 where softplus underflows                   e^(x/2) / 2 below -20,
+                  0 where softplus underflows                   e^(x/2) / 2 below -40,
                                                                 and 0 where f = 0
 """
 from __future__ import annotations
@@ -31,6 +31,8 @@ import torch.nn.functional as F
 
 # Threshold above which softplus(x) is x (torch.nn.functional.softplus's default).
 SOFTPLUS_THRESHOLD = 20.0
+# Below this, the sqrt-softplus gradient is e^(x/2) / 2 (the Triton kernels' _SQRTSP_LOW).
+SQRTSP_LOW = -40.0
 # Added to the sum of the element-wise scores before normalising (Megatron-Core's 1e-20).
 NORM_EPS = 1e-20
 
@@ -66,12 +68,12 @@ def _sqrt_softplus(x):
 
 
 def _sqrt_softplus_vjp(x, y, g):
-    # sigmoid(x) / (2 y). Below -SOFTPLUS_THRESHOLD, softplus(x) = e^x and sigmoid(x) = e^x
-    # to within e^x (< 2e-9, under fp32's epsilon), so the slope is e^(x/2) / 2: computed so,
-    # because torch.sigmoid flushes its subnormal results to 0 (from x below about -87.3 in
-    # fp32), which made the gradient 0 where the true one is still ~1e-20.
+    # sigmoid(x) / (2 y). Below SQRTSP_LOW, softplus(x) = e^x and sigmoid(x) = e^x to within
+    # a relative e^x (< 4.3e-18, under fp64's epsilon), so the slope is e^(x/2) / 2: computed
+    # so, because torch.sigmoid flushes its subnormal results to 0 (from x below about -87.3
+    # in fp32), which made the gradient 0 where the true one is still ~1e-20.
     slope = torch.where(x > SOFTPLUS_THRESHOLD, 1.0, torch.sigmoid(x))
-    d = torch.where(x < -SOFTPLUS_THRESHOLD, 0.5 * torch.exp(0.5 * x),
+    d = torch.where(x < SQRTSP_LOW, 0.5 * torch.exp(0.5 * x),
                     slope / (2 * torch.where(y > 0, y, 1.0)))
     return torch.where(y > 0, g * d, 0.0)
 

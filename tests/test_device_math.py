@@ -172,6 +172,7 @@ def test_softmax_of_infinite_logits(program):
         (torch.float32, [inf, 0.0, 1.0, 2.0, 0.0, 3.0], [0, 1, 2]),
         (torch.float32, [ninf, 0.0, 1.0, 2.0, 0.0, 3.0], [0, 1, -1]),
         (torch.float64, [ninf, ninf, ninf, 2.0, 0.0, 3.0], [0, 1, 2]),
+        (torch.float32, [float("nan"), 0.0, 1.0, 2.0, 0.0, 3.0], [0, 1, 2]),  # a NaN sum
     ]
     cases = [("softmax", norm, r) for norm in (False, True) for r in rows]
     for (sf, norm, (dtype, x, idx)), what, out_w, out_g, r in _results(program, cases):

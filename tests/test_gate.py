@@ -633,16 +633,18 @@ def test_softmax_of_infinite_logits(dev_backend, normalize):
     weights are torch.softmax's: NaN for a row of -inf logits or with a +inf. A -inf among
     finite logits gets weight 0 and gradient 0 either way."""
     device, backend = dev_backend
-    ninf, inf = float("-inf"), float("inf")
+    ninf, inf, nan = float("-inf"), float("inf"), float("nan")
     logits = torch.tensor([[ninf, ninf, 1.0, 2.0],     # the selection all -inf
                            [ninf, ninf, ninf, ninf],   # the whole row -inf
                            [inf, 0.0, 1.0, 2.0],       # one +inf
                            [100.0, inf, 1.0, 2.0],     # +inf, and exp(100) overflows fp32
                            [ninf, 0.0, 1.0, 2.0],      # one -inf among finite ones
                            [ninf, 3.0, ninf, 2.0],     # -inf and an empty slot
-                           [0.5, 3.0, -1.0, 2.0]],     # finite
+                           [0.5, 3.0, -1.0, 2.0],      # finite
+                           [nan, 0.0, 1.0, 2.0]],      # a NaN: its row is NaN, not renormalised
                           device=device)
-    idx = torch.tensor([[0, 1], [0, 1], [0, 1], [0, 1], [0, 1], [0, -1], [3, 1]], device=device)
+    idx = torch.tensor([[0, 1], [0, 1], [0, 1], [0, 1], [0, 1], [0, -1], [3, 1], [0, 1]],
+                       device=device)
     g = torch.linspace(-1.5, 2.0, idx.numel(), device=device).view(idx.shape)
     x = logits.clone().requires_grad_(True)
     w = replay_ops.gate(x, idx, normalize=normalize, validate=False, backend=backend).weights
@@ -656,8 +658,15 @@ def test_softmax_of_infinite_logits(dev_backend, normalize):
     else:
         assert want[1:4].isnan().all() and want[0].eq(0).all()
     assert want[4, 0] == 0 and gwant[4, 0] == 0
+    assert want[7].isnan().all()  # a sum that is NaN stays NaN (not replaced by 1)
     torch.testing.assert_close(w, want, equal_nan=True)
     torch.testing.assert_close(gx, gwant, equal_nan=True)
-    d = replay_ops.gate_dense(logits, idx, normalize=normalize, validate=False, backend=backend)
-    dwant = ref.gate_dense(logits, idx, normalize=normalize)
+    xd = logits.clone().requires_grad_(True)
+    d = replay_ops.gate_dense(xd, idx, normalize=normalize, validate=False, backend=backend)
+    gd = torch.linspace(-1.0, 1.0, d.probs.numel(), device=device).view(d.probs.shape)
+    (gxd,) = torch.autograd.grad(d.probs, xd, gd)
+    xr = logits.clone().requires_grad_(True)
+    dwant = ref.gate_dense(xr, idx, normalize=normalize)
+    (gdwant,) = torch.autograd.grad(dwant.probs, xr, gd)
     torch.testing.assert_close(d.probs, dwant.probs, equal_nan=True)
+    torch.testing.assert_close(gxd, gdwant, equal_nan=True)

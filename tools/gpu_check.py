@@ -41,7 +41,7 @@ What the GPU machine needs: a CUDA build of torch (2.6 or newer) and the CUDA to
 matches it (nvcc, compute-sanitizer), make, a C++ compiler, Python packages setuptools, pip,
 pytest, numpy, triton and safetensors (the test modules import it); transformers is optional
 (the Hugging Face tests skip without it), ninja makes the build parallel. megatron-core
-(`pip install --no-deps`; the version in the Makefile's MCORE_VERSION) is needed by the
+(`pip install --no-deps`; the version in the Makefile's MCORE_PIN) is needed by the
 megatron step. omegaconf and pyyaml are used only by CPU tests. The check lists what is
 missing; `make gpu-wheels` downloads the wheels a GPU machine without network lacks.
 
@@ -109,7 +109,7 @@ REQUIRED = {
     "test": ("pytest", "numpy"),
     "sanitizer": ("pytest", "numpy"),
     "bench": ("numpy",),
-    "megatron": ("numpy", "megatron-core"),
+    "megatron": ("numpy", "pytest", "megatron-core"),  # its Megatron setup imports pytest
 }
 
 FACTS_PROBE = r"""

@@ -605,7 +605,10 @@ cudaError_t launch_gate_fwd(const GateFwdArgs& a, void* workspace, cudaStream_t 
     // fallback below could not recover: `auto` takes the three launches there (same bits).
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     cudaError_t err = cudaStreamIsCapturing(stream, &capture);
-    if (err != cudaSuccess) return err;
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();  // returned here, not left for the next launch check
+      return err;
+    }
     if (capture != cudaStreamCaptureStatusNone) path = GatePath::kThreeLaunches;
   }
   if (path == GatePath::kAuto || path == GatePath::kCooperative) {

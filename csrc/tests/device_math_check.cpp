@@ -79,7 +79,7 @@ void row(int sf, bool normalize, A scale, const std::vector<A>& x, const std::ve
     for (int k = 0; k < K; ++k)
       if (valid(k)) ssum += rm::ro_exp(z[k] - m);
     for (int k = 0; k < K; ++k)
-      if (valid(k)) q[k] = rm::ro_div(rm::ro_exp(z[k] - m), ssum > A(0) ? ssum : A(1));
+      if (valid(k)) q[k] = rm::ro_div(rm::ro_exp(z[k] - m), ssum == A(0) ? A(1) : ssum);
     for (int k = 0; k < K; ++k) Gs += valid(k) ? g[k] * q[k] : A(0);
     for (int k = 0; k < K; ++k)
       if (valid(k)) dz[k] = rm::softmax_sel_dz(q[k], g[k], Gs);
