@@ -95,7 +95,7 @@ def gate_weights(
         # softmax over the selected valid logits only
         z = torch.where(valid, x.gather(1, safe), float("-inf"))
         m = z.amax(dim=-1, keepdim=True)
-        m = torch.where(torch.isfinite(m), m, 0.0)
+        m = torch.where(m == float("-inf"), 0.0, m)  # no valid slot, or all -inf
         e = torch.exp(z - m)
         s = e.sum(dim=-1, keepdim=True)
         w = e / torch.where(s == 0, 1.0, s)

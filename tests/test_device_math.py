@@ -161,10 +161,10 @@ def test_sqrtsoftplus_of_a_subnormal_softplus(program):
 
 def test_softmax_of_infinite_logits(program):
     """The device sequences on non-finite logits give the oracle's values (NaN where it has
-    NaN): over the selection the max is taken as 0 where it is not finite (an all -inf
-    selection gets weights 0 and zero gradients, a +inf gives NaN at its slot and 0 at the
-    finite ones); over all E the result is torch.softmax's (NaN for a row of -inf or with a
-    +inf); a -inf among finite logits gets weight 0 and gradient 0."""
+    NaN): over the selection a max of -inf is taken as 0 (an all -inf selection gets
+    weights 0 and zero gradients), and a +inf or NaN makes the row NaN; over all E the
+    result is torch.softmax's (NaN for a row of -inf or with a +inf); a -inf among finite
+    logits gets weight 0 and gradient 0."""
     ninf, inf = float("-inf"), float("inf")
     rows = [
         (torch.float32, [ninf, ninf, 1.0, 2.0, 0.0, 3.0], [0, 1, 2]),

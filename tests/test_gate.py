@@ -627,11 +627,11 @@ def test_softmax_of_infinite_logits(dev_backend, normalize):
     """Softmax weights where the max is not finite, every backend against the oracle (NaN
     where it has NaN), gate and gate_dense, forward and backward.
 
-    Over the selection (normalize=True) the max of the valid selected logits is taken as 0:
-    a selection of -inf logits gets weights 0 and zero gradients (torch.softmax would give
-    NaN), a +inf logit gets NaN and the finite ones 0. Over all E (normalize=False) the
-    weights are torch.softmax's: NaN for a row of -inf logits or with a +inf. A -inf among
-    finite logits gets weight 0 and gradient 0 either way."""
+    Over the selection (normalize=True) the weights are torch.softmax's except that a
+    selection of -inf logits gets weights 0 and zero gradients (torch.softmax gives NaN); a
+    +inf or a NaN makes the row NaN. Over all E (normalize=False) they are torch.softmax's:
+    NaN for a row of -inf logits or with a +inf. A -inf among finite logits gets weight 0
+    and gradient 0 either way."""
     device, backend = dev_backend
     ninf, inf, nan = float("-inf"), float("inf"), float("nan")
     logits = torch.tensor([[ninf, ninf, 1.0, 2.0],     # the selection all -inf
@@ -654,7 +654,7 @@ def test_softmax_of_infinite_logits(dev_backend, normalize):
     want = ref.gate(xr, idx, normalize=normalize, validate=False).weights
     (gwant,) = torch.autograd.grad(want, xr, g)
     if normalize:  # the case the rule is about
-        assert want[0].eq(0).all() and gwant[0].eq(0).all()
+        assert want[0].eq(0).all() and gwant[0].eq(0).all() and want[2:4].isnan().all()
     else:
         assert want[1:4].isnan().all() and want[0].eq(0).all()
     assert want[4, 0] == 0 and gwant[4, 0] == 0

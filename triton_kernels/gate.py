@@ -229,11 +229,11 @@ def _row_softmax_stats(Logits_ptr, rows, rmask, stride_lt, stride_le, E,
 
 @triton.jit
 def _masked_softmax(x, valid, BLOCK_T: tl.constexpr, K_PAD: tl.constexpr):
-    """Softmax of each row over its valid entries (0 elsewhere; an all-empty row is 0). The
-    max is taken as 0 where it is not finite (no valid entry, all -inf, or a +inf)."""
+    """Softmax of each row over its valid entries (0 elsewhere; an all-empty row is 0). A
+    max of -inf (no valid entry, or all -inf) is taken as 0, so such a row is 0."""
     z = tl.where(valid, x, float("-inf"))
     m = tl.max(z, axis=1)
-    m = tl.where((m == float("-inf")) | (m == float("inf")), 0.0, m)
+    m = tl.where(m == float("-inf"), 0.0, m)
     e = tl.where(valid, precise_exp(z - m[:, None]), 0.0)
     s = row_sum(e, BLOCK_T, K_PAD)
     return fdiv(e, tl.where(s == 0.0, 1.0, s)[:, None])

@@ -149,7 +149,7 @@ struct GateFwd {
             m = any ? rm::ro_max(m, z[k]) : z[k];
             any = true;
           }
-          m = rm::finite_or_zero(m, any);
+          m = rm::max_or_zero(m, any);
           for (int64_t k = 0; k < K; ++k)
             if (valid[k]) {
               z[k] = rm::ro_exp(z[k] - m);

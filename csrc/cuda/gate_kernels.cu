@@ -93,7 +93,7 @@ __device__ __forceinline__ void gate_row(const GateFwdArgs& a, int64_t t) {
     for (int64_t j = 1; j < E; ++j) m = rm::ro_max(m, to_acc(x[j]));
     for (int64_t j = 0; j < E; ++j) s += rm::ro_exp(to_acc(x[j]) - m);
   } else if (sf == rm::kSoftmax) {
-    m = rm::finite_or_zero(m, any);
+    m = rm::max_or_zero(m, any);
     for (int64_t k = 0; k < K; ++k) {
       const int32_t e = i32[k];
       if (e >= 0) s += rm::ro_exp(to_acc(x[e]) - m);
@@ -510,7 +510,7 @@ __global__ void __launch_bounds__(256) _gate_bwd_kernel(const acc_t<scalar_t>* g
       Asum = warp_sum(dz);
     } else if (sf == rm::kSoftmax) {
       const A mm = warp_max(v ? z : neg_inf);
-      m = rm::finite_or_zero(mm, nvalid > 0);
+      m = rm::max_or_zero(mm, nvalid > 0);
       const A ev = v ? rm::ro_exp(z - m) : A(0);
       const A ssum = warp_sum(ev);
       const A q = rm::ro_div(ev, ssum == A(0) ? A(1) : ssum);

@@ -233,10 +233,11 @@ RO_HD inline acc_t gate_weight(int score_func, bool normalize, acc_t z, acc_t st
 //            s = sum exp(x - m)
 //   element-wise: s = sum score(z) over valid slots
 template <typename acc_t>
-RO_HD inline acc_t finite_or_zero(acc_t m, bool any) {
-  // 0 also for an infinite max (every valid selected logit -inf, or one +inf), as the
-  // oracle's where(isfinite(m), m, 0): -inf - -inf would make the row NaN
-  return any && m > acc_t(-INFINITY) && m < acc_t(INFINITY) ? m : acc_t(0);
+RO_HD inline acc_t max_or_zero(acc_t m, bool any) {
+  // 0 also for a max of -inf (every valid selected logit -inf), as the oracle's
+  // where(m == -inf, 0, m): -inf - -inf would make the row NaN. A +inf or NaN max stays,
+  // and makes the row NaN, as torch.softmax does.
+  return any && m != acc_t(-INFINITY) ? m : acc_t(0);
 }
 
 // Softmax statistics over the valid selected logits of one row: m = max over valid z[k]
@@ -251,7 +252,7 @@ RO_HD inline void selected_softmax_stats(const acc_t* z, const flag_t* valid, in
     m = any ? ro_max(m, z[k]) : z[k];
     any = true;
   }
-  m = finite_or_zero(m, any);
+  m = max_or_zero(m, any);
   s = acc_t(0);
   for (int64_t k = 0; k < K; ++k)
     if (valid[k]) s += ro_exp(z[k] - m);

@@ -47,7 +47,7 @@ void row(int sf, bool normalize, A scale, const std::vector<A>& x, const std::ve
     for (int j = 1; j < E; ++j) m = rm::ro_max(m, x[j]);
     for (int j = 0; j < E; ++j) s += rm::ro_exp(x[j] - m);
   } else if (sf == rm::kSoftmax) {
-    m = rm::finite_or_zero(m, any);
+    m = rm::max_or_zero(m, any);
     for (int k = 0; k < K; ++k)
       if (valid(k)) s += rm::ro_exp(x[idx[k]] - m);
   }
@@ -73,7 +73,7 @@ void row(int sf, bool normalize, A scale, const std::vector<A>& x, const std::ve
     A mm = -A(INFINITY);
     for (int k = 0; k < K; ++k)
       if (valid(k)) mm = rm::ro_max(mm, z[k]);
-    m = rm::finite_or_zero(mm, nvalid > 0);
+    m = rm::max_or_zero(mm, nvalid > 0);
     A ssum = A(0), Gs = A(0);
     std::vector<A> q(K, A(0));
     for (int k = 0; k < K; ++k)

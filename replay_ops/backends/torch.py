@@ -40,15 +40,12 @@ def _slot_logits(x: torch.Tensor, idx: torch.Tensor):
 
 
 def _selected_softmax(z, valid) -> torch.Tensor:
-    """Softmax over the valid selected logits of each row. Its max is taken as 0 where it
-    is not finite (no valid slot, every valid logit -inf, or a +inf), as in the kernels and
-    the oracle: a selection of -inf logits gets weights 0, not torch.softmax's NaN."""
+    """Softmax over the valid selected logits of each row: torch.softmax (the bits of
+    Megatron's own), except that a row whose max is -inf (no valid slot, or every valid
+    logit -inf) gets weights 0, as in the kernels and the oracle, not torch.softmax's NaN."""
     zs = torch.where(valid, z, float("-inf"))
-    finite = torch.isfinite(zs.amax(dim=1, keepdim=True))
-    # torch.softmax where the max is finite: the bits of Megatron's own softmax
-    e = torch.exp(torch.where(finite, float("-inf"), zs))  # the max taken as 0 elsewhere
-    s = e.sum(dim=1, keepdim=True)
-    return torch.where(finite, torch.softmax(zs, dim=1), e / torch.where(s == 0, 1.0, s))
+    none = zs.amax(dim=1, keepdim=True) == float("-inf")
+    return torch.where(none, 0.0, torch.softmax(zs, dim=1))
 
 
 def _weights(x, idx, sf, normalize: bool) -> torch.Tensor:
