@@ -3,12 +3,16 @@
 #   make demo   installs what the demo needs and runs it on CPU
 PY ?= python3
 # A CPU build of torch is pinned for machines that have no torch yet. A torch that is
-# already installed (for example a CUDA build) is kept as long as it is new enough.
+# already installed (for example a CUDA build) is kept as long as it is supported (2.13 or
+# newer; `make test` builds and tests against both 2.13.0 and 2.14.1).
 TORCH_SPEC ?= torch==2.13.0
-TORCH_MIN ?= 2.6
+TORCH_MIN ?= 2.13
+# The other end of the supported range, a CUDA 13 build, for the CUDA build job of `make
+# test` (.ci/cuda_build_job.sh), in its own venv under build/cuda-job/.
+CUDA_TORCH ?= torch==2.14.1
 PIP = $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install-torch install install-test test test-gpu gpu-check demo bench clean check-cuda score-header mutate
+.PHONY: install-torch install install-test test test-gpu gpu-check demo bench clean check-cuda score-header mutate test-cuda-build
 
 install-torch:
 	@$(PY) -c "import sys, torch; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(0 if v >= tuple(int(x) for x in '$(TORCH_MIN)'.split('.')) else 1)" 2>/dev/null \
@@ -66,6 +70,16 @@ test: install-test check-cuda check-triton
 	REPLAY_OPS_REQUIRE_CLIENTS=1 REPLAY_OPS_EXPECT_MCORE=$(MCORE_NEW) \
 		PYTHONPATH=$(CURDIR)/$(MCORE_NEW_DIR)$${PYTHONPATH:+:$$PYTHONPATH} \
 		$(PY) -m pytest -q $(CLIENT_TESTS)
+	$(MAKE) --no-print-directory test-cuda-build
+
+# The CUDA build job (no GPU needed): under $(CUDA_TORCH), a CUDA build of torch in
+# build/cuda-job/venv, a wheel with the CUDA kernels for sm_80 and sm_90 is built, installed
+# and checked (a CUDA kernel for every native op, every symbol bound at load, no debug
+# info, the torch pin), the CPU suite runs on it, and libraries built for the other torch
+# are refused with both versions named. Needs `make install` first (the project's own build
+# is the foreign library on the other side).
+test-cuda-build:
+	PY=$(PY) CUDA_TORCH="$(CUDA_TORCH)" .ci/cuda_build_job.sh
 
 # On a GPU machine: the CUDA-only tests, and the rest of the suite on CUDA tensors. Nothing
 # is installed or downloaded (GPU machines may have no network): build the extension first

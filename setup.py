@@ -13,9 +13,23 @@ Native extension `replay_ops._C` (sources in `csrc/`, see docs/native.md):
   build CUDA wheels. REPLAY_OPS_CUDA=0 skips CUDA, REPLAY_OPS_CUDA=1 requires it (the build
   fails with the reason when it cannot be done). TORCH_CUDA_ARCH_LIST is respected; when it
   is unset, "8.0;9.0+PTX" is used.
+* The C++ standard is the one the installed torch's headers require (C++17 up to torch 2.13,
+  C++20 from 2.14), read from `ATen/ATen.h`, for g++ and nvcc alike.
+* The CUDA toolkit is found where `bin/nvcc` and `include/cuda_runtime.h` sit together:
+  $CUDA_HOME, $CUDA_PATH, the toolkit the `nvcc` on PATH runs (also when that `nvcc` is a
+  wrapper script outside the toolkit), then /usr/local/cuda.
+* Release builds carry no debug info (REPLAY_OPS_DEBUG=1 keeps `-g`).
+* The build records the torch it was built against (replay_ops/_build_info.py, and a string
+  inside the library), so that a library loaded under another torch is refused with both
+  versions named (replay_ops/_extension.py). Every build that compiles the library (a
+  wheel, an editable or a plain install) pins that torch release in its metadata and
+  carries it in its version's local label, e.g. 0.1.0+pt2.14.1cu130; without the library
+  (REPLAY_OPS_NATIVE=0) the package asks for torch>=2.13.
 """
 import os
+import re
 import shutil
+import subprocess
 import sys
 
 from setuptools import setup
@@ -38,6 +52,39 @@ CUDA_SOURCES = [
     "csrc/cuda/permute_kernels.cu",
 ]
 DEFAULT_CUDA_ARCH_LIST = "8.0;9.0+PTX"
+VERSION = "0.1.0"
+
+
+def _supported_torch():
+    """The supported torch range, from pyproject.toml's [tool.replay_ops] torch = "..."."""
+    text = open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8").read()
+    m = re.search(r'^\[tool\.replay_ops\][^\[]*?^torch\s*=\s*"([^"]+)"', text, re.M | re.S)
+    if not m:
+        raise SystemExit("setup.py: pyproject.toml has no [tool.replay_ops] torch = \"...\"")
+    return m.group(1)
+
+
+def _in_range(version, spec):
+    """Whether a torch version (its public part, to the minor release) meets a specifier of
+    >=, >, <, <= and == clauses."""
+    def key(v):
+        return tuple(int(x) for x in re.findall(r"\d+", v.split("+")[0])[:3])
+    v = key(version)
+    for clause in spec.split(","):
+        m = re.fullmatch(r"\s*(>=|<=|==|>|<)\s*([\d.]+)\s*", clause)
+        if not m:
+            raise SystemExit(f"setup.py: cannot read the torch range clause {clause!r}")
+        op, bound = m.group(1), key(m.group(2))
+        vv = v[:len(bound)]
+        ok = {">=": vv >= bound, "<=": vv <= bound, "==": vv == bound, ">": vv > bound,
+              "<": vv < bound}[op]
+        if not ok:
+            return False
+    return True
+
+
+TORCH_RANGE = _supported_torch()
+GENERATED = os.path.join(ROOT, "build", "generated")
 
 
 def find_subpackages():
@@ -62,15 +109,58 @@ def _env_flag(name):
     raise SystemExit(f"setup.py: {name}={os.environ[name]!r}: expected 0, 1 or auto")
 
 
-def _find_nvcc():
-    from torch.utils.cpp_extension import CUDA_HOME
+def _toolkit_ok(root):
+    return bool(root) and os.path.isfile(os.path.join(root, "bin", "nvcc")) and \
+        os.path.isfile(os.path.join(root, "include", "cuda_runtime.h"))
 
-    home = CUDA_HOME or os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    cands = [os.path.join(home, "bin", "nvcc")] if home else []
+
+def _nvcc_reported_root(nvcc):
+    """The toolkit an `nvcc` command runs: `nvcc --dryrun` prints `_HERE_=<toolkit>/bin`,
+    also when the command is a wrapper script outside the toolkit."""
+    try:
+        out = subprocess.run([nvcc, "--dryrun", "-E", "-x", "cu", os.devnull],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"^#\$ _HERE_=(.+)$", out.stdout + out.stderr, re.M)
+    return os.path.dirname(m.group(1).strip()) if m else None
+
+
+def find_cuda_home():
+    """(toolkit root or None, what was tried). Sets nothing."""
+    tried = []
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        root = os.environ.get(var)
+        if root:
+            if _toolkit_ok(root):
+                return root, tried
+            tried.append(f"${var}={root} has no bin/nvcc with include/cuda_runtime.h")
     which = shutil.which("nvcc")
     if which:
-        cands.append(which)
-    return next((c for c in cands if os.path.exists(c)), None)
+        for root in (_nvcc_reported_root(which),
+                     os.path.dirname(os.path.dirname(os.path.realpath(which)))):
+            if _toolkit_ok(root):
+                return root, tried
+        tried.append(f"the nvcc on PATH ({which}) is not inside a toolkit and did not report one")
+    if _toolkit_ok("/usr/local/cuda"):
+        return "/usr/local/cuda", tried
+    tried.append("no /usr/local/cuda")
+    return None, tried
+
+
+def cxx_standard(torch_include):
+    """The C++ standard (17, 20, ...) the torch headers require: ATen/ATen.h refuses older
+    compilers with `#if ... __cplusplus < 2020xxL` / `#error C++NN or later ...`."""
+    path = os.path.join(torch_include, "ATen", "ATen.h")
+    try:
+        text = open(path, encoding="utf-8", errors="replace").read()
+    except OSError:
+        raise SystemExit(f"setup.py: cannot read {path}: is torch installed with its headers?")
+    m = re.search(r"__cplusplus\s*<\s*(\d{4})(\d{2})L", text)
+    if not m:
+        raise SystemExit(f"setup.py: {path} states no minimum C++ standard (__cplusplus < ...)")
+    year = int(m.group(1))
+    return {2011: 11, 2014: 14, 2017: 17, 2020: 20, 2023: 23}.get(year, 17 if year < 2020 else 20)
 
 
 def want_cuda():
@@ -82,32 +172,95 @@ def want_cuda():
     reasons = []
     if torch.version.cuda is None:
         reasons.append(f"the installed torch {torch.__version__} is not a CUDA build")
-    if _find_nvcc() is None:
-        reasons.append("nvcc was not found (set CUDA_HOME)")
+    home, tried = find_cuda_home()
+    if home is None:
+        reasons.append("no CUDA toolkit was found (" + "; ".join(tried) + "): set CUDA_HOME "
+                       "to the toolkit root, the folder with bin/nvcc and include/cuda_runtime.h")
     if reasons:
         if flag:
             raise SystemExit("setup.py: REPLAY_OPS_CUDA=1 but " + "; ".join(reasons))
         return False, "; ".join(reasons)
-    return True, "torch has CUDA and nvcc is present"
+    # torch.utils.cpp_extension reads CUDA_HOME when it is imported (it would otherwise take
+    # the parent of the nvcc on PATH, wrong for a wrapper script).
+    os.environ["CUDA_HOME"] = home
+    return True, f"torch {torch.__version__} has CUDA {torch.version.cuda}; toolkit {home}"
+
+
+def build_info(torch, cuda, std):
+    return {"torch": torch.__version__, "torch_cuda": torch.version.cuda if cuda else None,
+            "with_cuda": bool(cuda), "cxx_standard": std,
+            "cuda_arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST") if cuda else None}
+
+
+def write_build_info(info):
+    """replay_ops/_build_info.py (read before the library is loaded) and the header that
+    puts the same facts inside the library (read when a load fails)."""
+    with open(os.path.join(ROOT, "replay_ops", "_build_info.py"), "w") as f:
+        f.write('"""Written by setup.py: the torch this copy\'s replay_ops._C was built '
+                'against."""\n')
+        f.write(f"BUILD = {info!r}\n")
+    os.makedirs(GENERATED, exist_ok=True)
+    marker = (f"replay_ops build: torch={info['torch']};cuda={info['torch_cuda'] or 'none'};"
+              f"cxx={info['cxx_standard']};")
+    text = ("// Written by setup.py (CMake writes its own): the torch this library is built for.\n"
+            "#pragma once\n"
+            f'#define REPLAY_OPS_BUILD_INFO "{marker}"\n')
+    path = os.path.join(GENERATED, "replay_build_info.h")
+    if not os.path.exists(path) or open(path).read() != text:
+        with open(path, "w") as f:
+            f.write(text)
+
+
+def wheel_pins(info):
+    """A wheel's torch requirement and version label: the library loads only with the torch
+    release it was built against, so pip must never pair the wheel with another."""
+    public = info["torch"].split("+")[0]
+    label = "pt" + public + ("cu" + info["torch_cuda"].replace(".", "") if info["torch_cuda"]
+                             else "cpu")
+    return f"torch=={public}", f"{VERSION}+{label}"
 
 
 def native_extensions():
     if _env_flag("REPLAY_OPS_NATIVE") is False:
         print("replay_ops: REPLAY_OPS_NATIVE=0, not building the native extension")
-        return [], {}
-    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+        stale = os.path.join(ROOT, "replay_ops", "_build_info.py")
+        if os.path.exists(stale):
+            os.remove(stale)
+        return [], {}, None
+    try:
+        import torch
+    except ImportError as e:
+        raise SystemExit(
+            f"setup.py: torch cannot be imported ({e}). The native extension is compiled "
+            "against the torch you have: install torch first, then this package with "
+            "`pip install --no-build-isolation .` (or REPLAY_OPS_NATIVE=0 for no extension)")
 
-    include = [os.path.join(ROOT, "csrc", "include")]
+    if not _in_range(torch.__version__, TORCH_RANGE):
+        print(f"replay_ops: WARNING: torch {torch.__version__} is outside the supported range "
+              f"torch{TORCH_RANGE} (pyproject.toml); building against it anyway")
+    cuda, why = want_cuda()  # sets CUDA_HOME before cpp_extension reads it
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension, \
+        include_paths
+
+    std = cxx_standard(include_paths()[0])
+    include = [os.path.join(ROOT, "csrc", "include"), GENERATED]
     # -fno-trapping-math: FP ops are assumed not to trap (they never do here; no value
     # changes), which lets GCC vectorise the branch-free exp and max loops of the CPU gate.
     # -ffp-contract=off: no fused multiply-add, so the AVX2/AVX-512 copies of the row
     # kernels (csrc/cpu/row_kernels.h) give the same bits as the baseline copy.
-    cxx = ["-O3", "-std=c++17", "-fno-trapping-math", "-ffp-contract=off",
+    cxx = ["-O3", f"-std=c++{std}", "-fno-trapping-math", "-ffp-contract=off",
            "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
     if sys.platform.startswith("linux"):
         cxx.append("-fopenmp")  # at::parallel_for uses OpenMP in the standard torch builds
-    cuda, why = want_cuda()
-    print(f"replay_ops: building CPU kernels; CUDA kernels {'on' if cuda else 'off'} ({why})")
+    debug = _env_flag("REPLAY_OPS_DEBUG")
+    # Release builds: no debug info (Python's own CFLAGS may bring -g; -g0 comes last and
+    # wins), and the linker drops any that remains.
+    cxx.append("-g" if debug else "-g0")
+    link = ["-fopenmp"] if sys.platform.startswith("linux") else []
+    if not debug and sys.platform.startswith("linux"):
+        link.append("-Wl,--strip-debug")
+    print(f"replay_ops: building CPU kernels (C++{std}, the standard torch {torch.__version__}'s "
+          f"headers require); CUDA kernels {'on' if cuda else 'off'} ({why})")
     if cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCH_LIST)
         ext = CUDAExtension(
@@ -120,10 +273,10 @@ def native_extensions():
                 # --fmad=false: no implicit multiply-add contraction, so every launch path
                 # of the gate (they inline the same device functions in different contexts)
                 # gives the same bits; FMAs meant as such are explicit (__fmaf_rn).
-                "nvcc": ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr",
-                         "--fmad=false"],
+                "nvcc": ["-O3", f"-std=c++{std}", "-lineinfo", "--expt-relaxed-constexpr",
+                         "--fmad=false"] + (["-g"] if debug else []),
             },
-            extra_link_args=["-fopenmp"] if sys.platform.startswith("linux") else [],
+            extra_link_args=link,
         )
     else:
         ext = CppExtension(
@@ -131,24 +284,35 @@ def native_extensions():
             CPU_SOURCES,
             include_dirs=include,
             extra_compile_args={"cxx": cxx},
-            extra_link_args=["-fopenmp"] if sys.platform.startswith("linux") else [],
+            extra_link_args=link,
         )
-    return [ext], {"build_ext": BuildExtension}
+    info = build_info(torch, cuda, std)
+    write_build_info(info)
+    return [ext], {"build_ext": BuildExtension}, info
 
 
 pkgs = find_subpackages()
-ext_modules, cmdclass = native_extensions()
+ext_modules, cmdclass, native_info = native_extensions()
+requires = [f"torch{TORCH_RANGE}", "numpy"]
+version = VERSION
+if native_info is not None:
+    # Every build that compiles the library (a wheel, an editable or a plain install) pins
+    # the torch release it was built against: pip then never pairs it with another torch,
+    # and says so when torch is changed under an installed copy.
+    torch_pin, version = wheel_pins(native_info)
+    requires = [torch_pin, "numpy"]
+    print(f"replay_ops: {version} requires {torch_pin} (the torch its library is built for)")
 
 setup(
     name="replay_ops",
-    version="0.1.0",
+    version=version,
     description="Fused replayed top-k gating ops for Mixture-of-Experts router replay",
     packages=sorted(pkgs),
     package_dir=pkgs,
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     python_requires=">=3.10",
-    install_requires=["torch>=2.6", "numpy"],
+    install_requires=requires,
     extras_require={
         "triton": ["triton"],
         "replay": ["omegaconf", "pyyaml", "safetensors"],

@@ -5,8 +5,8 @@
 #     $CUDA_CHECK_ARCHS (default: sm_80 sm_90a), with warnings as errors on the device and
 #     host side;
 #   * ptxas runs with -v, and any kernel with a non-zero "bytes spill stores" fails the check;
-#   * csrc/bindings/register_cuda.cpp is syntax-checked against the installed torch headers
-#     when they include c10/cuda (a CPU torch wheel may lack the CMake-generated
+#   * csrc/bindings/register_cuda.cpp is syntax-checked against the installed torch headers,
+#     in the C++ standard those headers require (ATen/ATen.h), when they include c10/cuda (a CPU torch wheel may lack the CMake-generated
 #     c10/cuda/impl/cuda_cmake_macros.h; a one-line stand-in is used then).
 # Results are cached in build/cuda_check/ by a hash of the sources, the flags and the nvcc
 # version, so a second run in the same tree costs nothing.
@@ -31,7 +31,7 @@ FLAGS=(-std=c++17 -O3 --fmad=false -Icsrc/include -Icsrc/cuda -Werror all-warnin
 SOURCES=(csrc/cuda/*.cu)
 PY="${PY:-python3}"
 
-key=$( { "$NVCC" --version; echo "$ARCHS ${FLAGS[*]}"; cat csrc/cuda/* csrc/include/* csrc/bindings/register_cuda.cpp csrc/bindings/native_checks.h "$0"; } | sha256sum | cut -c1-16)
+key=$( { "$NVCC" --version; "$PY" -c "import torch; print(torch.__version__)" 2>/dev/null || true; echo "$ARCHS ${FLAGS[*]}"; cat csrc/cuda/* csrc/include/* csrc/bindings/register_cuda.cpp csrc/bindings/native_checks.h "$0"; } | sha256sum | cut -c1-16)
 cache=build/cuda_check
 if [[ -f "$cache/$key.ok" ]]; then
   echo "check_cuda: OK (cached $key): ${#SOURCES[@]} files x [$ARCHS], 0 spill stores"
@@ -79,10 +79,14 @@ if [[ -n "$TORCH_INC" && -f "$TORCH_INC/c10/cuda/CUDAStream.h" && -f "$CUDA_INC/
     mkdir -p "$stub/c10/cuda/impl"
     printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' >"$stub/c10/cuda/impl/cuda_cmake_macros.h"
   fi
-  if "${CXX:-g++}" -std=c++17 -fsyntax-only -Wall -Wextra -Werror -Wno-unused-parameter \
+  # The standard the torch headers require, as setup.py and CMake choose it.
+  STD=$(grep -m1 -oE "__cplusplus < [0-9]{4}" "$TORCH_INC/ATen/ATen.h" | grep -oE "[0-9]{4}$")
+  if [[ -z "$STD" ]]; then echo "check_cuda: FAIL: $TORCH_INC/ATen/ATen.h states no C++ standard"; exit 1; fi
+  if (( STD >= 2020 )); then STD=20; else STD=17; fi
+  if "${CXX:-g++}" -std=c++$STD -fsyntax-only -Wall -Wextra -Werror -Wno-unused-parameter \
       -isystem "$stub" -isystem "$TORCH_INC" -isystem "$TORCH_INC/torch/csrc/api/include" \
       -isystem "$CUDA_INC" -Icsrc/include csrc/bindings/register_cuda.cpp >"$cache/logs/bindings.log" 2>&1; then
-    echo "check_cuda: ok   register_cuda.cpp (syntax check against torch headers)"
+    echo "check_cuda: ok   register_cuda.cpp (syntax check against torch headers, C++$STD)"
   else
     echo "check_cuda: FAIL: csrc/bindings/register_cuda.cpp:"
     grep -E "error" "$cache/logs/bindings.log" | head -20

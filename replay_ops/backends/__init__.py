@@ -14,6 +14,12 @@ to the next backend). Orders:
     cuda: native -> triton -> torch
     cpu:  native -> torch           (triton only when asked for, under TRITON_INTERPRET=1)
 
+A backend that is present but broken (the native extension built for another torch or
+missing a CUDA library, or without a kernel image for the GPU) is passed over by automatic
+selection with a RuntimeWarning, once per process and reason, that gives the reason and
+names the backend used instead; forcing it raises with the same reason. A backend that is
+merely absent (not built, Triton not installed) is passed over quietly.
+
 Force a backend with the `backend=` argument of the Python API, or for the whole process
 with the environment variable `REPLAY_OPS_BACKEND` (read at each call; the argument
 wins). A forced backend that is not available for the device is an error; one that is
@@ -28,6 +34,7 @@ import importlib
 import os
 import sys
 import types
+import warnings
 
 import torch
 
@@ -47,6 +54,8 @@ AUTO_ORDER = {"cuda": ("native", "triton", "torch"), "cpu": ("native", "torch")}
 
 _loaded: dict[str, types.ModuleType | None] = {}
 _errors: dict[str, str] = {}
+_loud_errors: set[str] = set()  # backends whose import failed for a fault, not an absence
+_warned: set[tuple[str, str, str]] = set()
 
 
 def load(name: str) -> types.ModuleType | None:
@@ -58,6 +67,8 @@ def load(name: str) -> types.ModuleType | None:
         except Exception as e:  # the extension was not built, triton is missing, ...
             _loaded[name] = None
             _errors[name] = f"{type(e).__name__}: {e}"
+            if not isinstance(e, ModuleNotFoundError):
+                _loud_errors.add(name)
             return None
         check_contract(mod)
         _loaded[name] = mod
@@ -86,8 +97,19 @@ def available(name: str, device_type: str) -> Support:
     """Whether backend `name` can run on `device_type` tensors at all (and why not)."""
     mod = load(name)
     if mod is None:
-        return Support(False, _errors.get(name, "not importable"))
+        return Support(False, _errors.get(name, "not importable"), name in _loud_errors)
     return mod.available(device_type)
+
+
+def _warn_passed_over(skipped: dict[str, Support], chosen: str, device_type: str) -> None:
+    for cand, verdict in skipped.items():
+        key = (cand, device_type, verdict.reason)
+        if verdict.loud and key not in _warned:
+            _warned.add(key)
+            warnings.warn(
+                f"replay_ops: the {cand} backend cannot run on {device_type} tensors: "
+                f"{verdict.reason} -- using the {chosen} backend instead (this warning is "
+                f"given once)", RuntimeWarning, stacklevel=4)
 
 
 def _order(device_type: str, name: str) -> tuple[str, ...]:
@@ -111,13 +133,16 @@ def explain(op: str, device_type: str, shape: OpShape, dtype: torch.dtype,
                 f"{device_type} tensors: {avail.reason}"
             )
     skipped: dict[str, str] = {}
+    verdicts: dict[str, Support] = {}
     for cand in _order(device_type, name):
         verdict = available(cand, device_type)
         if verdict:
             verdict = load(cand).supports(op, device_type, shape, dtype)
         if verdict:
+            _warn_passed_over(verdicts, cand, device_type)
             return cand, skipped
         skipped[cand] = verdict.reason
+        verdicts[cand] = verdict
     raise RuntimeError(
         f"replay_ops: no backend serves {op} for {device_type} tensors of {shape} "
         f"{dtype}: {skipped}"

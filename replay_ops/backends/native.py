@@ -4,7 +4,9 @@
 The extension registers its kernels as internal ops in the namespace `replay_native`
 (`torch.ops.replay_native.gate_fwd`, ...), apart from the public `torch.ops.replay`. This
 module adapts them to the backend contract. Importing it raises ImportError when the
-extension was not built, and the registry then moves on to the next backend.
+extension was not built (ModuleNotFoundError: the registry moves on quietly), or was built
+for another torch or lacks a shared library (replay_ops._extension.NativeLoadError, whose
+message names both torch versions or the library: the registry warns once with it).
 
 Limits of the CUDA gate kernels (shared-memory histograms; one lane per slot in the
 backward) are read from the extension: `_C.MAX_EXPERTS` and `_C.MAX_TOPK`.
@@ -13,7 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import _C  # registers torch.ops.replay_native.*
+from .._extension import load as _load_extension
+
+_C = _load_extension()  # registers torch.ops.replay_native.*
 from .. import scores
 from ..plan import PADDING_MODES
 from .protocol import YES, Support
@@ -41,7 +45,7 @@ def available(device_type: str) -> Support:
             return Support(False, "no CUDA device is present")
         problems = cuda_image_problems()
         if problems:
-            return Support(False, "; ".join(problems))
+            return Support(False, "; ".join(problems), loud=True)
         return YES
     return Support(False, f"no native kernels for {device_type} tensors")
 

@@ -61,6 +61,10 @@ class Support(NamedTuple):
 
     ok: bool
     reason: str = ""
+    # A fault the user should hear of when automatic selection passes the backend over (an
+    # extension built for another torch, no kernel image for the GPU), as opposed to a
+    # choice or a plain absence (not built, not installed, a size limit).
+    loud: bool = False
 
     def __bool__(self) -> bool:  # `if backend.supports(...)` reads naturally
         return self.ok

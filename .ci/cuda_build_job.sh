@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# The CUDA build job of `make test`: what a GPU user's `pip install` does, on a machine
+# without a GPU.
+#
+#   1. a venv under build/cuda-job/ with $CUDA_TORCH (torch==2.14.1, a CUDA 13 build);
+#   2. a wheel of a copy of the tree (`pip wheel --no-build-isolation --no-deps .`) with
+#      REPLAY_OPS_CUDA=1 and TORCH_CUDA_ARCH_LIST="8.0;9.0", the toolkit found by setup.py
+#      itself (CUDA_HOME unset);
+#   3. the wheel installed into that venv (which never held replay_ops otherwise) with
+#      --no-index, so its pinned requirements are checked against the venv;
+#   4. tools/check_native_build.py: every native op has a CPU and a CUDA kernel, the library
+#      loads with every symbol bound (LD_BIND_NOW), holds sm_80 and sm_90 code, carries no
+#      debug info, and the wheel pins the torch it was built for;
+#   5. the CPU suite under that torch, run against the installed wheel (not the tree);
+#   6. the refusals: this build's library loaded under the project's torch (another
+#      release), the project's library loaded under this torch, and the wheel offered to
+#      pip beside the project's torch.
+# Every step is timed. A failure is a failure; nothing here skips.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY="${PY:-python3}"
+CUDA_TORCH="${CUDA_TORCH:-torch==2.14.1}"
+ARCHS="${CUDA_JOB_ARCHS:-8.0;9.0}"
+JOB=build/cuda-job
+VENV=$JOB/venv
+VPY=$ROOT/$VENV/bin/python
+PIP_Q=(--quiet --disable-pip-version-check)
+# The CPU suite's part that exercises the ops and the package on the installed wheel
+# (the clients' tests run in the main suite; they need no second torch).
+SUITE=${CUDA_JOB_TESTS:-"tests/test_extension_load.py tests/test_native.py tests/test_backends.py \
+tests/test_ops_registration.py tests/test_gate.py tests/test_gate_dense.py tests/test_permute.py \
+tests/test_unpermute.py tests/test_reference.py tests/test_determinism.py tests/test_validation.py \
+tests/test_direct_calls.py tests/test_routing_dtypes.py tests/test_scores.py \
+tests/test_device_math.py tests/test_host_syncs.py tests/test_router_replay.py \
+tests/test_replay_files.py tests/test_triton_kernels.py"}
+
+t_start=$SECONDS
+step() { echo "cuda-job: [$((SECONDS - t_start))s] $*"; }
+elapsed() { echo "cuda-job: $1 took $(($SECONDS - $2))s"; }
+
+NVCC_BIN=$(command -v nvcc || true)
+if [[ -z "$NVCC_BIN" && ! -x /usr/local/cuda/bin/nvcc && -z "${CUDA_HOME:-}" ]]; then
+  echo "cuda-job: FAIL: no CUDA toolkit (nvcc) on this machine; the CUDA build cannot be checked"
+  exit 1
+fi
+
+# 1. the venv
+t=$SECONDS
+want=${CUDA_TORCH#torch==}
+have=$("$VPY" -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null || true)
+if [[ "$have" != "$want" ]]; then
+  step "creating $VENV with $CUDA_TORCH"
+  rm -rf "$VENV"
+  "$PY" -m venv "$VENV"
+  "$VPY" -m pip install "${PIP_Q[@]}" --upgrade "setuptools>=70" wheel ninja
+  "$VPY" -m pip install "${PIP_Q[@]}" "$CUDA_TORCH" numpy pytest hypothesis pyyaml omegaconf \
+      safetensors
+fi
+"$VPY" -c "import torch, sys; assert torch.version.cuda, 'not a CUDA build: ' + torch.__version__; print('cuda-job: venv torch', torch.__version__, 'CUDA', torch.version.cuda)"
+elapsed "venv" $t
+
+# 2. the wheel, from a copy of the tree (the tree's own build/ and .so stay untouched)
+t=$SECONDS
+SRC=$JOB/src
+DIST=$JOB/dist
+rm -rf "$SRC" "$DIST"
+mkdir -p "$SRC" "$DIST"
+git ls-files -co --exclude-standard -z | grep -zv '^build/' | xargs -0 cp --parents -t "$SRC"
+step "building the wheel (REPLAY_OPS_CUDA=1, TORCH_CUDA_ARCH_LIST=$ARCHS)"
+( cd "$SRC" && env -u CUDA_HOME -u CUDA_PATH REPLAY_OPS_CUDA=1 TORCH_CUDA_ARCH_LIST="$ARCHS" \
+    MAX_JOBS="${MAX_JOBS:-2}" "$VPY" -m pip wheel -v --disable-pip-version-check --no-build-isolation --no-deps \
+    -w "$ROOT/$DIST" . ) > "$JOB/build.log" 2>&1 || {
+  echo "cuda-job: FAIL: the wheel did not build; the end of $JOB/build.log:"
+  tail -40 "$JOB/build.log"; exit 1; }
+grep -E "^replay_ops:" "$JOB/build.log" || true
+# compiler warnings (g++ "file:line:col: warning:", nvcc/cudafe "warning #NNN-D") fail the job
+if grep -E "(\.(cpp|cu|cuh|h):[0-9]+(:[0-9]+)?: warning:|warning #[0-9]+)" "$JOB/build.log" >"$JOB/warnings.log"; then
+  echo "cuda-job: FAIL: compiler warnings in the CUDA build:"
+  head -20 "$JOB/warnings.log"
+  exit 1
+fi
+echo "cuda-job: ok   0 compiler warnings"
+WHEEL=$(ls "$DIST"/replay_ops-*.whl)
+ls -l "$WHEEL"
+elapsed "CUDA build (wheel)" $t
+
+# 3. install it
+t=$SECONDS
+"$VPY" -m pip uninstall "${PIP_Q[@]}" -y replay_ops >/dev/null 2>&1 || true
+"$VPY" -m pip install "${PIP_Q[@]}" --no-index --find-links "$DIST" "$WHEEL"
+elapsed "wheel install" $t
+
+# 4. the build's checks, from outside the tree so the installed package is the one imported
+t=$SECONDS
+(cd "$JOB" && "$VPY" "$ROOT/tools/check_native_build.py" --wheel "$ROOT/$WHEEL" \
+    --archs "$ARCHS")
+elapsed "build checks" $t
+
+# 5. the CPU suite under the CUDA torch, against the installed wheel
+t=$SECONDS
+LIB_CUDA=$("$VPY" -c "import replay_ops._extension as e; print(e.library_path())")
+LIB_CPU=$("$PY" -c "import replay_ops._extension as e; print(e.library_path() or '')")
+if [[ -z "$LIB_CPU" || ! -f "$(dirname "$LIB_CPU")/_build_info.py" ]]; then
+  echo "cuda-job: FAIL: the project's own build (make install) has no library or _build_info.py"
+  exit 1
+fi
+# shellcheck disable=SC2086
+(cd "$JOB" && TRITON_INTERPRET=1 REPLAY_OPS_FOREIGN_LIB="$LIB_CPU" REPLAY_OPS_REQUIRE_FOREIGN_LIB=1 \
+    "$VPY" -m pytest -q -p no:cacheprovider --rootdir "$ROOT" -c "$ROOT/pyproject.toml" \
+    $(for f in $SUITE; do echo "$ROOT/$f"; done))
+elapsed "CPU suite under the CUDA torch" $t
+
+# 6. this build's library under the project's torch, and the wheel offered to its pip
+t=$SECONDS
+REPLAY_OPS_FOREIGN_LIB="$LIB_CUDA" REPLAY_OPS_REQUIRE_FOREIGN_LIB=1 \
+  "$PY" -m pytest -q -p no:cacheprovider tests/test_extension_load.py
+if out=$("$PY" -m pip install --dry-run --no-index --find-links "$DIST" "$WHEEL" 2>&1); then
+  echo "cuda-job: FAIL: pip would install the torch-$want wheel beside $("$PY" -c 'import torch; print(torch.__version__)'):"
+  echo "$out" | tail -5; exit 1
+fi
+echo "$out" | grep -q -i "torch" || { echo "cuda-job: FAIL: pip refused the wheel without naming torch:"; echo "$out" | tail -5; exit 1; }
+echo "cuda-job: ok   pip refuses the wheel beside torch $("$PY" -c 'import torch; print(torch.__version__)'): $(echo "$out" | grep -i -m1 "torch")"
+elapsed "refusals" $t
+echo "cuda-job: OK in $((SECONDS - t_start))s"
