@@ -31,49 +31,59 @@ FLAGS=(-std=c++17 -O3 --fmad=false -Icsrc/include -Icsrc/cuda -Werror all-warnin
 SOURCES=(csrc/cuda/*.cu)
 PY="${PY:-python3}"
 
-key=$( { "$NVCC" --version; "$PY" -c "import torch; print(torch.__version__)" 2>/dev/null || true; echo "$ARCHS ${FLAGS[*]}"; cat csrc/cuda/* csrc/include/* csrc/bindings/register_cuda.cpp csrc/bindings/native_checks.h "$0"; } | sha256sum | cut -c1-16)
+# Two caches: the kernels' compile (independent of torch) and the bindings' syntax check
+# (against the installed torch's headers, so keyed by its version).
+key_k=$( { "$NVCC" --version; echo "$ARCHS ${FLAGS[*]}"; cat csrc/cuda/* csrc/include/* "$0"; } | sha256sum | cut -c1-16)
+key_b=$( { "$NVCC" --version; "$PY" -c "import torch; print(torch.__version__)" 2>/dev/null || true; cat csrc/include/* csrc/bindings/register_cuda.cpp csrc/bindings/native_checks.h "$0"; } | sha256sum | cut -c1-16)
 cache=build/cuda_check
-if [[ -f "$cache/$key.ok" ]]; then
-  echo "check_cuda: OK (cached $key): ${#SOURCES[@]} files x [$ARCHS], 0 spill stores"
+if [[ -f "$cache/k-$key_k.ok" && -f "$cache/b-$key_b.ok" ]]; then
+  echo "check_cuda: OK (cached $key_k/$key_b): ${#SOURCES[@]} files x [$ARCHS], 0 spill stores; bindings checked against this torch"
   exit 0
 fi
 mkdir -p "$cache/logs"
 
 fail=0
-pids=()
-logs=()
-for src in "${SOURCES[@]}"; do
-  for arch in $ARCHS; do
-    log="$cache/logs/$(basename "$src" .cu).$arch.log"
-    ( "$NVCC" "${FLAGS[@]}" -arch="$arch" -c "$src" -o "$cache/$(basename "$src" .cu).$arch.o" ) >"$log" 2>&1 &
-    pids+=($!)
-    logs+=("$log")
+if [[ -f "$cache/k-$key_k.ok" ]]; then
+  echo "check_cuda: ok   kernels (cached $key_k)"
+else
+  pids=()
+  logs=()
+  for src in "${SOURCES[@]}"; do
+    for arch in $ARCHS; do
+      log="$cache/logs/$(basename "$src" .cu).$arch.log"
+      ( "$NVCC" "${FLAGS[@]}" -arch="$arch" -c "$src" -o "$cache/$(basename "$src" .cu).$arch.o" ) >"$log" 2>&1 &
+      pids+=($!)
+      logs+=("$log")
+    done
   done
-done
-for i in "${!pids[@]}"; do
-  log="${logs[$i]}"
-  if ! wait "${pids[$i]}"; then
-    echo "check_cuda: FAIL: $(basename "$log" .log) did not compile:"
-    grep -v "^ptxas info" "$log" | head -40
-    fail=1
-    continue
-  fi
-  kernels=$(grep -c "bytes spill stores" "$log" || true)
-  spills=$(grep -E "[1-9][0-9]* bytes spill stores" "$log" || true)
-  if [[ -n "$spills" ]]; then
-    echo "check_cuda: FAIL: spill stores in $(basename "$log" .log):"
-    grep -B2 -E "[1-9][0-9]* bytes spill stores" "$log" | grep -E "Compiling|spill" | head -20
-    fail=1
-  else
-    echo "check_cuda: ok   $(basename "$log" .log): $kernels kernels, 0 spill stores"
-  fi
-done
+  for i in "${!pids[@]}"; do
+    log="${logs[$i]}"
+    if ! wait "${pids[$i]}"; then
+      echo "check_cuda: FAIL: $(basename "$log" .log) did not compile:"
+      grep -v "^ptxas info" "$log" | head -40
+      fail=1
+      continue
+    fi
+    kernels=$(grep -c "bytes spill stores" "$log" || true)
+    spills=$(grep -E "[1-9][0-9]* bytes spill stores" "$log" || true)
+    if [[ -n "$spills" ]]; then
+      echo "check_cuda: FAIL: spill stores in $(basename "$log" .log):"
+      grep -B2 -E "[1-9][0-9]* bytes spill stores" "$log" | grep -E "Compiling|spill" | head -20
+      fail=1
+    else
+      echo "check_cuda: ok   $(basename "$log" .log): $kernels kernels, 0 spill stores"
+    fi
+  done
+  [[ $fail -eq 0 ]] && touch "$cache/k-$key_k.ok"
+fi
 
 # Bindings: syntax check against the torch headers, when they carry c10/cuda.
 TORCH_INC=$("$PY" -c "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'include'))" 2>/dev/null || true)
 CUDA_INC="$(dirname "$(dirname "$(readlink -f "$NVCC")")")/include"
 [[ -f "$CUDA_INC/cuda_runtime.h" ]] || CUDA_INC="${CUDA_HOME:-/usr/local/cuda}/include"
-if [[ -n "$TORCH_INC" && -f "$TORCH_INC/c10/cuda/CUDAStream.h" && -f "$CUDA_INC/cuda_runtime.h" ]]; then
+if [[ -f "$cache/b-$key_b.ok" ]]; then
+  echo "check_cuda: ok   register_cuda.cpp (cached $key_b)"
+elif [[ -n "$TORCH_INC" && -f "$TORCH_INC/c10/cuda/CUDAStream.h" && -f "$CUDA_INC/cuda_runtime.h" ]]; then
   stub="$cache/stub"
   if [[ ! -f "$TORCH_INC/c10/cuda/impl/cuda_cmake_macros.h" ]]; then
     mkdir -p "$stub/c10/cuda/impl"
@@ -87,6 +97,7 @@ if [[ -n "$TORCH_INC" && -f "$TORCH_INC/c10/cuda/CUDAStream.h" && -f "$CUDA_INC/
       -isystem "$stub" -isystem "$TORCH_INC" -isystem "$TORCH_INC/torch/csrc/api/include" \
       -isystem "$CUDA_INC" -Icsrc/include csrc/bindings/register_cuda.cpp >"$cache/logs/bindings.log" 2>&1; then
     echo "check_cuda: ok   register_cuda.cpp (syntax check against torch headers, C++$STD)"
+    touch "$cache/b-$key_b.ok"
   else
     echo "check_cuda: FAIL: csrc/bindings/register_cuda.cpp:"
     grep -E "error" "$cache/logs/bindings.log" | head -20
@@ -94,11 +105,11 @@ if [[ -n "$TORCH_INC" && -f "$TORCH_INC/c10/cuda/CUDAStream.h" && -f "$CUDA_INC/
   fi
 else
   echo "check_cuda: note: torch headers without c10/cuda; the CUDA bindings were not syntax-checked"
+  touch "$cache/b-$key_b.ok"
 fi
 
 if [[ $fail -ne 0 ]]; then
   echo "check_cuda: FAILED (logs in $cache/logs)"
   exit 1
 fi
-touch "$cache/$key.ok"
 echo "check_cuda: OK: ${#SOURCES[@]} files x [$ARCHS], warnings as errors, 0 spill stores"
