@@ -101,7 +101,11 @@ elapsed "build checks" $t
 
 # 5. the CPU suite under the CUDA torch, against the installed wheel
 t=$SECONDS
-LIB_CUDA=$("$VPY" -c "import replay_ops._extension as e; print(e.library_path())")
+LIB_CUDA=$(cd "$JOB" && "$VPY" -c "import replay_ops._extension as e; print(e.library_path())")
+if [[ "$LIB_CUDA" != "$ROOT/$VENV/"* ]]; then
+  echo "cuda-job: FAIL: the venv imports replay_ops from $LIB_CUDA, not from the installed wheel"
+  exit 1
+fi
 LIB_CPU=$("$PY" -c "import replay_ops._extension as e; print(e.library_path() or '')")
 if [[ -z "$LIB_CPU" || ! -f "$(dirname "$LIB_CPU")/_build_info.py" ]]; then
   echo "cuda-job: FAIL: the project's own build (make install) has no library or _build_info.py"
