@@ -148,11 +148,11 @@ setup(
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     python_requires=">=3.10",
-    install_requires=["torch>=2.6", "numpy"],
+    install_requires=["torch>=2.6", "numpy", "zstandard"],
     extras_require={
         "triton": ["triton"],
         "replay": ["omegaconf", "pyyaml", "safetensors"],
         "demo": ["tqdm", "matplotlib"],
-        "test": ["pytest"],
+        "test": ["pytest", "hypothesis"],
     },
 )
