@@ -223,7 +223,7 @@ def sort_rows(canon: np.ndarray, order: str, num_experts: int):
     num_experts (any unsigned narrow dtype). Returns (sorted [N, K] in canon's dtype,
     perm_code [N, lehmer_width(K)] uint8 bytes or None for "set")."""
     n, k = canon.shape
-    if order == "set" or k == 1:
+    if order == "set" or k <= 1:
         cols = _sort_columns([np.ascontiguousarray(canon[:, j]) for j in range(k)])
         out = np.stack(cols, axis=1) if k else canon.copy()
         return out, (None if order == "set" else np.zeros((n, lehmer_width(k)), np.uint8))
@@ -402,16 +402,17 @@ def _encode_chunk(canon: np.ndarray, tok: np.ndarray | None, order: str, E: int,
     srt = srt.reshape(T, L, K)
     content = srt if order == "set" else canon
     content_crc = zlib.crc32(np.ascontiguousarray(content).view(np.uint8))
+    pc = None if perm is None or not perm.shape[1] else perm.reshape(T, L, perm.shape[1])
     if tok is not None and T > 1:
         layout = _LAYOUT_GROUPED
         g = _group_order(tok)
         ids = _to_grouped(srt, g)
-        pc = None if perm is None or not perm.shape[1] else _to_grouped(perm.reshape(T, L, -1), g)
+        pc = None if pc is None else _to_grouped(pc, g)
     else:
         layout = _LAYOUT_TOKENS
-        ids, pc = srt, (None if perm is None else perm.reshape(T, L, -1))
+        ids = srt
     streams = [_planes(ids, w)]
-    if pc is not None and pc.shape[-1]:
+    if pc is not None:
         streams.append(_planes_bytes(pc))
     raw = content.astype(f"<u{w}", copy=False).tobytes() if w > 1 else content.tobytes()
     method, payload = _METHOD_RAW, raw
@@ -541,7 +542,7 @@ def append(blob: bytes, routing, *, token_ids=None, seq_lens=None, continue_last
     are verified (headers and payload checksums) and copied unchanged."""
     _check_level(level)
     info_ = info(blob, verify_payload=True)
-    if (token_ids is None) == info_.has_token_ids:
+    if (token_ids is not None) == info_.has_token_ids:
         pass
     elif info_.has_token_ids:
         raise CodecError("append: the blob was encoded with token_ids; pass the token ids of "
@@ -694,7 +695,7 @@ def _decode_chunk(buf: memoryview, ch: ChunkInfo, order: str, E: int, L: int, K:
     if zlib.crc32(np.ascontiguousarray(out).view(np.uint8)) != ch.content_crc:
         _fail(ch.offset, "decoded content checksum mismatch: the chunk does not decode to "
                          "the routing that was encoded (corrupt blob or a decoder bug)")
-    if T and out.max() > E:
+    if out.size and out.max() > E:
         _fail(ch.offset, "decoded ids out of range")
     return out
 
