@@ -394,14 +394,36 @@ def _blob_header(order: str, E: int, L: int, K: int, has_tokens: bool) -> bytes:
     return head + struct.pack("<I", zlib.crc32(head))
 
 
-def _encode_chunk(canon: np.ndarray, tok: np.ndarray | None, order: str, E: int, level: int,
-                  first_seq: int, lens: list[int], continues: bool) -> bytes:
-    T, L, K = canon.shape
+def _content_crc(srt: np.ndarray, perm: np.ndarray | None) -> int:
+    """crc32 of the canonical rows: the sorted ids (narrow, little-endian, token order) and,
+    for "keep", the permutation code bytes after them. The transform is a bijection, so
+    this checks the decoded routing itself: decoders re-derive it from what they return."""
+    w = srt.dtype.itemsize
+    a = np.ascontiguousarray(srt)
+    if w > 1:
+        a = a.astype(f"<u{w}", copy=False)
+    crc = zlib.crc32(a.view(np.uint8))
+    if perm is not None and perm.size:
+        crc = zlib.crc32(np.ascontiguousarray(perm).view(np.uint8), crc)
+    return crc
+
+
+def _encode_chunk(canon: np.ndarray | None, tok: np.ndarray | None, order: str, E: int,
+                  level: int, first_seq: int, lens: list[int], continues: bool,
+                  pre: tuple | None = None) -> bytes:
+    """One chunk. `canon` [T, L, K] narrow canonical ids, or `pre` = (sorted [T, L, K],
+    perm code bytes [T*L, w] or None) already transformed (the Triton path)."""
+    if pre is None:
+        T, L, K = canon.shape
+        srt, perm = sort_rows(canon.reshape(T * L, K), order, E)
+        srt = srt.reshape(T, L, K)
+    else:
+        srt, perm = pre
+        T, L, K = srt.shape
     w = id_width(E)
-    srt, perm = sort_rows(canon.reshape(T * L, K), order, E)
-    srt = srt.reshape(T, L, K)
-    content = srt if order == "set" else canon
-    content_crc = zlib.crc32(np.ascontiguousarray(content).view(np.uint8))
+    if order == "keep" and perm is None:
+        perm = np.zeros((T * L, 0), np.uint8)
+    content_crc = _content_crc(srt, perm)
     pc = None if perm is None or not perm.shape[1] else perm.reshape(T, L, perm.shape[1])
     if tok is not None and T > 1:
         layout = _LAYOUT_GROUPED
@@ -414,13 +436,18 @@ def _encode_chunk(canon: np.ndarray, tok: np.ndarray | None, order: str, E: int,
     streams = [_planes(ids, w)]
     if pc is not None:
         streams.append(_planes_bytes(pc))
-    raw = content.astype(f"<u{w}", copy=False).tobytes() if w > 1 else content.tobytes()
-    method, payload = _METHOD_RAW, raw
+    method, payload = _METHOD_RAW, None
     if T:
         z = _compressor(level).compress(b"".join(streams))
-        if len(z) < len(raw):
+        if len(z) < T * L * K * w:
             method, payload = _METHOD_ZSTD, z
-    else:
+    if method == _METHOD_RAW:
+        # the ids as given ("keep") or sorted ("set"), never larger than narrow ids
+        if canon is None:
+            canon = _unsort_np(srt.reshape(T * L, K), perm, K).reshape(T, L, K)
+        content = srt if order == "set" else canon
+        payload = (content.astype(f"<u{w}", copy=False).tobytes() if w > 1
+                   else np.ascontiguousarray(content).tobytes())
         layout = _LAYOUT_TOKENS
     th = _token_hash(tok) if tok is not None else 0
     fixed = _CHUNK.pack(CHUNK_MAGIC, first_seq, len(lens), int(continues), method, layout, w,
@@ -637,13 +664,16 @@ def info(blob, *, verify_payload: bool = False) -> BlobInfo:
 
 # ---------------------------------------------------------------------------- decoding
 def _decode_chunk(buf: memoryview, ch: ChunkInfo, order: str, E: int, L: int, K: int,
-                  tok: np.ndarray | None) -> np.ndarray:
-    """The chunk's canonical rows [T, L, K] (narrow, -1 as the sentinel E), verified."""
+                  tok: np.ndarray | None, device: bool = False):
+    """The chunk's rows [T, L, K] (narrow, -1 as the sentinel E), verified. With `device`
+    and order "keep", the verified canonical (sorted [T, L, K], code bytes [T*L, w]) instead,
+    for the Triton path to unsort and check on the device."""
     T, w = ch.num_tokens, ch.width
     nd = np.dtype(_NARROW[w]).newbyteorder("<")
     payload = buf[ch.payload_offset:ch.payload_offset + ch.payload_len]
     if zlib.crc32(payload) != ch.payload_crc:
         _fail(ch.payload_offset, "chunk payload checksum mismatch (corrupt payload)")
+    device_out = device
     if ch.token_hash:
         if tok is None:
             raise CodecError(f"routing blob, offset {ch.offset}: the blob was encoded with "
@@ -659,44 +689,67 @@ def _decode_chunk(buf: memoryview, ch: ChunkInfo, order: str, E: int, L: int, K:
                                      f"{n_ids * w}")
         out = np.frombuffer(payload, dtype=nd).reshape(T, L, K)
         out = out.astype(_NARROW[w]) if w > 1 else out
+        if out.size and out.max() > E:
+            _fail(ch.payload_offset, "raw payload holds ids above num_experts (corrupt)")
+        if order == "set":
+            srt, pc = out, None
+        else:  # the checksum covers the canonical form: derive it from what is returned
+            srt, pc = sort_rows(out.reshape(T * L, K), "keep", E)
+        _check_content(ch, srt, pc)
+        return out
+    pw = lehmer_width(K) if (order == "keep" and K > 1) else 0
+    want = n_ids * w + T * L * pw
+    try:
+        raw = _decompressor().decompress(payload, max_output_size=want)
+    except Exception as e:  # zstd.ZstdError
+        _fail(ch.payload_offset, f"corrupt zstd payload: {e}")
+    if len(raw) != want:
+        _fail(ch.payload_offset, f"zstd payload holds {len(raw)} bytes, expected {want}")
+    rawv = np.frombuffer(raw, dtype=np.uint8)
+    ids = _unplanes(rawv[:n_ids * w], w, n_ids)
+    pc = rawv[n_ids * w:].reshape(pw, T * L).T if pw else None
+    if ch.layout == _LAYOUT_GROUPED:
+        g = _group_order(tok)
+        srt = _from_grouped(ids.reshape(L, T, K), g)
+        if pc is not None:
+            pc = _from_grouped(np.ascontiguousarray(pc).reshape(L, T, pw), g)
+            pc = pc.reshape(T * L, pw)
     else:
-        pw = lehmer_width(K) if (order == "keep" and K > 1) else 0
-        want = n_ids * w + T * L * pw
-        try:
-            raw = _decompressor().decompress(payload, max_output_size=want)
-        except Exception as e:  # zstd.ZstdError
-            _fail(ch.payload_offset, f"corrupt zstd payload: {e}")
-        if len(raw) != want:
-            _fail(ch.payload_offset, f"zstd payload holds {len(raw)} bytes, expected {want}")
-        rawv = np.frombuffer(raw, dtype=np.uint8)
-        ids = _unplanes(rawv[:n_ids * w], w, n_ids)
-        pc = rawv[n_ids * w:].reshape(pw, T * L).T if pw else None
-        if ch.layout == _LAYOUT_GROUPED:
-            g = _group_order(tok)
-            srt = _from_grouped(ids.reshape(L, T, K), g)
-            if pc is not None:
-                pc = _from_grouped(np.ascontiguousarray(pc).reshape(L, T, pw), g)
-                pc = pc.reshape(T * L, pw)
-        else:
-            srt = ids.reshape(T, L, K)
-        if pc is None:
-            out = np.ascontiguousarray(srt)
-        else:
-            try:
-                perm = _perm_decode(pc, K)
-            except CodecError as e:
-                _fail(ch.payload_offset, str(e))
-            p = np.stack(perm, axis=1)
-            if p.size and p.max() >= K:
-                _fail(ch.payload_offset, "corrupt permutation (slot out of range)")
-            out = np.empty((T * L, K), srt.dtype)
-            np.put_along_axis(out, p.astype(np.intp), srt.reshape(T * L, K), axis=1)
-            out = out.reshape(T, L, K)
-    if zlib.crc32(np.ascontiguousarray(out).view(np.uint8)) != ch.content_crc:
+        srt = np.ascontiguousarray(ids.reshape(T, L, K))
+        pc = None if pc is None else np.ascontiguousarray(pc)
+    if srt.size and srt.max() > E:
+        _fail(ch.payload_offset, "decoded ids above num_experts (corrupt)")
+    if order == "set":
+        _check_content(ch, srt, None)
+        return srt
+    if device_out:  # the Triton path decodes (and checks) on the device
+        return srt, (pc if pc is not None else np.zeros((T * L, 0), np.uint8))
+    try:
+        out = _unsort_np(srt.reshape(T * L, K), pc, K).reshape(T, L, K)
+    except CodecError as e:
+        _fail(ch.payload_offset, str(e))
+    # the decoded routing itself is checked: its canonical form must hash as encoded
+    srt2, pc2 = sort_rows(out.reshape(T * L, K), "keep", E)
+    _check_content(ch, srt2, pc2)
+    return out
+
+
+def _check_content(ch: ChunkInfo, srt: np.ndarray, pc) -> None:
+    if _content_crc(srt, pc) != ch.content_crc:
         _fail(ch.offset, "decoded content checksum mismatch: the chunk does not decode to "
                          "the routing that was encoded (corrupt blob or a decoder bug)")
-    if out.size and out.max() > E:
-        _fail(ch.offset, "decoded ids out of range")
+
+
+def _unsort_np(srt: np.ndarray, pc, K: int) -> np.ndarray:
+    """[N, K] sorted ids + permutation code bytes -> the ids in their original slots."""
+    N = srt.shape[0]
+    if pc is None or K <= 1 or not pc.shape[1]:
+        return np.ascontiguousarray(srt)
+    p = np.stack(_perm_decode(pc, K), axis=1)
+    if p.size and p.max() >= K:
+        raise CodecError("corrupt permutation (slot out of range)")
+    out = np.empty((N, K), srt.dtype)
+    np.put_along_axis(out, p.astype(np.intp), srt, axis=1)
     return out
 
 
