@@ -377,3 +377,75 @@ def test_corpus_round_trip_and_ratio():
                                       expected(r, order))
         ratio = r.size * 2 / len(blob)
         assert ratio > (6.0 if order == "set" else 3.5), ratio
+
+
+# ------------------------------------------------------------------ the Triton transform
+# (TRITON_INTERPRET=1 on a machine without a GPU: tests/conftest.py; small shapes)
+TRITON_CASES = [(16, 4, 9), (128, 8, 6), (300, 3, 5), (40000, 2, 4), (64, 1, 4), (40, 13, 4)]
+
+
+@pytest.mark.parametrize("E,K,N", TRITON_CASES)
+@pytest.mark.parametrize("order", codec.ORDERS)
+def test_triton_transform_is_bitwise_the_numpy_one(E, K, N, order):
+    from replay_ops.triton_kernels import codec as tk
+
+    rng = np.random.default_rng(E + K)
+    x = np.stack([rng.permutation(E)[:K] for _ in range(N)]).astype(np.int64)
+    x[1, 0] = -1
+    x[2] = -1
+    if K > 1:
+        x[3, 1] = x[3, 0]  # a repeated id
+    canon = np.where(x < 0, E, x).astype(codec._NARROW[codec.id_width(E)])
+    ref_srt, ref_code = codec.sort_rows(canon.copy(), order, E)
+    out_srt, out_code = tk.sort_rows(torch.from_numpy(x).t().contiguous().t(), E, order)
+    np.testing.assert_array_equal(out_srt.numpy().astype(np.int64), ref_srt.astype(np.int64))
+    if order == "keep" and K > 1:
+        w = codec.lehmer_width(K)
+        want = np.ascontiguousarray(ref_code).view(f"<u{w}").reshape(-1).astype(np.int64)
+        np.testing.assert_array_equal(out_code.numpy(), want)
+    else:
+        assert out_code is None
+    # the inverse, into a strided int32 destination
+    big = torch.full((N, 2 * K), 5, dtype=torch.int32)
+    dst = big[:, ::2]
+    tk.unsort_rows(out_srt, out_code, E, dst)
+    np.testing.assert_array_equal(dst.numpy(), expected(x[:, None, :], order)[:, 0])
+    assert torch.all(big[:, 1::2] == 5)
+
+
+@pytest.mark.parametrize("order", codec.ORDERS)
+@pytest.mark.parametrize("with_tok", [False, True])
+@pytest.mark.parametrize("E,K", [(16, 4), (300, 3), (40000, 2)])
+def test_triton_backend_blobs_and_decodes_match_numpy(order, with_tok, E, K):
+    rng = np.random.default_rng(9)
+    x = np.stack([rng.permutation(E)[:K] for _ in range(40)]).reshape(20, 2, K)
+    x[3, 0, 0] = -1
+    x[7] = -1
+    tok = rng.integers(0, 5, 20) if with_tok else None
+    kw = dict(num_experts=E, order=order, token_ids=tok, seq_lens=[5, 15], chunk_tokens=5)
+    blob = codec.encode(x, **kw)
+    assert codec.encode(torch.from_numpy(x), backend="triton", **kw) == blob
+    ref = expected(x, order)
+    dst = torch.full((20, 2, 2 * K), 7, dtype=torch.int32)[:, :, ::2]
+    codec.decode(blob, token_ids=tok, out=dst, backend="triton")
+    np.testing.assert_array_equal(dst.numpy(), ref)
+    seq = codec.decode_sequence(blob, 1, token_ids=tok, backend="triton")
+    np.testing.assert_array_equal(seq.numpy(), ref[5:])
+
+
+def test_triton_backend_checks_what_it_wrote(monkeypatch):
+    from replay_ops.triton_kernels import codec as tk
+
+    x, t, blob = _small_blob("keep")
+    real = tk.unsort_rows
+
+    def broken(srt, code, E, out):
+        real(srt, code, E, out)
+        out[0, 0], out[0, 1] = out[0, 1].clone(), out[0, 0].clone()
+        return out
+
+    monkeypatch.setattr(tk, "unsort_rows", broken)
+    with pytest.raises(CodecError, match="device transform check failed"):
+        codec.decode(blob, token_ids=t, backend="triton")
+    with pytest.raises(CodecError, match="backend must be one of"):
+        codec.decode(blob, token_ids=t, backend="cuda")

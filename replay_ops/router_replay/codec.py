@@ -527,20 +527,26 @@ def _check_level(level):
 
 def _chunks_bytes(canon, tok, order, E, level, lens, chunk_tokens, first_seq, continues):
     parts, cu = [], np.concatenate([[0], np.cumsum(lens, dtype=np.int64)])
+    dev = isinstance(canon, _DeviceRouting)
     for ci, (s0, s1) in enumerate(_chunk_plan(lens, chunk_tokens)):
         a, b = int(cu[s0]), int(cu[s1])
-        parts.append(_encode_chunk(canon[a:b], None if tok is None else tok[a:b], order, E,
-                                   level, first_seq + s0, lens[s0:s1], continues and ci == 0))
+        parts.append(_encode_chunk(None if dev else canon[a:b],
+                                   None if tok is None else tok[a:b], order, E, level,
+                                   first_seq + s0, lens[s0:s1], continues and ci == 0,
+                                   pre=canon.pre(a, b, order) if dev else None))
     return parts
 
 
 def encode(routing, *, num_experts: int, order: str = "keep", level: int = DEFAULT_LEVEL,
-           token_ids=None, seq_lens=None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> bytes:
+           token_ids=None, seq_lens=None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+           backend: str = "auto") -> bytes:
     """Encode routing `[T, L, K]` (any integer dtype, numpy or torch, -1 = empty slot) into
     a blob. `order`: "keep" (exact) or "set" (each row's ids sorted, empty slots last).
     `level`: zstd level. `token_ids` [T]: side information the decoder must be given again
     (a hash of them is stored and checked). `seq_lens` [S] (sum T): the sequences, each
-    decodable alone; packed into chunks of up to `chunk_tokens` tokens."""
+    decodable alone; packed into chunks of up to `chunk_tokens` tokens. `backend`: "numpy",
+    "triton" (the per-row transform in Triton, on the routing's device: only the narrow
+    sorted ids and the permutation codes leave it), or "auto" (Triton for a tensor on a GPU)."""
     _check_order(order)
     _check_level(level)
     if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) \
@@ -548,7 +554,11 @@ def encode(routing, *, num_experts: int, order: str = "keep", level: int = DEFAU
         raise CodecError(f"num_experts must be an integer in 1..{MAX_EXPERTS}, got "
                          f"{num_experts!r}")
     E = int(num_experts)
-    canon = _canonical(routing, E)
+    if _use_triton(backend, routing, order, "encode") and not (
+            order == "keep" and routing.dim() == 3 and routing.shape[2] > MAX_LEHMER_K):
+        canon = _DeviceRouting(routing, E)
+    else:
+        canon = _canonical(routing, E)
     T, L, K = canon.shape
     if K > 0xFFFF or L > 0xFFFFFFFF:
         raise CodecError(f"routing shape {canon.shape} is too large (K <= 65535)")
@@ -559,6 +569,123 @@ def encode(routing, *, num_experts: int, order: str = "keep", level: int = DEFAU
     head = _blob_header(order, E, L, K, tok is not None)
     return b"".join([head] + _chunks_bytes(canon, tok, order, E, level, lens, chunk_tokens,
                                            0, False))
+
+
+# ---------------------------------------------------------------------------- Triton path
+BACKENDS = ("auto", "numpy", "triton")
+
+
+def _triton_ok() -> bool:
+    try:
+        from replay_ops.triton_kernels import codec as _  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _use_triton(backend: str, t, order: str, who: str) -> bool:
+    if backend not in BACKENDS:
+        raise CodecError(f"{who}: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "numpy":
+        return False
+    if backend == "triton":
+        if not isinstance(t, torch.Tensor):
+            raise CodecError(f"{who}: backend='triton' needs a torch tensor")
+        if not _triton_ok():
+            raise CodecError(f"{who}: backend='triton' but Triton is not available")
+        return True
+    return (isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta")
+            and _triton_ok())
+
+
+def _device_narrow(E: int) -> torch.dtype:
+    return torch.uint8 if E <= 0xFF else torch.int16 if E <= 0x7FFF else torch.int32
+
+
+class _DeviceRouting:
+    """Routing on its device, checked there; `pre(a, b, order)` runs the Triton transform on
+    tokens a:b and returns what `_encode_chunk` takes (host arrays)."""
+
+    def __init__(self, routing: torch.Tensor, E: int) -> None:
+        x = routing.detach()
+        if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+            raise CodecError(f"routing must hold integers, got dtype {x.dtype}")
+        if x.dim() != 3:
+            raise CodecError(f"routing must be [T, L, K], got shape {tuple(x.shape)}")
+        if x.numel():
+            bad = (x < -1) | (x > E - 1)
+            if bool(bad.any()):
+                pos = [int(v) for v in bad.nonzero()[0]]
+                raise CodecError(f"routing[{pos[0]}, {pos[1]}, {pos[2]}] = "
+                                 f"{int(x[pos[0], pos[1], pos[2]])} is out of range for "
+                                 f"num_experts={E} (valid: 0..{E - 1}, -1 = empty slot)")
+        self.x, self.E, self.shape = x, E, tuple(x.shape)
+
+    def pre(self, a: int, b: int, order: str):
+        from replay_ops.triton_kernels import codec as tk
+
+        T, L, K = b - a, self.shape[1], self.shape[2]
+        rows = self.x[a:b].reshape(T * L, K)
+        srt_d, code_d = tk.sort_rows(rows, self.E, order, _device_narrow(self.E))
+        w = id_width(self.E)
+        srt = srt_d.cpu().numpy()
+        srt = srt if srt.dtype == _NARROW[w] else srt.astype(_NARROW[w])
+        perm = None
+        if order == "keep":
+            pw = lehmer_width(K)
+            if code_d is None or not pw:
+                perm = np.zeros((T * L, pw), np.uint8)
+            else:
+                small = torch.int32 if math.factorial(K) <= 2**31 else torch.int64
+                code = code_d.to(small).cpu().numpy()
+                perm = np.ascontiguousarray(code.astype(f"<u{pw}")).view(np.uint8)
+                perm = perm.reshape(T * L, pw)
+        return srt.reshape(T, L, K), perm
+
+
+def _decode_into_device(buf, ch, inf, tok, dst: torch.Tensor) -> None:
+    """Decode one chunk on the host up to the canonical rows (checksummed), then unsort and
+    write on dst's device with the Triton kernel; the written routing is checked there (its
+    canonical form re-derived and compared)."""
+    from replay_ops.triton_kernels import codec as tk
+
+    T, L, K, E = ch.num_tokens, inf.num_layers, inf.top_k, inf.num_experts
+    if T * L * K == 0:
+        return
+    res = _decode_chunk(buf, ch, inf.order, E, L, K, tok, device=True)
+    if inf.order == "keep" and isinstance(res, tuple):
+        srt, pc = res
+    else:  # raw chunks come back in their final form; set chunks need no permutation
+        srt, pc = (res, None) if inf.order == "set" else sort_rows(
+            res.reshape(T * L, K), "keep", E)
+    dev = dst.device
+    nd = _device_narrow(E)
+    srt_d = torch.from_numpy(np.array(srt.reshape(T * L, K), dtype=(
+        np.int32 if nd == torch.int32 else np.int16 if nd == torch.int16 else np.uint8))).to(dev)
+    code_d = None
+    if inf.order == "keep" and K > 1:
+        pw = pc.shape[1]
+        code = np.ascontiguousarray(pc).view(f"<u{pw}").reshape(-1).astype(np.int64) \
+            if pw else np.zeros(T * L, np.int64)
+        code_d = torch.from_numpy(code).to(dev)
+    flat = dst.view(T * L, K) if _viewable(dst) else torch.empty(T * L, K, dtype=dst.dtype,
+                                                                 device=dev)
+    tk.unsort_rows(srt_d, code_d, E, flat)
+    # check what was written: its canonical form must be what the checksum covered
+    again, code2 = tk.sort_rows(flat, E, "keep" if code_d is not None else "set", nd)
+    if not torch.equal(again, srt_d) or (code_d is not None and not torch.equal(code2, code_d)):
+        _fail(ch.offset, "the routing written on the device does not match the decoded "
+                         "chunk (device transform check failed)")
+    if flat.data_ptr() != dst.data_ptr() or not _viewable(dst):
+        dst.copy_(flat.view(T, L, K))
+
+
+def _viewable(t: torch.Tensor) -> bool:
+    try:
+        t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return False
+    return True
 
 
 def append(blob: bytes, routing, *, token_ids=None, seq_lens=None, continue_last=False,
@@ -800,11 +927,29 @@ def _output(shape, E: int, device, dtype, out) -> torch.Tensor:
     return out
 
 
+def _chunk_into(buf, ch: ChunkInfo, inf: BlobInfo, tok, dst: torch.Tensor, a: int, b: int,
+                on_device: bool) -> None:
+    """Rows a:b of chunk `ch`, decoded and verified, into dst."""
+    if on_device:
+        if (a, b) == (0, ch.num_tokens):
+            _decode_into_device(buf, ch, inf, tok, dst)
+        else:
+            tmp = torch.empty((ch.num_tokens,) + tuple(dst.shape[1:]), dtype=dst.dtype,
+                              device=dst.device)
+            _decode_into_device(buf, ch, inf, tok, tmp)
+            dst.copy_(tmp[a:b])
+        return
+    c = _decode_chunk(buf, ch, inf.order, inf.num_experts, inf.num_layers, inf.top_k, tok)
+    _widen_into(c[a:b], inf.num_experts, dst)
+
+
 def decode(blob, *, token_ids=None, device=None, dtype: torch.dtype | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """Decode a whole blob into `[T, L, K]` (int16 when num_experts <= 32767, else int32;
     -1 = empty slot). `token_ids` [T]: required, and must be the same ids, when the blob was
-    encoded with them. `device`/`dtype` choose the new tensor's; `out` is filled instead."""
+    encoded with them. `device`/`dtype` choose the new tensor's; `out` is filled instead.
+    `backend`: "auto" (Triton when the output is on a GPU: the permutation is undone and
+    scattered there, straight into the tensor), "triton" or "numpy"."""
     buf = memoryview(blob).cast("B")
     inf = info(buf)
     T = inf.num_tokens
@@ -815,19 +960,19 @@ def decode(blob, *, token_ids=None, device=None, dtype: torch.dtype | None = Non
                              "token ids")
         tok = _token_array(token_ids, T, "token_ids")
     res = _output((T, inf.num_layers, inf.top_k), inf.num_experts, device, dtype, out)
+    on_device = _use_triton(backend, res, inf.order, "decode")
     a = 0
     for ch in inf.chunks:
         b = a + ch.num_tokens
-        c = _decode_chunk(buf, ch, inf.order, inf.num_experts, inf.num_layers, inf.top_k,
-                          None if tok is None else tok[a:b])
-        _widen_into(c, inf.num_experts, res[a:b])
+        _chunk_into(buf, ch, inf, None if tok is None else tok[a:b], res[a:b], 0,
+                    ch.num_tokens, on_device)
         a = b
     return res
 
 
 def decode_sequence(blob, index: int, *, token_ids=None, device=None,
                     dtype: torch.dtype | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """Decode sequence `index` alone (only the chunks that hold it are decompressed).
     `token_ids`, when the blob has them: the whole blob's token ids, or that sequence's own
     (all of its turns) when none of its chunks holds another sequence (chunk_tokens=1)."""
@@ -856,6 +1001,7 @@ def decode_sequence(blob, index: int, *, token_ids=None, device=None,
         else:
             tok = t.astype(np.int64, copy=False)
     res = _output((n, inf.num_layers, inf.top_k), inf.num_experts, device, dtype, out)
+    on_device = _use_triton(backend, res, inf.order, "decode_sequence")
     done = 0
     for ch in mine:
         cu = np.concatenate([[0], np.cumsum(ch.seq_lens)])
@@ -866,8 +1012,7 @@ def decode_sequence(blob, index: int, *, token_ids=None, device=None,
             ctok = tok[ch.token_start:ch.token_start + ch.num_tokens]
         else:
             ctok = tok[done:done + (b - a)]
-        c = _decode_chunk(buf, ch, inf.order, inf.num_experts, inf.num_layers, inf.top_k, ctok)
-        _widen_into(c[a:b], inf.num_experts, res[done:done + (b - a)])
+        _chunk_into(buf, ch, inf, ctok, res[done:done + (b - a)], a, b, on_device)
         done += b - a
     return res
 
@@ -880,6 +1025,7 @@ __all__ = [
     "DEFAULT_CHUNK_TOKENS",
     "DEFAULT_LEVEL",
     "FORMAT_VERSION",
+    "BACKENDS",
     "append",
     "decode",
     "decode_sequence",
