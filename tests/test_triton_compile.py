@@ -68,7 +68,8 @@ def test_every_kernel_has_a_launch_and_every_launch_sets_fp_fusion():
                        "_gate_bwd_kernel", "_permute_fwd_kernel", "_gather_sum_kernel",
                        "_unpermute_bwd_dx_kernel", "_unpermute_bwd_dw_kernel",
                        "_gate_dense_fwd_kernel", "_gate_dense_bwd_kernel",
-                       "_permute_probs_fwd_kernel", "_permute_probs_bwd_kernel"}
+                       "_permute_probs_fwd_kernel", "_permute_probs_bwd_kernel",
+                       "_codec_sort_kernel", "_codec_unsort_kernel"}
 
 
 def test_rules_flag_what_they_should():

@@ -13,7 +13,8 @@ equal to the numpy transform of the codec (`codec.sort_rows` and its inverse).
              p[r, j]   = slot of the j-th smallest key
              code[r]   = sum_j c_j * (K-1-j)!,  c_j = #{i > j : p[i] < p[j]}   (Lehmer code,
                                                          "keep" only; K <= 20)
-    unsort:  the digits c_j = (code // (K-1-j)!) mod (K-j), then p from c (for j from K-2
+    unsort:  given the Lehmer digits c_j (split from the code on the host, `codec.
+             lehmer_digits`: no 64-bit division on the GPU), p from c (for j from K-2
              down to 0: every later p[i] >= p[j] moves up by one), then
              out[r, p[r, j]] = sorted[r, j]  with E written as -1   ("set": p = identity)
 
@@ -75,7 +76,7 @@ def _codec_sort_kernel(
 @triton.jit
 def _codec_unsort_kernel(
     # inputs
-    Sorted_ptr, Code_ptr, W_ptr,
+    Sorted_ptr, Digits_ptr,
     # outputs
     Out_ptr,
     # sizes and strides
@@ -92,11 +93,7 @@ def _codec_unsort_kernel(
     srt = tl.load(Sorted_ptr + r[:, None] * K + col[None, :], mask=m2, other=0).to(tl.int64)
     val = tl.where(srt == E, -1, srt)
     if KEEP:
-        code = tl.load(Code_ptr + r, mask=rmask, other=0)
-        w = tl.load(W_ptr + col, mask=cmask, other=1)
-        radix = tl.where(cmask, K - col, 1).to(tl.int64)
-        p = ((code[:, None] // w[None, :]) % radix[None, :]).to(tl.int32)
-        p = tl.where(cmask[None, :], p, 0)
+        p = tl.load(Digits_ptr + r[:, None] * K + col[None, :], mask=m2, other=0).to(tl.int32)
         for jj in tl.static_range(KP - 1):
             j = KP - 2 - jj  # from the back
             if j < K - 1:
@@ -154,23 +151,28 @@ def sort_rows(routing: torch.Tensor, num_experts: int, order: str, sorted_dtype=
     return srt, code
 
 
-def unsort_rows(sorted_ids: torch.Tensor, code: torch.Tensor | None, num_experts: int,
+def unsort_rows(sorted_ids: torch.Tensor, digits: torch.Tensor | None, num_experts: int,
                 out: torch.Tensor) -> torch.Tensor:
     """Inverse of `sort_rows`, written into `out` [N, K] (any integer dtype, any strides):
-    the ids in their original slots (code given) or sorted (code None), -1 for empty."""
+    the ids in their original slots (`digits` [N, K] uint8: the Lehmer digits of each row's
+    code, `codec.lehmer_digits`) or sorted (digits None), -1 for empty.
+
+    NOTE: the digits come from the host (K bytes per row, the size of the int64 code at
+    K = 8): splitting the code on the GPU takes 64-bit divisions, a subroutine call each
+    (tools/triton_compile_check.py refuses them)."""
     N, K = sorted_ids.shape
     if tuple(out.shape) != (N, K):
         raise ValueError(f"unsort_rows: out has shape {tuple(out.shape)}, expected {(N, K)}")
     if N == 0 or K == 0:
         return out
-    keep = code is not None and K > 1
+    keep = digits is not None and K > 1
     sorted_ids = sorted_ids.contiguous()
+    digits = digits.contiguous() if keep else sorted_ids
     kp = _kp(K)
-    w = _weights(K, sorted_ids.device)
     br = _block_rows(kp)
     with device_ctx(out):
         _codec_unsort_kernel[(triton.cdiv(N, br),)](
-            sorted_ids, code.contiguous() if keep else w, w, out, N, K, num_experts,
+            sorted_ids, digits, out, N, K, num_experts,
             out.stride(0), out.stride(1), KP=kp, KEEP=keep, BLOCK_R=br, **LAUNCH_OPTIONS,
         )
     return out

@@ -255,6 +255,22 @@ def _perm_encode(perm: list[np.ndarray], k: int) -> np.ndarray:
                                 ).view(np.uint8).reshape(n, w)
 
 
+def lehmer_digits(code: np.ndarray, k: int) -> np.ndarray:
+    """Lehmer codes [N] (below k!) -> their digits [N, k] uint8: c_j = #{i > j : p[i] < p[j]}
+    (digit j in radix k - j). A code not below k! raises CodecError."""
+    code = np.asarray(code).astype(np.uint64)
+    n = code.shape[0]
+    digits = np.zeros((n, k), np.uint8)
+    for j in range(k - 2, -1, -1):
+        radix = np.uint64(k - j)
+        digits[:, j] = code % radix
+        code = code // radix
+    if np.any(code):
+        bad = int(np.flatnonzero(code)[0])
+        raise CodecError(f"permutation code of row {bad} is not below {k}! (corrupt)")
+    return digits
+
+
 def _perm_decode(code_bytes: np.ndarray, k: int) -> list[np.ndarray]:
     """Inverse of `_perm_encode`: [N, width] bytes -> perm[j] arrays."""
     n = code_bytes.shape[0]
@@ -263,18 +279,10 @@ def _perm_decode(code_bytes: np.ndarray, k: int) -> list[np.ndarray]:
         p = np.ascontiguousarray(code_bytes).view(dt).reshape(n, k)
         return [p[:, j] for j in range(k)]
     w = lehmer_width(k)
-    code = (np.ascontiguousarray(code_bytes).view(f"<u{w}").reshape(n).astype(np.uint64)
+    code = (np.ascontiguousarray(code_bytes).view(f"<u{w}").reshape(n)
             if w else np.zeros(n, np.uint64))
-    digits = [None] * k
-    digits[k - 1] = np.zeros(n, np.uint8)
-    for j in range(k - 2, -1, -1):
-        radix = np.uint64(k - j)
-        digits[j] = (code % radix).astype(np.uint8)
-        code //= radix
-    if np.any(code):
-        bad = int(np.flatnonzero(code)[0])
-        raise CodecError(f"permutation code of row {bad} is not below {k}! (corrupt)")
-    p = list(digits)
+    d = lehmer_digits(code, k)
+    p = [d[:, j] for j in range(k)]
     for j in range(k - 2, -1, -1):
         pj = p[j]
         for i in range(j + 1, k):
@@ -662,15 +670,20 @@ def _decode_into_device(buf, ch, inf, tok, dst: torch.Tensor) -> None:
     nd = _device_narrow(E)
     srt_d = torch.from_numpy(np.array(srt.reshape(T * L, K), dtype=(
         np.int32 if nd == torch.int32 else np.int16 if nd == torch.int16 else np.uint8))).to(dev)
-    code_d = None
+    code_d = digits_d = None
     if inf.order == "keep" and K > 1:
         pw = pc.shape[1]
         code = np.ascontiguousarray(pc).view(f"<u{pw}").reshape(-1).astype(np.int64) \
             if pw else np.zeros(T * L, np.int64)
+        try:
+            digits = lehmer_digits(code, K)
+        except CodecError as e:
+            _fail(ch.payload_offset, str(e))
         code_d = torch.from_numpy(code).to(dev)
+        digits_d = torch.from_numpy(digits).to(dev)
     flat = dst.view(T * L, K) if _viewable(dst) else torch.empty(T * L, K, dtype=dst.dtype,
                                                                  device=dev)
-    tk.unsort_rows(srt_d, code_d, E, flat)
+    tk.unsort_rows(srt_d, digits_d, E, flat)
     # check what was written: its canonical form must be what the checksum covered
     again, code2 = tk.sort_rows(flat, E, "keep" if code_d is not None else "set", nd)
     if not torch.equal(again, srt_d) or (code_d is not None and not torch.equal(code2, code_d)):
