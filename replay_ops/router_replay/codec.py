@@ -56,8 +56,8 @@ device, contiguous or not) of shape [T, L, K].
             magic b"RRCK", first_seq u32, num_seqs u32, continues u8 (1: the first sequence
             continues sequence first_seq of an earlier chunk), method u8 (0 raw, 1 zstd),
             layout u8 (0 token-major, 1 grouped by token and layer-major), width u8,
-            num_tokens u64, payload_len u64, token_hash u64 (blake2b-8 of the chunk's token
-            ids as int64; 0 without), content_crc u32 (crc32 of the decoded canonical rows
+            num_tokens u64, payload_len u64, token_hash u64 (crc32 << 32 | adler32 of the
+            chunk's token ids as int64; 0 without), content_crc u32 (crc32 of the decoded canonical rows
             in token order, narrow, row-major: the check that what decode returns is what was
             encoded), payload_crc u32, crc32 of the chunk header before it and the sequence
             lengths after it (u32)
@@ -73,7 +73,6 @@ whose content crc32 differs is refused, so decoding never returns wrong routing.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import struct
 import threading
@@ -339,8 +338,11 @@ def _token_array(token_ids, n: int, who: str) -> np.ndarray:
 
 
 def _token_hash(tok: np.ndarray) -> int:
-    h = hashlib.blake2b(np.ascontiguousarray(tok, dtype="<i8").tobytes(), digest_size=8)
-    return int.from_bytes(h.digest(), "little") or 1
+    """64 bits: crc32 and adler32 of the ids as little-endian int64 (never 0: 0 means "no
+    token ids"). NOTE: 0.05 ms for 16384 ids against 0.5 ms for blake2b; it detects ids that
+    differ by accident (the wrong batch, a shifted slice), it is no defence against forgery."""
+    b = np.ascontiguousarray(tok, dtype="<i8").view(np.uint8)
+    return ((zlib.crc32(b) << 32) | zlib.adler32(b)) or 1
 
 
 def _seq_lens(seq_lens, n: int) -> list[int]:
@@ -909,16 +911,18 @@ def _widen_into(canon: np.ndarray, E: int, dst: torch.Tensor) -> None:
     1M elements on the 2-core test machine, against 0.3 ms here)."""
     if canon.size == 0:
         return
-    empty = canon == E
+    # NOTE: the max (a fast reduction) settles most chunks: no slot holds the sentinel
+    empty = canon == E if canon.max() >= E else None
     if dst.device.type == "cpu" and not dst.requires_grad:
         dn = dst.numpy()
         np.copyto(dn, canon, casting="unsafe")
-        if empty.any():
+        if empty is not None:
             dn[empty] = -1
         return
     signed = {1: np.int16, 2: np.int32, 4: np.int64}[canon.dtype.itemsize]
     a = canon.astype(signed)
-    a[empty] = -1
+    if empty is not None:
+        a[empty] = -1
     dst.copy_(torch.from_numpy(a).to(dst.dtype))
 
 
