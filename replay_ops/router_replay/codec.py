@@ -56,11 +56,12 @@ device, contiguous or not) of shape [T, L, K].
             magic b"RRCK", first_seq u32, num_seqs u32, continues u8 (1: the first sequence
             continues sequence first_seq of an earlier chunk), method u8 (0 raw, 1 zstd),
             layout u8 (0 token-major, 1 grouped by token and layer-major), width u8,
-            num_tokens u64, payload_len u64, token_hash u64 (crc32 << 32 | adler32 of the
-            chunk's token ids as int64; 0 without), content_crc u32 (crc32 of the decoded canonical rows
-            in token order, narrow, row-major: the check that what decode returns is what was
-            encoded), payload_crc u32, crc32 of the chunk header before it and the sequence
-            lengths after it (u32)
+            num_tokens u64, payload_len u64, token_hash u64 (crc32 << 32 | adler32 of
+            the chunk's token ids as int64; 0 without), content_crc u32 (crc32 of the chunk's
+            canonical rows: the sorted narrow ids in token order, then for "keep" the
+            permutation code bytes; decoders re-derive them from the routing they return),
+            payload_crc u32, crc32 of the chunk header before it and the sequence lengths
+            after it (u32)
         seq_lens  u32 * num_seqs
         payload   payload_len bytes
 
