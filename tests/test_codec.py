@@ -64,7 +64,9 @@ def routing_case(draw):
         x.reshape(-1)[0] = E - 1
     order = draw(st.sampled_from(codec.ORDERS))
     with_tok = draw(st.booleans())
-    tok = rng.integers(0, draw(st.sampled_from([3, 50000])), size=T) if with_tok else None
+    # token ids: few distinct, 16-bit (radix-sorted), wide, and negative (other sort paths)
+    lo, hi = draw(st.sampled_from([(0, 3), (0, 50000), (0, 1 << 20), (-7, 7)]))
+    tok = rng.integers(lo, hi, size=T) if with_tok else None
     cuts = sorted(draw(st.lists(st.integers(0, T), max_size=4)))
     lens = np.diff([0] + cuts + [T]).tolist()
     chunk = draw(st.sampled_from([1, 5, 16384]))
@@ -451,3 +453,11 @@ def test_triton_backend_checks_what_it_wrote(monkeypatch):
         codec.decode(blob, token_ids=t, backend="triton")
     with pytest.raises(CodecError, match="backend must be one of"):
         codec.decode(blob, token_ids=t, backend="cuda")
+
+
+def test_group_order_is_the_stable_order_on_every_path():
+    rng = np.random.default_rng(10)
+    for lo, hi in [(0, 5), (0, 60000), (0, 1 << 40), (-(1 << 40), 5)]:
+        t = rng.integers(lo, hi, size=300)
+        t[::7] = t[0]
+        np.testing.assert_array_equal(codec._group_order(t), np.argsort(t, kind="stable"))
