@@ -53,7 +53,7 @@ NOTES = """## Reading the results
   occurrences (one vectorised step per occurrence index: hundreds of steps for frequent
   tokens), which the 1 GB/s decode target rules out in numpy; a native or GPU decoder
   would make it usable.
-* Decode with token ids (about 0.8 GB/s) pays for regrouping: sorting the token ids
+* Decode with token ids (0.9 GB/s on this machine) pays for regrouping: sorting the token ids
   again and one gather per chunk; without token ids the decode is above 1 GB/s.
 * `keep` stores each row's order as a Lehmer code: log2(8!) = 15.3 bits per row, about
   half of the bytes; the experts' score order is close to random against their ids, so it
