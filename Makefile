@@ -20,7 +20,7 @@ install-torch:
 		|| $(PIP) "$(TORCH_SPEC)"
 
 install: install-torch
-	$(PIP) triton numpy pyyaml omegaconf safetensors tqdm matplotlib "transformers>=5.0"
+	$(PIP) triton numpy pyyaml omegaconf safetensors tqdm matplotlib "transformers>=5.0" zstandard
 	$(PIP) --no-build-isolation -e .
 
 # The real clients the suite runs against, pinned, without their optional extras:
@@ -37,7 +37,7 @@ MCORE_NEW ?= 0.19.2
 MCORE_NEW_DIR = build/mcore-$(MCORE_NEW)
 VERL_PIN ?= 0.9.1
 install-test: install
-	$(PIP) pytest
+	$(PIP) pytest hypothesis
 	$(PIP) --no-deps "megatron-core==$(MCORE_PIN)"
 	$(PIP) numpy packaging
 	$(PIP) --no-deps "verl==$(VERL_PIN)" "ray==2.60.0" "tensordict==0.10.0" "pyvers==0.2.3" \

@@ -293,14 +293,14 @@ def native_extensions():
 
 pkgs = find_subpackages()
 ext_modules, cmdclass, native_info = native_extensions()
-requires = [f"torch{TORCH_RANGE}", "numpy"]
+requires = [f"torch{TORCH_RANGE}", "numpy", "zstandard"]
 version = VERSION
 if native_info is not None:
     # Every build that compiles the library (a wheel, an editable or a plain install) pins
     # the torch release it was built against: pip then never pairs it with another torch,
     # and says so when torch is changed under an installed copy.
     torch_pin, version = wheel_pins(native_info)
-    requires = [torch_pin, "numpy"]
+    requires = [torch_pin, "numpy", "zstandard"]
     print(f"replay_ops: {version} requires {torch_pin} (the torch its library is built for)")
 
 setup(
@@ -317,6 +317,6 @@ setup(
         "triton": ["triton"],
         "replay": ["omegaconf", "pyyaml", "safetensors"],
         "demo": ["tqdm", "matplotlib"],
-        "test": ["pytest"],
+        "test": ["pytest", "hypothesis"],
     },
 )

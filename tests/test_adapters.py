@@ -434,3 +434,52 @@ def test_verl_bad_replay_mask_and_zero_rows_arguments():
         from_verl_padded(routed, att, layout, replay_mask=has.long())
     with pytest.raises(ValueError, match=r"zero_rows must be one of .*got 'skip'"):
         from_verl_padded(routed, att, layout, zero_rows="skip")
+
+
+# ------------------------------------------------------------------ ReplayBatch as bytes
+def _same_batch(a, b):
+    assert torch.equal(a.indices, b.indices) and a.indices.dtype == b.indices.dtype
+    assert torch.equal(a.replay_mask, b.replay_mask)
+    assert (a.cu_seqlens is None) == (b.cu_seqlens is None)
+    if a.cu_seqlens is not None:
+        assert torch.equal(a.cu_seqlens, b.cu_seqlens)
+    assert a.mappings == b.mappings and a.layer_index == b.layer_index
+
+
+@pytest.mark.parametrize("kind", ["padded", "thd"])
+def test_replay_batch_bytes_and_pickle_round_trip(kind):
+    import pickle
+
+    from replay_ops.router_replay.adapters import ReplayBatch
+
+    reqs = requests(5)
+    reqs[1] = None
+    b = vllm_batch(reqs, PROMPTS, RESPONSES, LAYOUT, layout_kind=kind, allow_missing=True)
+    _same_batch(b, ReplayBatch.from_bytes(b.to_bytes(num_experts=E)))
+    _same_batch(b, pickle.loads(pickle.dumps(b)))  # Ray pickles task arguments
+    # the order of each row's experts is kept (replay must not sort it)
+    assert not torch.equal(b.indices, b.indices.sort(dim=-1).values)
+
+
+def test_replay_batch_bytes_are_compact_and_checked():
+    import pickle
+
+    from replay_ops.router_replay.adapters import ReplayBatch
+    import os
+
+    d = np.load(os.path.join(os.path.dirname(__file__), "..", "bench", "data",
+                             "dev_qwen3moe_e128_k8_l8.npz"))
+    r = torch.from_numpy(d["routing_trained"][:4096].astype(np.int16))
+    cu = torch.arange(0, 4097, 512)
+    b = ReplayBatch(r, torch.ones(4096, dtype=torch.bool), cu, ["moe"] * 8)
+    data = pickle.dumps(b)
+    assert len(data) * 3 < r.numel() * 2  # order kept, no token ids: > 3x below int16
+    _same_batch(b, pickle.loads(data))
+    blob = b.to_bytes(num_experts=128)
+    for i in (5, 30, len(blob) - 1):  # header, mask/JSON, codec payload
+        bad = bytearray(blob)
+        bad[i] ^= 0x10
+        with pytest.raises(RoutingMismatchError, match="ReplayBatch.from_bytes"):
+            ReplayBatch.from_bytes(bytes(bad))
+    with pytest.raises(RoutingMismatchError, match="not a ReplayBatch payload"):
+        ReplayBatch.from_bytes(b"RRCODEC\x00" + bytes(40))

@@ -46,15 +46,19 @@ def routing(N, L=3, K=2, E=8, seed=0) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ format and round trip
+@pytest.mark.parametrize("encoding", files.ENCODINGS)
 @pytest.mark.parametrize("E, dtype", [(8, np.uint8), (255, np.uint8), (256, np.int16),
                                       (32767, np.int16)])
-def test_smallest_dtype_and_round_trip(tmp_path, E, dtype):
+def test_smallest_dtype_and_round_trip(tmp_path, E, dtype, encoding):
     p = tmp_path / "r.safetensors"
     idx = routing(7, E=E, seed=E)
     idx[3] = -1  # a token with no route
     idx[5, 1, 1] = -1  # one empty slot
-    write_routing(p, idx, meta(E=E), cu_seqlens=[0, 3, 3, 7])
+    write_routing(p, idx, meta(E=E), cu_seqlens=[0, 3, 3, 7], encoding=encoding)
     rf = open_routing(p)
+    assert rf.encoding == encoding
+    if encoding == "codec":
+        dtype = np.int16  # decoded
     assert rf.dtype == np.dtype(dtype)
     out = rf.indices()
     assert out.dtype == torch.int16 and torch.equal(out.to(torch.int32), idx)
@@ -62,7 +66,7 @@ def test_smallest_dtype_and_round_trip(tmp_path, E, dtype):
     assert torch.equal(rf.sequence(2).to(torch.int32), idx[3:7])
     assert rf.sequence(1).shape == (0, 3, 2)
     assert rf.replay_mask().tolist() == [True, True, True, False, True, True, True]
-    if dtype == np.uint8:  # the stored sentinel for an empty slot is 255
+    if dtype == np.uint8 and encoding == "raw":  # the stored sentinel for an empty slot is 255
         assert int(rf.raw()[5, 1, 1]) == 255
     m = rf.meta
     assert (m.num_experts, m.top_k, m.moe_layer_ids, m.num_hidden_layers, m.layer_index,
@@ -77,14 +81,15 @@ def test_too_many_experts():
 def test_readable_by_safetensors_and_documented_layout(tmp_path):
     p = tmp_path / "r.safetensors"
     idx = routing(5, seed=1)
-    write_routing(p, idx, meta(), cu_seqlens=[0, 2, 5])
+    write_routing(p, idx, meta(), cu_seqlens=[0, 2, 5], encoding="raw")
     with safe_open(str(p), framework="pt") as f:
         md = f.metadata()
         assert sorted(f.keys()) == ["cu_seqlens", "indices"]
         assert f.get_tensor("indices").dtype == torch.uint8
         assert torch.equal(f.get_tensor("indices").to(torch.int32), idx)
         assert f.get_tensor("cu_seqlens").tolist() == [0, 2, 5]
-    assert md["format"] == "replay_ops.router_replay" and md["format_version"] == "2"
+    assert md["format"] == "replay_ops.router_replay" and md["format_version"] == "3"
+    assert md["indices_encoding"] == "raw" and json.loads(md["indices_shape"]) == [5, 3, 2]
     assert json.loads(md["moe_layer_ids"]) == MOE_IDS
     assert (md["num_experts"], md["top_k"], md["layer_index"], md["empty_value"]) == (
         "8", "2", "moe", "255")
@@ -104,7 +109,7 @@ def test_readable_by_safetensors_and_documented_layout(tmp_path):
 
 def test_int16_read_is_a_view_of_the_memory_map(tmp_path):
     p = tmp_path / "r.safetensors"
-    write_routing(p, routing(64, E=300, seed=2), meta(E=300))
+    write_routing(p, routing(64, E=300, seed=2), meta(E=300), encoding="raw")
     rf = open_routing(p)
     assert isinstance(rf.raw_np, np.memmap)
     t = rf.indices(10, 20)
@@ -188,7 +193,7 @@ KILLED_WRITER = textwrap.dedent(
     idx = torch.stack([t % 8, (t + 1) % 8], -1)[:, None, :].expand(n, 3, 2).to(torch.int32)
     meta = files.RecordMeta(num_experts=8, top_k=2, moe_layer_ids=[1, 2, 4],
                             num_hidden_layers=5, model_name="tiny")
-    files.append_routing(path, idx, meta)
+    files.append_routing(path, idx, meta, encoding="raw")
     print("DONE", flush=True)
     """
 )
@@ -197,7 +202,7 @@ KILLED_WRITER = textwrap.dedent(
 def test_killed_writer_leaves_previous_file_intact(tmp_path):
     p = tmp_path / "r.safetensors"
     old = routing(50, seed=9)
-    write_routing(p, old, meta(), cu_seqlens=[0, 20, 50])
+    write_routing(p, old, meta(), cu_seqlens=[0, 20, 50], encoding="raw")
     before = p.read_bytes()
     script = tmp_path / "writer.py"
     script.write_text(KILLED_WRITER)
@@ -234,7 +239,7 @@ def test_killed_writer_leaves_previous_file_intact(tmp_path):
 @pytest.fixture
 def good(tmp_path):
     p = tmp_path / "good.safetensors"
-    write_routing(p, routing(40, seed=11), meta(), cu_seqlens=[0, 15, 40])
+    write_routing(p, routing(40, seed=11), meta(), cu_seqlens=[0, 15, 40], encoding="raw")
     return p
 
 
@@ -286,11 +291,11 @@ def test_wrong_checksum(good, tmp_path):
 
 def test_version_mismatch(good, tmp_path):
     data = good.read_bytes()
-    assert data.count(b'"format_version":"2"') == 1
-    p = tmp_path / "v3.safetensors"
-    p.write_bytes(data.replace(b'"format_version":"2"', b'"format_version":"3"'))
-    with pytest.raises(RoutingFileError, match=r"v3.safetensors.*format_version '3' is not "
-                                               r"supported; this reader reads versions 1, 2"):
+    assert data.count(b'"format_version":"3"') == 1
+    p = tmp_path / "v4.safetensors"
+    p.write_bytes(data.replace(b'"format_version":"3"', b'"format_version":"4"'))
+    with pytest.raises(RoutingFileError, match=r"v4.safetensors.*format_version '4' is not "
+                                               r"supported; this reader reads versions 1, 2, 3"):
         open_routing(p)
 
 
@@ -320,7 +325,7 @@ def test_shape_mismatch_names_file_and_both_values(good):
 def test_router_replay_load_selects_sequences_and_views_the_map(tmp_path):
     p = tmp_path / "r.safetensors"
     idx = routing(9, E=300, seed=12)
-    write_routing(p, idx, meta(E=300), cu_seqlens=[0, 4, 6, 9])
+    write_routing(p, idx, meta(E=300), cu_seqlens=[0, 4, 6, 9], encoding="raw")
     rr = RouterReplay(RouterReplayConfig(mode="R2"), num_experts=300, top_k=2,
                       moe_layer_ids=MOE_IDS, num_hidden_layers=5)
     rf = rr.load(p, sequences=(1, 3))
@@ -510,3 +515,112 @@ def test_version_1_files_stay_readable_and_a_damaged_key_is_refused(good, tmp_pa
     with pytest.raises(RoutingFileError, match=r"format_version 1 metadata keys \['model_name'\] "
                                                r"are missing"):
         open_routing(p)
+
+
+# ------------------------------------------------------------------ version 3: codec files
+DATA = os.path.join(os.path.dirname(__file__), "data")
+
+
+@pytest.mark.parametrize("name", ["u8", "i16"])
+def test_version_2_files_written_by_the_version_2_writer_stay_readable(name, tmp_path):
+    """tests/data/record_v2_*.safetensors were written by the version 2 writer (before the
+    codec); they read, their checksums are still checked."""
+    path = os.path.join(DATA, f"record_v2_{name}.safetensors")
+    want = torch.from_numpy(np.load(os.path.join(DATA, f"record_v2_{name}_indices.npy")))
+    rf = open_routing(path)
+    assert rf.format_version == 2 and rf.encoding == "raw" and rf.meta.model_name == "fixture"
+    assert rf.dtype == (np.uint8 if name == "u8" else np.int16)
+    assert torch.equal(rf.indices(), want)
+    assert rf.cu_seqlens.tolist() == [0, 7, 7, 23]
+    assert torch.equal(rf.sequence(2), want[7:23])
+    data = bytearray(open(path, "rb").read())
+    data[-5] ^= 0x01
+    bad = tmp_path / "v2_flipped.safetensors"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(RoutingFileError, match="checksum mismatch"):
+        open_routing(bad)
+    # appending to a version 2 file writes a version 3 file holding both
+    p = tmp_path / "grown.safetensors"
+    p.write_bytes(open(path, "rb").read())
+    E = rf.meta.num_experts
+    more = routing(4, L=3, K=4, E=E, seed=40)
+    append_routing(p, more, rf.meta)
+    grown = open_routing(p)
+    assert grown.format_version == 3 and grown.encoding == "codec"
+    assert torch.equal(grown.indices(), torch.cat([want, more.to(torch.int16)]))
+
+
+@pytest.fixture
+def good_codec(tmp_path):
+    p = tmp_path / "good_codec.safetensors"
+    write_routing(p, routing(40, seed=11), meta(), cu_seqlens=[0, 15, 40])
+    return p
+
+
+def test_codec_file_layout_and_sequences(good_codec):
+    from replay_ops.router_replay import codec
+
+    idx = routing(40, seed=11)
+    with safe_open(str(good_codec), framework="pt") as f:
+        md = f.metadata()
+        assert sorted(f.keys()) == ["cu_seqlens", "indices_codec"]
+        blob = f.get_tensor("indices_codec").numpy().tobytes()
+    assert md["format_version"] == "3" and md["indices_encoding"] == "codec"
+    assert md["empty_value"] == "-1"
+    assert torch.equal(codec.decode(blob).to(torch.int32), idx)
+    rf = open_routing(good_codec)
+    assert torch.equal(rf.sequence(1).to(torch.int32), idx[15:40])  # its chunks alone
+    assert torch.equal(rf.indices(3, 9).to(torch.int32), idx[3:9])
+    assert torch.equal(rf.replay_mask(), torch.ones(40, dtype=torch.bool))
+
+
+def test_codec_file_corruption_is_refused(good_codec, tmp_path):
+    data = good_codec.read_bytes()
+    for i in (len(data) - 1, len(data) - 30):
+        bad = bytearray(data)
+        bad[i] ^= 0x04
+        p = tmp_path / f"flip{i}.safetensors"
+        p.write_bytes(bytes(bad))
+        with pytest.raises(RoutingFileError, match="checksum mismatch"):
+            open_routing(p)
+        # without the file's sha256, the codec's own checksums still refuse it
+        with pytest.raises(RoutingFileError, match=r"corrupt indices_codec data: .*offset \d+"):
+            open_routing(p, verify=False).indices()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[:-3])
+    with pytest.raises(RoutingFileError, match="truncated"):
+        open_routing(cut)
+
+
+def test_codec_append_copies_the_earlier_chunks(tmp_path):
+    from replay_ops.router_replay import codec
+
+    p = tmp_path / "r.safetensors"
+    a, b = routing(30, seed=20), routing(12, seed=21)
+    append_routing(p, a, meta(), cu_seqlens=[0, 10, 30])
+    with safe_open(str(p), framework="pt") as f:
+        first = f.get_tensor("indices_codec").numpy().tobytes()
+    append_routing(p, b, meta())
+    with safe_open(str(p), framework="pt") as f:
+        both = f.get_tensor("indices_codec").numpy().tobytes()
+    assert both.startswith(first) and len(codec.info(both).chunks) == 2
+    rf = open_routing(p)
+    assert torch.equal(rf.indices().to(torch.int32), torch.cat([a, b]))
+    assert rf.cu_seqlens.tolist() == [0, 10, 30, 42]
+    # and to a raw file: the raw file's ids and the new ones, raw
+    append_routing(p, b, meta(), encoding="raw")
+    rf = open_routing(p)
+    assert rf.encoding == "raw" and torch.equal(rf.indices().to(torch.int32),
+                                                torch.cat([a, b, b]))
+
+
+def test_codec_file_is_smaller_on_real_routing(tmp_path):
+    d = np.load(os.path.join(os.path.dirname(__file__), "..", "bench", "data",
+                             "dev_qwen3moe_e128_k8_l8.npz"))
+    r = torch.from_numpy(d["routing_trained"][:2048].astype(np.int16))
+    m = RecordMeta(num_experts=128, top_k=8, moe_layer_ids=list(range(8)))
+    raw, cod = tmp_path / "raw.safetensors", tmp_path / "codec.safetensors"
+    write_routing(raw, r, m, encoding="raw")
+    write_routing(cod, r, m)
+    assert os.path.getsize(cod) * 1.5 < os.path.getsize(raw)  # order kept, no token ids
+    assert torch.equal(open_routing(cod).indices(), r)

@@ -46,7 +46,11 @@ def test_cases_reach_every_launcher_and_regime():
     cs = tcc.cases()
     assert {c["op"] for c in cs} == {"gate_fwd", "gate_bwd", "permute_fwd", "permute_bwd",
                                      "unpermute_fwd", "unpermute_bwd", "gate_dense_fwd",
-                                     "gate_dense_bwd", "permute_probs_fwd", "permute_probs_bwd"}
+                                     "gate_dense_bwd", "permute_probs_fwd", "permute_probs_bwd",
+                                     "codec_sort", "codec_unsort"}
+    codec = [c for c in cs if c["op"].startswith("codec")]
+    assert {(c["op"], c["order"], c["K"]) for c in codec} == set(
+        itertools.product(["codec_sort", "codec_unsort"], ["set", "keep"], [1, 2, 8, 13, 20]))
     gate = [c for c in cs if c["op"] == "gate_fwd"]
     assert {(c["logits"], c["index"]) for c in gate} == set(
         itertools.product(tcc.LOGITS_DTYPES, tcc.INDEX_DTYPES))
@@ -68,7 +72,8 @@ def test_every_kernel_has_a_launch_and_every_launch_sets_fp_fusion():
                        "_gate_bwd_kernel", "_permute_fwd_kernel", "_gather_sum_kernel",
                        "_unpermute_bwd_dx_kernel", "_unpermute_bwd_dw_kernel",
                        "_gate_dense_fwd_kernel", "_gate_dense_bwd_kernel",
-                       "_permute_probs_fwd_kernel", "_permute_probs_bwd_kernel"}
+                       "_permute_probs_fwd_kernel", "_permute_probs_bwd_kernel",
+                       "_codec_sort_kernel", "_codec_unsort_kernel"}
 
 
 def test_rules_flag_what_they_should():

@@ -85,7 +85,8 @@ def setup_environment() -> str:
 
 ARCHS = (80, 90)
 KERNEL_MODULES = ("replay_ops.triton_kernels.gate", "replay_ops.triton_kernels.permute",
-                  "replay_ops.triton_kernels.unpermute", "replay_ops.triton_kernels.gate_dense")
+                  "replay_ops.triton_kernels.unpermute", "replay_ops.triton_kernels.gate_dense",
+                  "replay_ops.triton_kernels.codec")
 
 # Spill stores allowed per kernel, in bytes: 8, two 32-bit values or one pointer. What
 # spills below that here is ptxas parking a value that is live across a loop in local
@@ -229,6 +230,12 @@ def op_factors() -> dict[str, dict[str, list]]:
         if op.startswith("unpermute"):
             f["weights"] = ["same", "fp32"]
         out[op] = f
+    # the routing codec's row transform (codec.py): K from 1 to the Lehmer limit, the
+    # narrow id types, both orders
+    out["codec_sort"] = {"K": [1, 2, 8, 13, 20], "E": [128, 300, 40000],
+                         "order": ["set", "keep"], "routing": ["int16", "int64", "strided"]}
+    out["codec_unsort"] = {"K": [1, 2, 8, 13, 20], "E": [128, 300, 40000],
+                           "order": ["set", "keep"], "out": ["int16", "int32"]}
     return out
 
 
@@ -273,6 +280,24 @@ def run_launcher(case: dict) -> None:
 
     i32 = dict(dtype=torch.int32, device="meta")
     op = case["op"]
+    if op in ("codec_sort", "codec_unsort"):
+        from replay_ops.triton_kernels import codec
+
+        N, K, E = 4096, case["K"], case["E"]
+        if op == "codec_sort":
+            if case["routing"] == "strided":  # one token's layer of a [T, L, K] recording
+                r = torch.empty(N, 3, K, dtype=torch.int32, device="meta")[:, 1, :]
+            else:
+                r = torch.empty(N, K, dtype=getattr(torch, case["routing"]), device="meta")
+            codec.sort_rows(r, E, case["order"])
+        else:
+            srt = torch.empty(N, K, dtype=torch.uint8 if E <= 255 else torch.int16
+                              if E <= 32767 else torch.int32, device="meta")
+            code = (torch.empty(N, K, dtype=torch.uint8, device="meta")
+                    if case["order"] == "keep" and K > 1 else None)
+            codec.unsort_rows(srt, code, E, torch.empty(N, 2, K, dtype=getattr(
+                torch, case["out"]), device="meta")[:, 0, :])
+        return
     if op in ("gate_dense_fwd", "gate_dense_bwd"):
         T, E, K = case["shape"]
         sf, norm = case["mode"]

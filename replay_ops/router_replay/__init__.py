@@ -11,7 +11,8 @@
 
 Modes (`RouterReplayConfig.mode`, a `ReplayMode`): disabled, R2, R3. The model's expert
 and layer shape: `ModelShape`. Record files: `files`. Rollout engines' routing (vLLM,
-SGLang, verl) to training layouts: `adapters` (one module per engine).
+SGLang, verl) to training layouts: `adapters` (one module per engine). Compact lossless
+routing bytes (transport, record files): `codec`.
 See docs/router_replay.md.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from .config import (
 )
 from .replay import RouterReplay, RouterReplayError
 from .shape import ModelShape
-from . import adapters, files
+from . import adapters, codec, files
 from .adapters import ModelLayout, ReplayBatch, RoutingMismatchError
 from .files import RecordMeta, RoutingFileError, RoutingShapeError, open_routing
 
@@ -41,6 +42,7 @@ __all__ = [
     "RoutingMismatchError",
     "RoutingShapeError",
     "adapters",
+    "codec",
     "files",
     "open_routing",
     "ReplayAction",

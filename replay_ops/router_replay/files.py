@@ -6,14 +6,22 @@ tensors and string metadata:
     cu_seqlens  int64 [B + 1]      sequence boundaries: sequence b is tokens
                                    cu_seqlens[b]:cu_seqlens[b+1]; cu_seqlens[0] = 0,
                                    cu_seqlens[B] = N, non-decreasing
+    and either (indices_encoding "raw", the only layout of versions 1 and 2)
     indices     uint8 | int16 [N, L, K]
                                    expert ids per token, layer and slot, in the smallest
                                    type that holds E: uint8 when E <= 255 (empty slot =
                                    255), else int16 (E <= 32767, empty slot = -1)
+    or (indices_encoding "codec", the default of this writer)
+    indices_codec  uint8 [nbytes]  the [N, L, K] ids as one `codec` blob (order "keep": the
+                                   exact ids, one chunk per run of whole sequences, the
+                                   sequences of cu_seqlens), several times smaller than
+                                   `indices`; `indices_shape` gives [N, L, K]
 
     __metadata__ (all strings):
       format          "replay_ops.router_replay"
-      format_version  "2" (this writer; the reader also reads "1")
+      format_version  "3" (this writer; the reader also reads "1" and "2")
+      indices_encoding "raw" | "codec" (version 3; versions 1 and 2 are raw)
+      indices_shape   JSON [N, L, K] (version 3)
       num_experts, top_k, num_hidden_layers, num_tokens, num_sequences
       moe_layer_ids   JSON list of the absolute ids of the MoE layers
       layer_index     "moe" (L = number of MoE layers, in moe_layer_ids order) or
@@ -22,7 +30,12 @@ tensors and string metadata:
       empty_value     "255" or "-1"
       checksum        "sha256:<hex>" of every byte after the header (the data buffer)
       header_checksum "sha256:<hex>" of the header itself: its JSON with sorted keys and no
-                      spaces, header_checksum left out (format_version 2)
+                      spaces, header_checksum left out (format_version 2 and 3)
+
+A "codec" file is read by decoding: `indices()` decodes the whole blob once (then slices
+the cached result), `sequence(i)` decodes only the chunks of sequence i; both verify the
+codec's own checksums of the decoded ids. A "raw" file (`write_routing(...,
+encoding="raw")`) is memory-mapped as before: int16 slices are views of the map.
 
 Version 1 files (no header_checksum) stay readable: every metadata key the version 1 writer
 wrote must then be present, but a changed value in their header cannot be detected.
@@ -55,8 +68,9 @@ from .._atomic import atomic_target
 from .shape import ModelShape, first_bad_route
 
 FORMAT = "replay_ops.router_replay"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = ("1", "2")
+FORMAT_VERSION = 3
+READABLE_VERSIONS = ("1", "2", "3")
+ENCODINGS = ("codec", "raw")
 # every key the version 1 writer wrote (besides RecordMeta.extra)
 V1_KEYS = ("format", "format_version", "num_experts", "top_k", "num_hidden_layers",
            "moe_layer_ids", "layer_index", "model_name", "empty_value", "num_tokens",
@@ -68,6 +82,7 @@ _chunk_hook = None  # called after each data chunk is written (tests: kill mid-w
 _DIGEST_PLACEHOLDER = "sha256:" + "0" * 64
 
 _ST_DTYPES = {"U8": np.uint8, "I16": np.int16, "I64": np.int64}
+_CODEC_TENSOR = "indices_codec"
 _ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 
 
@@ -183,7 +198,8 @@ def _check_cu_seqlens(cu, n_tokens: int, path) -> np.ndarray:
     return cu
 
 
-def _meta_dict(meta: RecordMeta, dt: np.dtype, n_tokens: int, n_seq: int) -> dict:
+def _meta_dict(meta: RecordMeta, dt: np.dtype, n_tokens: int, n_seq: int,
+               encoding: str = "raw") -> dict:
     d = {str(k): str(v) for k, v in meta.extra.items()}
     d.update(
         format=FORMAT,
@@ -194,7 +210,9 @@ def _meta_dict(meta: RecordMeta, dt: np.dtype, n_tokens: int, n_seq: int) -> dic
         moe_layer_ids=json.dumps([int(i) for i in meta.moe_layer_ids]),
         layer_index=meta.layer_index,
         model_name=meta.model_name or "",
-        empty_value=str(UINT8_EMPTY if dt == np.uint8 else -1),
+        empty_value=str(UINT8_EMPTY if dt == np.uint8 and encoding == "raw" else -1),
+        indices_encoding=encoding,
+        indices_shape=json.dumps([n_tokens, meta.num_layers, meta.top_k]),
         num_tokens=str(n_tokens),
         num_sequences=str(n_seq),
         checksum=_DIGEST_PLACEHOLDER,
@@ -203,8 +221,16 @@ def _meta_dict(meta: RecordMeta, dt: np.dtype, n_tokens: int, n_seq: int) -> dic
     return d
 
 
-def _header(meta_d: dict, dt: np.dtype, n_tokens: int, L: int, K: int, n_cu: int) -> dict:
+def _header(meta_d: dict, dt: np.dtype, n_tokens: int, L: int, K: int, n_cu: int,
+            codec_bytes: int | None = None) -> dict:
     cu_bytes = 8 * n_cu
+    if codec_bytes is not None:
+        return {
+            "__metadata__": meta_d,
+            "cu_seqlens": {"dtype": "I64", "shape": [n_cu], "data_offsets": [0, cu_bytes]},
+            _CODEC_TENSOR: {"dtype": "U8", "shape": [codec_bytes],
+                            "data_offsets": [cu_bytes, cu_bytes + codec_bytes]},
+        }
     idx_bytes = n_tokens * L * K * dt.itemsize
     return {
         "__metadata__": meta_d,
@@ -249,13 +275,21 @@ def _locked(path) -> Iterator[None]:
         os.close(fd)
 
 
-def _write(path, meta: RecordMeta, cu: np.ndarray, parts: Sequence[np.ndarray], L: int) -> None:
-    """Stream the header, cu_seqlens and the index parts into an atomic temp file; the
-    checksums (fixed width) are filled into the header at the end."""
-    dt = index_dtype(meta.num_experts)
-    n_tokens = int(sum(p.shape[0] for p in parts))
-    md = _meta_dict(meta, dt, n_tokens, cu.size - 1)
-    header = _header(md, dt, n_tokens, L, meta.top_k, cu.size)
+def _write(path, meta: RecordMeta, cu: np.ndarray, parts: Sequence[np.ndarray], L: int,
+           codec_blob: bytes | None = None) -> None:
+    """Stream the header, cu_seqlens and the index parts (or the codec blob) into an atomic
+    temp file; the checksums (fixed width) are filled into the header at the end."""
+    if codec_blob is not None:
+        dt = np.dtype(np.uint8)
+        n_tokens = int(cu[-1])
+        parts = [np.frombuffer(codec_blob, dtype=np.uint8)]
+        md = _meta_dict(meta, dt, n_tokens, cu.size - 1, "codec")
+        header = _header(md, dt, n_tokens, L, meta.top_k, cu.size, len(codec_blob))
+    else:
+        dt = index_dtype(meta.num_experts)
+        n_tokens = int(sum(p.shape[0] for p in parts))
+        md = _meta_dict(meta, dt, n_tokens, cu.size - 1)
+        header = _header(md, dt, n_tokens, L, meta.top_k, cu.size)
     size = len(_header_bytes(header))
     h = hashlib.sha256()
     with atomic_target(path) as tmp:
@@ -281,21 +315,56 @@ def _write(path, meta: RecordMeta, cu: np.ndarray, parts: Sequence[np.ndarray], 
             f.write(final)
 
 
-def write_routing(path, indices: torch.Tensor, meta: RecordMeta, *, cu_seqlens=None) -> None:
+def _signed(arr: np.ndarray) -> np.ndarray:
+    """Stored ids (uint8 with 255 = empty, or int16) as int16 with -1 = empty."""
+    if arr.dtype == np.uint8:
+        out = arr.astype(np.int16)
+        out[arr == UINT8_EMPTY] = -1
+        return out
+    return arr
+
+
+def _check_encoding(encoding: str, level: int) -> None:
+    if encoding not in ENCODINGS:
+        raise ValueError(f"record file: encoding must be one of {ENCODINGS}, got {encoding!r}")
+    if isinstance(level, bool) or not isinstance(level, int):
+        raise ValueError(f"record file: level must be a zstd level (int), got {level!r}")
+
+
+def _codec_blob(ids: np.ndarray, meta: RecordMeta, cu: np.ndarray, level: int) -> bytes:
+    from . import codec
+
+    return codec.encode(ids, num_experts=meta.num_experts, order="keep", level=level,
+                        seq_lens=np.diff(cu))
+
+
+def write_routing(path, indices: torch.Tensor, meta: RecordMeta, *, cu_seqlens=None,
+                  encoding: str = "codec", level: int = 3) -> None:
     """Write [N, L, K] routing (-1 = empty) with its sequence boundaries, atomically,
-    replacing any existing file."""
+    replacing any existing file. `encoding="codec"` (default) stores the ids as one
+    `codec` blob (exact, order kept; zstd `level`); `"raw"` stores them uncompressed in the
+    smallest integer type, readable as zero-copy views of the memory map."""
+    _check_encoding(encoding, level)
     arr = _encode(indices, meta, path)
     cu = _check_cu_seqlens(cu_seqlens, arr.shape[0], path)
-    _write(path, meta, cu, [arr], meta.num_layers)
+    if encoding == "codec":
+        _write(path, meta, cu, [], meta.num_layers,
+               codec_blob=_codec_blob(_signed(arr), meta, cu, level))
+    else:
+        _write(path, meta, cu, [arr], meta.num_layers)
 
 
-def append_routing(path, indices: torch.Tensor, meta: RecordMeta, *, cu_seqlens=None) -> None:
+def append_routing(path, indices: torch.Tensor, meta: RecordMeta, *, cu_seqlens=None,
+                   encoding: str = "codec", level: int = 3) -> None:
     """Add a batch of sequences after those already in `path` (created if missing).
     The existing file is verified and must have the same model metadata; it is copied,
-    never modified in place, so a crash leaves it as it was."""
+    never modified in place, so a crash leaves it as it was. The new file has `encoding`
+    (a codec file appended to stays a codec file: its chunks are copied, not re-encoded)."""
+    _check_encoding(encoding, level)
     with _locked(path):
         if not os.path.exists(path):
-            write_routing(path, indices, meta, cu_seqlens=cu_seqlens)
+            write_routing(path, indices, meta, cu_seqlens=cu_seqlens, encoding=encoding,
+                          level=level)
             return
         old = open_routing(path, verify=True)
         old.check_model(num_experts=meta.num_experts, top_k=meta.top_k,
@@ -305,7 +374,24 @@ def append_routing(path, indices: torch.Tensor, meta: RecordMeta, *, cu_seqlens=
         arr = _encode(indices, meta, path, offset=old.num_tokens)
         cu_new = _check_cu_seqlens(cu_seqlens, arr.shape[0], path)
         cu = np.concatenate([old.cu_seqlens_np, cu_new[1:] + old.num_tokens])
-        _write(path, old.meta, cu, [old.raw_np, arr], meta.num_layers)
+        if encoding == "codec" and old.encoding == "codec":
+            from . import codec
+
+            blob = codec.append(bytes(old.raw_np), _signed(arr), seq_lens=np.diff(cu_new),
+                                level=level)
+            _write(path, old.meta, cu, [], meta.num_layers, codec_blob=blob)
+        elif encoding == "codec":
+            ids = np.concatenate([old.indices().numpy(), _signed(arr)])
+            _write(path, old.meta, cu, [], meta.num_layers,
+                   codec_blob=_codec_blob(ids, old.meta, cu, level))
+        elif old.encoding == "raw":
+            _write(path, old.meta, cu, [old.raw_np, arr], meta.num_layers)
+        else:
+            dt = index_dtype(meta.num_experts)
+            prev = old.indices().numpy()
+            if dt == np.uint8:
+                prev = np.where(prev < 0, UINT8_EMPTY, prev).astype(np.uint8)
+            _write(path, old.meta, cu, [prev.astype(dt), arr], meta.num_layers)
         del old
 
 
@@ -386,18 +472,27 @@ def _check_header(path: str, header: dict) -> dict:
             raise RoutingFileError(path, f"header checksum mismatch: the header says "
                                          f"{stored!r} but hashes to {got!r}; the header is "
                                          f"corrupt")
+    if version == "3" and md.get("indices_encoding") not in ENCODINGS:
+        raise RoutingFileError(path, f"corrupt header: indices_encoding "
+                                     f"{md.get('indices_encoding')!r} is not one of {ENCODINGS}")
     return md
+
+
+def _encoding(md: dict) -> str:
+    return md.get("indices_encoding", "raw") if md.get("format_version") == "3" else "raw"
 
 
 def _check_layout(path: str, header: dict, data_len: int) -> None:
     """The two tensors are described consistently and fill the data buffer exactly."""
-    for name, dts in (("cu_seqlens", ("I64",)), ("indices", ("U8", "I16"))):
+    data_name = _CODEC_TENSOR if _encoding(header["__metadata__"]) == "codec" else "indices"
+    data_dts = ("U8",) if data_name == _CODEC_TENSOR else ("U8", "I16")
+    for name, dts in (("cu_seqlens", ("I64",)), (data_name, data_dts)):
         info = header.get(name)
         if not isinstance(info, dict) or info.get("dtype") not in dts:
             raise RoutingFileError(path, f"corrupt header: tensor {name!r} missing or not of "
                                          f"dtype {dts}")
     end = 0
-    for name in ("cu_seqlens", "indices"):
+    for name in ("cu_seqlens", data_name):
         info = header[name]
         shape, offs = info.get("shape"), info.get("data_offsets")
         if (not isinstance(shape, list) or not isinstance(offs, list) or len(offs) != 2
@@ -451,9 +546,25 @@ class RoutingFile:
         self.data_start = data_start
         self.file_size = snap.size
         self._header = header
+        self.encoding = _encoding(md)
         self.cu_seqlens_np = self._map(snap, header["cu_seqlens"])
-        self.raw_np = self._map(snap, header["indices"])
-        self.dtype = self.raw_np.dtype
+        # the stored data: [N, L, K] ids ("raw"), or the bytes of the codec blob ("codec")
+        self.raw_np = self._map(snap, header[_CODEC_TENSOR if self.encoding == "codec"
+                                             else "indices"])
+        self._decoded = None
+        if self.encoding == "codec":
+            try:
+                shape = [int(v) for v in json.loads(md.get("indices_shape", "null"))]
+                if len(shape) != 3:
+                    raise ValueError(shape)
+            except (TypeError, ValueError) as e:
+                raise RoutingFileError(self.path, f"corrupt header: indices_shape "
+                                                  f"{md.get('indices_shape')!r}") from e
+            self.shape = tuple(shape)
+            self.dtype = np.dtype(np.int16)  # what raw()/indices() return for codec files
+        else:
+            self.shape = tuple(self.raw_np.shape)
+            self.dtype = self.raw_np.dtype
         self.empty_value = UINT8_EMPTY if self.dtype == np.uint8 else -1
 
     def _map(self, snap: _Snapshot, info) -> np.ndarray:
@@ -467,7 +578,7 @@ class RoutingFile:
     # -- views
     @property
     def num_tokens(self) -> int:
-        return int(self.raw_np.shape[0])
+        return int(self.shape[0])
 
     @property
     def num_sequences(self) -> int:
@@ -478,8 +589,24 @@ class RoutingFile:
         return torch.from_numpy(np.array(self.cu_seqlens_np))
 
     def raw(self) -> torch.Tensor:
-        """The stored indices as a tensor viewing the memory map (uint8 or int16)."""
+        """The stored indices as a tensor viewing the memory map (uint8 or int16); for a
+        codec file, the decoded indices (int16, -1 = empty)."""
+        if self.encoding == "codec":
+            return self._decode_all()
         return torch.from_numpy(self.raw_np)
+
+    def _codec_error(self, e) -> RoutingFileError:
+        return RoutingFileError(self.path, f"corrupt indices_codec data: {e}")
+
+    def _decode_all(self) -> torch.Tensor:
+        from . import codec
+
+        if self._decoded is None:
+            try:
+                self._decoded = codec.decode(memoryview(self.raw_np), dtype=torch.int16)
+            except codec.CodecError as e:
+                raise self._codec_error(e) from None
+        return self._decoded
 
     def indices(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Tokens start:stop as [n, L, K] int16 with -1 = empty. For int16 files this is a
@@ -489,6 +616,8 @@ class RoutingFile:
             raise IndexError(f"router replay file {self.path!r}: token range {start}:{stop} is "
                              f"outside 0:{self.num_tokens}")
         part = self.raw()[start:stop]
+        if self.encoding == "codec":
+            return part
         if self.dtype == np.uint8:
             out = part.to(torch.int16)
             return out.masked_fill_(part == UINT8_EMPTY, -1)
@@ -499,6 +628,13 @@ class RoutingFile:
             raise IndexError(f"router replay file {self.path!r}: sequence {i} is outside "
                              f"0..{self.num_sequences - 1}")
         cu = self.cu_seqlens_np
+        if self.encoding == "codec" and self._decoded is None:
+            from . import codec
+
+            try:  # only the chunks that hold sequence i
+                return codec.decode_sequence(memoryview(self.raw_np), i, dtype=torch.int16)
+            except codec.CodecError as e:
+                raise self._codec_error(e) from None
         return self.indices(int(cu[i]), int(cu[i + 1]))
 
     def replay_mask(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
@@ -523,12 +659,15 @@ class RoutingFile:
             )
 
     def check_consistency(self) -> None:
-        """The tensors agree with the metadata: shapes, dtype, sequence boundaries, counts."""
-        shape, m, md = list(self.raw_np.shape), self.meta, self.metadata
+        """The tensors agree with the metadata: shapes, dtype, sequence boundaries, counts
+        (for a codec file: the blob's own headers, its chunk checksums included)."""
+        shape, m, md = list(self.shape), self.meta, self.metadata
         if len(shape) != 3 or shape[1] != m.num_layers or shape[2] != m.top_k:
             raise RoutingFileError(self.path, f"corrupt: indices shape {shape} does not match "
                                               f"the metadata (L={m.num_layers}, K={m.top_k})")
-        if self.dtype != index_dtype(m.num_experts):
+        if self.encoding == "codec":
+            self._check_codec(shape)
+        elif self.dtype != index_dtype(m.num_experts):
             raise RoutingFileError(self.path, f"corrupt: indices dtype {self.dtype} does not "
                                               f"match num_experts={m.num_experts}")
         cu = self.cu_seqlens_np
@@ -539,6 +678,22 @@ class RoutingFile:
             if md.get(key) != str(want):
                 raise RoutingFileError(self.path, f"corrupt: metadata {key}={md.get(key)!r} but "
                                                   f"the tensors hold {want}")
+
+    def _check_codec(self, shape) -> None:
+        from . import codec
+
+        try:
+            inf = codec.info(memoryview(self.raw_np), verify_payload=True)
+        except codec.CodecError as e:
+            raise self._codec_error(e) from None
+        m, cu = self.meta, self.cu_seqlens_np
+        got = (inf.order, inf.num_experts, inf.num_layers, inf.top_k, inf.num_tokens,
+               list(inf.seq_lens))
+        want = ("keep", m.num_experts, shape[1], shape[2], shape[0], np.diff(cu).tolist())
+        if got != want or inf.has_token_ids:
+            raise RoutingFileError(self.path, f"corrupt: the indices_codec blob holds (order, "
+                                              f"E, L, K, tokens, seq_lens) = {got}, the header "
+                                              f"says {want}")
 
     def check_model(
         self,

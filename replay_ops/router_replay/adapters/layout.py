@@ -13,6 +13,9 @@ and for requests explicitly allowed to have no routing.
 """
 from __future__ import annotations
 
+import json
+import struct
+import zlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -207,6 +210,82 @@ class ReplayBatch:
 
     def apply(self, replay) -> None:
         replay.set_routing(self.indices, self.replay_mask, layer_index=self.layer_index)
+
+    # -- bytes (transport from rollout workers to trainers)
+    def to_bytes(self, *, num_experts: int | None = None, level: int = 3) -> bytes:
+        """The batch as compact bytes: the indices as a `codec` blob (order kept exactly;
+        one chunk run per sequence: a THD batch's sequences, a padded batch's rows), the
+        mask bit-packed, and a small JSON header, each checksummed. `num_experts` defaults
+        to the largest id + 1. `ReplayBatch.from_bytes` inverts it; pickling (Ray) uses it."""
+        from .. import codec
+
+        idx = self.indices.detach().cpu()
+        if idx.dim() not in (3, 4):
+            raise RoutingMismatchError(f"ReplayBatch.to_bytes: indices must be [N, L, K] or "
+                                       f"[B, S, L, K], got {tuple(idx.shape)}")
+        flat = idx.reshape(-1, *idx.shape[-2:])
+        if idx.dim() == 4:
+            lens = [idx.shape[1]] * idx.shape[0]
+        elif self.cu_seqlens is not None:
+            lens = torch.diff(self.cu_seqlens.detach().cpu()).tolist()
+        else:
+            lens = None
+        if num_experts is None:
+            num_experts = max(int(flat.max()) + 1, 1) if flat.numel() else 1
+        blob = codec.encode(flat, num_experts=num_experts, order="keep", level=level,
+                            seq_lens=lens)
+        mask = self.replay_mask.detach().cpu()
+        head = json.dumps({
+            "indices_shape": list(idx.shape), "indices_dtype": str(idx.dtype).split(".")[-1],
+            "mask_shape": list(mask.shape),
+            "cu_seqlens": None if self.cu_seqlens is None else
+            self.cu_seqlens.detach().cpu().tolist(),
+            "mappings": list(self.mappings), "layer_index": self.layer_index,
+        }, separators=(",", ":")).encode()
+        bits = np.packbits(mask.numpy().astype(bool).reshape(-1)).tobytes()
+        body = struct.pack("<QQ", len(head), len(bits)) + head + bits
+        return _BATCH_MAGIC + struct.pack("<I", zlib.crc32(body)) + body + blob
+
+    @classmethod
+    def from_bytes(cls, data) -> "ReplayBatch":
+        """Inverse of `to_bytes`; a corrupt or foreign payload raises RoutingMismatchError
+        naming the problem (the codec's errors name the offset within the blob)."""
+        from .. import codec
+
+        buf = memoryview(data).cast("B")
+        m = len(_BATCH_MAGIC)
+        if len(buf) < m + 20 or bytes(buf[:m]) != _BATCH_MAGIC:
+            raise RoutingMismatchError("ReplayBatch.from_bytes: not a ReplayBatch payload "
+                                       "(magic or length)")
+        (crc,) = struct.unpack_from("<I", buf, m)
+        nh, nb = struct.unpack_from("<QQ", buf, m + 4)
+        end = m + 4 + 16 + nh + nb
+        if len(buf) < end or zlib.crc32(buf[m + 4:end]) != crc:
+            raise RoutingMismatchError("ReplayBatch.from_bytes: truncated or corrupt header "
+                                       "(checksum mismatch)")
+        head = json.loads(bytes(buf[m + 20:m + 20 + nh]))
+        try:
+            flat = codec.decode(buf[end:], dtype=getattr(torch, head["indices_dtype"]))
+        except codec.CodecError as e:
+            raise RoutingMismatchError(f"ReplayBatch.from_bytes: {e}") from None
+        shape, mshape = head["indices_shape"], head["mask_shape"]
+        n = int(np.prod(mshape, dtype=np.int64))
+        bits = np.frombuffer(buf[m + 20 + nh:end], dtype=np.uint8)
+        mask = np.unpackbits(bits, count=n).astype(bool).reshape(mshape)
+        cu = head["cu_seqlens"]
+        return cls(flat.reshape(shape), torch.from_numpy(mask),
+                   None if cu is None else torch.tensor(cu, dtype=torch.int64),
+                   list(head["mappings"]), head["layer_index"])
+
+    def __reduce__(self):
+        return (_batch_from_bytes, (self.to_bytes(),))
+
+
+_BATCH_MAGIC = b"RRBATCH1"
+
+
+def _batch_from_bytes(data: bytes) -> ReplayBatch:
+    return ReplayBatch.from_bytes(data)
 
 
 def pack_thd(seqs: Sequence[SequenceRouting]) -> ReplayBatch:

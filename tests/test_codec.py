@@ -1,0 +1,463 @@
+"""The routing codec (replay_ops.router_replay.codec): exact round trips in both modes,
+checks of every blob byte, token ids as side information, chunks, appends."""
+from __future__ import annotations
+
+import itertools
+import math
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from replay_ops.router_replay import codec
+from replay_ops.router_replay.codec import CodecError
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+NP_DTYPES = [np.uint8, np.int8, np.int16, np.uint16, np.int32, np.int64]
+EXPERTS = [1, 2, 7, 128, 255, 256, 300, 32767, 32768, 70000]
+
+
+def ref_set(x: np.ndarray) -> np.ndarray:
+    """Each row sorted ascending, -1 last (written without the codec's sorting network)."""
+    out = np.empty(x.shape, np.int64)
+    flat, o = x.reshape(-1, x.shape[-1]), out.reshape(-1, x.shape[-1])
+    for r in range(flat.shape[0]):
+        o[r] = sorted((int(v) for v in flat[r]), key=lambda v: (v < 0, v))
+    return out
+
+
+def expected(x, order):
+    x = np.asarray(x).astype(np.int64)
+    return ref_set(x) if order == "set" else x
+
+
+@st.composite
+def routing_case(draw):
+    E = draw(st.sampled_from(EXPERTS))
+    K = draw(st.integers(1, min(E, 10)))
+    L = draw(st.integers(1, 3))
+    T = draw(st.integers(0, 24))
+    fits = [d for d in NP_DTYPES
+            if np.iinfo(d).max >= E - 1]
+    dt = draw(st.sampled_from(fits))
+    signed = np.iinfo(dt).min < 0
+    style = draw(st.sampled_from(["distinct", "dups", "empty", "mixed"]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    if style == "distinct":
+        x = np.stack([rng.permutation(E)[:K] for _ in range(T * L)]) if T else np.zeros((0, K))
+    else:
+        x = rng.integers(0, E, size=(T * L, K))
+        if style == "dups":
+            x[:, -1] = x[:, 0]
+    x = np.asarray(x, np.int64).reshape(T, L, K)
+    if signed and style in ("empty", "mixed"):
+        x = np.where(rng.random(x.shape) < (0.9 if style == "empty" else 0.2), -1, x)
+        if T and style == "empty":
+            x[0] = -1  # an all -1 token
+    edge = draw(st.booleans())
+    if edge and T:
+        x.reshape(-1)[0] = E - 1
+    order = draw(st.sampled_from(codec.ORDERS))
+    with_tok = draw(st.booleans())
+    # token ids: few distinct, 16-bit (radix-sorted), wide, and negative (other sort paths)
+    lo, hi = draw(st.sampled_from([(0, 3), (0, 50000), (0, 1 << 20), (-7, 7)]))
+    tok = rng.integers(lo, hi, size=T) if with_tok else None
+    cuts = sorted(draw(st.lists(st.integers(0, T), max_size=4)))
+    lens = np.diff([0] + cuts + [T]).tolist()
+    chunk = draw(st.sampled_from([1, 5, 16384]))
+    level = draw(st.sampled_from([-1, 1, 3, 9]))
+    as_torch = draw(st.booleans())
+    arr = x.astype(dt)
+    return dict(E=E, x=x, arr=torch.from_numpy(arr) if as_torch and dt != np.uint16 else arr,
+                order=order, tok=tok, lens=lens, chunk=chunk, level=level)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(routing_case())
+def test_round_trip_property(case):
+    blob = codec.encode(case["arr"], num_experts=case["E"], order=case["order"],
+                        token_ids=case["tok"], seq_lens=case["lens"], level=case["level"],
+                        chunk_tokens=case["chunk"])
+    out = codec.decode(blob, token_ids=case["tok"])
+    want_dt = torch.int16 if case["E"] <= 32767 else torch.int32
+    assert out.dtype == want_dt
+    ref = expected(case["x"], case["order"])
+    assert out.shape == ref.shape
+    np.testing.assert_array_equal(out.numpy().astype(np.int64), ref)
+    # every sequence alone, with the whole blob's token ids
+    cu = np.concatenate([[0], np.cumsum(case["lens"])]).astype(int)
+    inf = codec.info(blob, verify_payload=True)
+    assert list(inf.seq_lens) == case["lens"]
+    for i in range(len(case["lens"])):
+        seq = codec.decode_sequence(blob, i, token_ids=case["tok"])
+        np.testing.assert_array_equal(seq.numpy().astype(np.int64), ref[cu[i]:cu[i + 1]])
+
+
+@pytest.mark.parametrize("order", codec.ORDERS)
+@pytest.mark.parametrize("E", [128, 256, 40000, 2**31 - 1])
+def test_large_ids_and_output_options(order, E):
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, E, size=(33, 3, 4)).astype(np.int64)
+    x[3, 1, 2] = -1
+    x[4] = -1
+    x[5, 0, 0] = E - 1
+    blob = codec.encode(x, num_experts=E, order=order)
+    ref = expected(x, order)
+    out = codec.decode(blob, dtype=torch.int64)
+    np.testing.assert_array_equal(out.numpy(), ref)
+    # out=: a non-contiguous destination, filled in place
+    big = torch.full((33, 3, 8), 7, dtype=torch.int64)
+    dst = big[:, :, ::2]
+    assert codec.decode(blob, out=dst) is dst
+    np.testing.assert_array_equal(dst.numpy(), ref)
+    assert torch.all(big[:, :, 1::2] == 7)
+    if E > 32767:
+        with pytest.raises(CodecError, match="cannot hold ids"):
+            codec.decode(blob, dtype=torch.int16)
+    with pytest.raises(CodecError, match="cannot hold ids"):
+        codec.decode(blob, dtype=torch.uint8)
+    with pytest.raises(CodecError, match="shape"):
+        codec.decode(blob, out=torch.empty(2, 3, 4, dtype=torch.int64))
+
+
+def test_wide_k_uses_slot_permutation():
+    K = 23  # > 20: slots stored instead of a Lehmer code
+    rng = np.random.default_rng(2)
+    x = np.stack([rng.permutation(64)[:K] for _ in range(40)]).reshape(20, 2, K)
+    blob = codec.encode(x, num_experts=64, order="keep")
+    np.testing.assert_array_equal(codec.decode(blob).numpy(), x)
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 4, 5])
+def test_lehmer_code_is_the_lexicographic_rank(K):
+    """The permutation code of a row is the rank of its sorting permutation among all K!
+    permutations in lexicographic order (itertools' order): codes are 0..K!-1, one each."""
+    perms = list(itertools.permutations(range(K)))
+    rows = np.zeros((len(perms), K), np.uint8)
+    for r, q in enumerate(perms):
+        for j, slot in enumerate(q):
+            rows[r, slot] = 10 + j  # the j-th smallest id sits in slot q[j]
+    srt, code = codec.sort_rows(rows, "keep", 128)
+    assert np.all(srt == np.arange(10, 10 + K))
+    w = codec.lehmer_width(K)
+    got = (np.ascontiguousarray(code).view(f"<u{w}").reshape(-1) if w else
+           np.zeros(len(perms), int))
+    np.testing.assert_array_equal(got, np.arange(math.factorial(K)))
+
+
+def test_sort_rows_matches_numpy_sort():
+    rng = np.random.default_rng(3)
+    for K in range(1, 18):
+        x = rng.integers(0, 300, size=(200, K)).astype(np.uint16)
+        srt, _ = codec.sort_rows(x.copy(), "set", 300)
+        np.testing.assert_array_equal(srt, np.sort(x, axis=1))
+        srt2, _ = codec.sort_rows(x.copy(), "keep", 300)
+        np.testing.assert_array_equal(srt2, np.sort(x, axis=1))
+
+
+def test_input_is_not_modified():
+    x = np.random.default_rng(4).integers(0, 128, size=(50, 2, 8)).astype(np.uint8)
+    keep = x.copy()
+    for order in codec.ORDERS:
+        codec.encode(x, num_experts=128, order=order)
+        np.testing.assert_array_equal(x, keep)
+
+
+def test_empty_and_degenerate():
+    for shape in [(0, 2, 8), (5, 0, 8), (0, 0, 1)]:
+        x = np.zeros(shape, np.int16)
+        for order in codec.ORDERS:
+            out = codec.decode(codec.encode(x, num_experts=8, order=order))
+            assert tuple(out.shape) == shape
+    x = np.full((4, 2, 3), -1, np.int32)
+    for order in codec.ORDERS:
+        np.testing.assert_array_equal(codec.decode(codec.encode(x, num_experts=8,
+                                                                order=order)).numpy(), x)
+
+
+@pytest.mark.parametrize("bad,msg", [
+    (np.array([[[0, 8]]]), r"routing\[0, 0, 1\] = 8 is out of range for num_experts=8"),
+    (np.array([[[0, 1]], [[-2, 1]]]), r"routing\[1, 0, 0\] = -2"),
+    (np.array([[[255, 1]]], np.uint8), r"= 255 is out of range"),
+])
+def test_bad_values_are_refused(bad, msg):
+    with pytest.raises(CodecError, match=msg):
+        codec.encode(bad, num_experts=8)
+
+
+def test_bad_arguments():
+    x = np.zeros((3, 1, 2), np.int16)
+    with pytest.raises(CodecError, match="order must be"):
+        codec.encode(x, num_experts=8, order="sorted")
+    with pytest.raises(CodecError, match="integers"):
+        codec.encode(x.astype(np.float32), num_experts=8)
+    with pytest.raises(CodecError, match=r"\[T, L, K\]"):
+        codec.encode(x[0], num_experts=8)
+    with pytest.raises(CodecError, match="seq_lens"):
+        codec.encode(x, num_experts=8, seq_lens=[1, 1])
+    with pytest.raises(CodecError, match="token_ids has 2 entries"):
+        codec.encode(x, num_experts=8, token_ids=[1, 2])
+    with pytest.raises(CodecError, match="num_experts"):
+        codec.encode(x, num_experts=0)
+    with pytest.raises(CodecError, match="level"):
+        codec.encode(x, num_experts=8, level=99)
+
+
+def _small_blob(order="keep", tok=True):
+    rng = np.random.default_rng(5)
+    x = np.stack([rng.permutation(16)[:4] for _ in range(30 * 2)]).reshape(30, 2, 4)
+    t = rng.integers(0, 6, size=30) if tok else None
+    return x, t, codec.encode(x, num_experts=16, order=order, token_ids=t, seq_lens=[10, 20],
+                              chunk_tokens=10)
+
+
+@pytest.mark.parametrize("order", codec.ORDERS)
+def test_every_flipped_byte_is_refused(order):
+    x, t, blob = _small_blob(order)
+    for i in range(len(blob)):
+        b = bytearray(blob)
+        b[i] ^= 0x5A
+        with pytest.raises(CodecError, match=r"offset \d+"):
+            codec.decode(bytes(b), token_ids=t)
+
+
+def test_every_truncation_is_refused():
+    x, t, blob = _small_blob()
+    n_ok = 0
+    inf = codec.info(blob)
+    ends = {c.payload_offset + c.payload_len for c in inf.chunks}
+    for n in range(len(blob)):
+        if n in ends or n == codec.BLOB_HEADER_SIZE:
+            # a cut exactly between chunks is a valid shorter blob: fewer tokens
+            out = codec.decode(blob[:n], token_ids=t[:codec.info(blob[:n]).num_tokens])
+            assert out.shape[0] < 30
+            n_ok += 1
+            continue
+        with pytest.raises(CodecError, match=r"offset \d+: (truncated|not a routing)"):
+            codec.decode(blob[:n], token_ids=t)
+    assert n_ok == 2
+
+
+def test_foreign_and_newer_blobs():
+    with pytest.raises(CodecError, match="offset 0: not a routing codec blob"):
+        codec.decode(b"PK\x03\x04 not ours")
+    with pytest.raises(CodecError, match="offset 0: not a routing codec blob"):
+        codec.decode(b"")
+    x, t, blob = _small_blob()
+    b = bytearray(blob)
+    b[8:10] = struct.pack("<H", 99)
+    b[codec.BLOB_HEADER_SIZE - 4:codec.BLOB_HEADER_SIZE] = struct.pack(
+        "<I", zlib.crc32(bytes(b[:codec.BLOB_HEADER_SIZE - 4])))
+    with pytest.raises(CodecError, match="offset 8: format version 99 is not supported"):
+        codec.decode(bytes(b), token_ids=t)
+    with pytest.raises(CodecError, match="offset .*: not a chunk header"):
+        codec.decode(blob + b"garbage-garbage-garbage-garbage-garbage-garbage-garbage-garbage",
+                     token_ids=t)
+
+
+def test_content_checksum_catches_a_wrong_decode(monkeypatch):
+    """A decoder bug (here: a wrong permutation) is caught by the checksum of the decoded
+    routing, not returned."""
+    x, t, blob = _small_blob("keep")
+    real = codec._perm_decode
+
+    def broken(code, k):
+        p = real(code, k)
+        p[0], p[1] = p[1], p[0]
+        return p
+
+    monkeypatch.setattr(codec, "_perm_decode", broken)
+    with pytest.raises(CodecError, match="decoded content checksum mismatch"):
+        codec.decode(blob, token_ids=t)
+
+
+def test_token_ids_are_required_and_checked():
+    x, t, blob = _small_blob("set")
+    with pytest.raises(CodecError, match="encoded with token_ids"):
+        codec.decode(blob)
+    t2 = t.copy()
+    t2[3] += 1
+    with pytest.raises(CodecError, match="token_ids differ"):
+        codec.decode(blob, token_ids=t2)
+    with pytest.raises(CodecError, match="token_ids has 29 entries"):
+        codec.decode(blob, token_ids=t[:29])
+    # one sequence: the whole blob's ids, or its own when its chunks hold it alone
+    np.testing.assert_array_equal(codec.decode_sequence(blob, 0, token_ids=t[:10]).numpy(),
+                                  ref_set(x[:10]))
+    np.testing.assert_array_equal(codec.decode_sequence(blob, 1, token_ids=t).numpy(),
+                                  ref_set(x[10:]))
+    with pytest.raises(IndexError):
+        codec.decode_sequence(blob, 2, token_ids=t)
+
+
+def test_shared_chunk_needs_all_token_ids():
+    rng = np.random.default_rng(6)
+    x = rng.integers(0, 16, size=(12, 1, 2))
+    t = rng.integers(0, 5, size=12)
+    blob = codec.encode(x, num_experts=16, token_ids=t, seq_lens=[4, 8])  # one chunk
+    with pytest.raises(CodecError, match="shares the chunk"):
+        codec.decode_sequence(blob, 0, token_ids=t[:4])
+    np.testing.assert_array_equal(codec.decode_sequence(blob, 0, token_ids=t).numpy(), x[:4])
+
+
+@pytest.mark.parametrize("order", codec.ORDERS)
+@pytest.mark.parametrize("with_tok", [False, True])
+def test_append_turns(order, with_tok):
+    rng = np.random.default_rng(7)
+    E, L, K = 300, 2, 3
+    turns = [rng.integers(-1, E, size=(n, L, K)) for n in (5, 3, 4)]
+    toks = [rng.integers(0, 9, size=t.shape[0]) for t in turns]
+    other = rng.integers(0, E, size=(6, L, K))
+    other_t = rng.integers(0, 9, size=6)
+    tk = (lambda v: v) if with_tok else (lambda v: None)
+    blob = codec.encode(turns[0], num_experts=E, order=order, token_ids=tk(toks[0]))
+    blob = codec.append(blob, turns[1], token_ids=tk(toks[1]), continue_last=True)
+    blob = codec.append(blob, other, token_ids=tk(other_t))  # a new sequence
+    with pytest.raises(CodecError, match="L=2, K=3"):
+        codec.append(blob, np.zeros((2, 1, 3), int), token_ids=tk(np.zeros(2, int)))
+    all_x = np.concatenate(turns[:2] + [other])
+    all_t = np.concatenate(toks[:2] + [other_t])
+    inf = codec.info(blob)
+    assert inf.seq_lens == (8, 6)
+    np.testing.assert_array_equal(codec.decode(blob, token_ids=tk(all_t)).numpy(),
+                                  expected(all_x, order))
+    seq0_t = np.concatenate(toks[:2])
+    np.testing.assert_array_equal(codec.decode_sequence(blob, 0, token_ids=tk(seq0_t)).numpy(),
+                                  expected(np.concatenate(turns[:2]), order))
+    if with_tok:
+        with pytest.raises(CodecError, match="pass the token ids"):
+            codec.append(blob, turns[2])
+    else:
+        with pytest.raises(CodecError, match="without token_ids"):
+            codec.append(blob, turns[2], token_ids=toks[2])
+
+
+def test_append_refuses_a_corrupt_blob():
+    x, t, blob = _small_blob()
+    b = bytearray(blob)
+    b[-1] ^= 1
+    with pytest.raises(CodecError, match="payload checksum mismatch"):
+        codec.append(bytes(b), x[:2], token_ids=t[:2])
+
+
+def test_uniform_random_is_never_larger_than_uint8():
+    """Routing that does not compress is stored raw: at most the uint8 bytes plus headers."""
+    rng = np.random.default_rng(8)
+    T, L, K, E = 4096, 4, 8, 256
+    x = rng.integers(0, E - 1, size=(T, L, K))  # ids 0..254 with repeats: incompressible
+    for order in codec.ORDERS:
+        blob = codec.encode(x, num_experts=E - 1, order=order)
+        assert len(blob) <= 1.01 * T * L * K
+        np.testing.assert_array_equal(codec.decode(blob).numpy(), expected(x, order))
+    assert codec.info(codec.encode(x, num_experts=E - 1)).chunks[0].method == 0
+
+
+def test_decoding_is_deterministic_and_blobs_are_reproducible():
+    x, t, blob = _small_blob("keep")
+    assert codec.encode(x, num_experts=16, order="keep", token_ids=t, seq_lens=[10, 20],
+                        chunk_tokens=10) == blob
+    assert torch.equal(codec.decode(blob, token_ids=t), codec.decode(blob, token_ids=t))
+
+
+def test_corpus_round_trip_and_ratio():
+    """The dev corpus (bench/data) round-trips in both modes; the set mode with token ids is
+    several times smaller than int16 (the full figures: bench/bench_codec.py)."""
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "data",
+                        "dev_qwen3moe_e128_k8_l8.npz")
+    d = np.load(path)
+    r, tok, lens = d["routing_trained"][:4096], d["token_ids"][:4096], d["seq_lens"][:8]
+    for order in codec.ORDERS:
+        blob = codec.encode(r, num_experts=128, order=order, token_ids=tok, seq_lens=lens)
+        np.testing.assert_array_equal(codec.decode(blob, token_ids=tok).numpy(),
+                                      expected(r, order))
+        ratio = r.size * 2 / len(blob)
+        assert ratio > (6.0 if order == "set" else 3.5), ratio
+
+
+# ------------------------------------------------------------------ the Triton transform
+# (TRITON_INTERPRET=1 on a machine without a GPU: tests/conftest.py; small shapes)
+TRITON_CASES = [(16, 4, 9), (128, 8, 6), (300, 3, 5), (40000, 2, 4), (64, 1, 4), (40, 13, 4)]
+
+
+@pytest.mark.parametrize("E,K,N", TRITON_CASES)
+@pytest.mark.parametrize("order", codec.ORDERS)
+def test_triton_transform_is_bitwise_the_numpy_one(E, K, N, order):
+    from replay_ops.triton_kernels import codec as tk
+
+    rng = np.random.default_rng(E + K)
+    x = np.stack([rng.permutation(E)[:K] for _ in range(N)]).astype(np.int64)
+    x[1, 0] = -1
+    x[2] = -1
+    if K > 1:
+        x[3, 1] = x[3, 0]  # a repeated id
+    canon = np.where(x < 0, E, x).astype(codec._NARROW[codec.id_width(E)])
+    ref_srt, ref_code = codec.sort_rows(canon.copy(), order, E)
+    out_srt, out_code = tk.sort_rows(torch.from_numpy(x).t().contiguous().t(), E, order)
+    np.testing.assert_array_equal(out_srt.numpy().astype(np.int64), ref_srt.astype(np.int64))
+    if order == "keep" and K > 1:
+        w = codec.lehmer_width(K)
+        want = np.ascontiguousarray(ref_code).view(f"<u{w}").reshape(-1).astype(np.int64)
+        np.testing.assert_array_equal(out_code.numpy(), want)
+    else:
+        assert out_code is None
+    # the inverse, into a strided int32 destination
+    big = torch.full((N, 2 * K), 5, dtype=torch.int32)
+    dst = big[:, ::2]
+    digits = (None if out_code is None else
+              torch.from_numpy(codec.lehmer_digits(out_code.numpy(), K)))
+    tk.unsort_rows(out_srt, digits, E, dst)
+    np.testing.assert_array_equal(dst.numpy(), expected(x[:, None, :], order)[:, 0])
+    assert torch.all(big[:, 1::2] == 5)
+
+
+@pytest.mark.parametrize("order", codec.ORDERS)
+@pytest.mark.parametrize("with_tok", [False, True])
+@pytest.mark.parametrize("E,K", [(16, 4), (300, 3), (40000, 2)])
+def test_triton_backend_blobs_and_decodes_match_numpy(order, with_tok, E, K):
+    rng = np.random.default_rng(9)
+    x = np.stack([rng.permutation(E)[:K] for _ in range(40)]).reshape(20, 2, K)
+    x[3, 0, 0] = -1
+    x[7] = -1
+    tok = rng.integers(0, 5, 20) if with_tok else None
+    kw = dict(num_experts=E, order=order, token_ids=tok, seq_lens=[5, 15], chunk_tokens=5)
+    blob = codec.encode(x, **kw)
+    assert codec.encode(torch.from_numpy(x), backend="triton", **kw) == blob
+    ref = expected(x, order)
+    dst = torch.full((20, 2, 2 * K), 7, dtype=torch.int32)[:, :, ::2]
+    codec.decode(blob, token_ids=tok, out=dst, backend="triton")
+    np.testing.assert_array_equal(dst.numpy(), ref)
+    seq = codec.decode_sequence(blob, 1, token_ids=tok, backend="triton")
+    np.testing.assert_array_equal(seq.numpy(), ref[5:])
+
+
+def test_triton_backend_checks_what_it_wrote(monkeypatch):
+    from replay_ops.triton_kernels import codec as tk
+
+    x, t, blob = _small_blob("keep")
+    real = tk.unsort_rows
+
+    def broken(srt, code, E, out):
+        real(srt, code, E, out)
+        out[0, 0], out[0, 1] = out[0, 1].clone(), out[0, 0].clone()
+        return out
+
+    monkeypatch.setattr(tk, "unsort_rows", broken)
+    with pytest.raises(CodecError, match="device transform check failed"):
+        codec.decode(blob, token_ids=t, backend="triton")
+    with pytest.raises(CodecError, match="backend must be one of"):
+        codec.decode(blob, token_ids=t, backend="cuda")
+
+
+def test_group_order_is_the_stable_order_on_every_path():
+    rng = np.random.default_rng(10)
+    for lo, hi in [(0, 5), (0, 60000), (0, 1 << 40), (-(1 << 40), 5)]:
+        t = rng.integers(lo, hi, size=300)
+        t[::7] = t[0]
+        np.testing.assert_array_equal(codec._group_order(t), np.argsort(t, kind="stable"))
