@@ -35,7 +35,8 @@ SUITE=${CUDA_JOB_TESTS:-"tests/test_extension_load.py tests/test_native.py tests
 tests/test_ops_registration.py tests/test_gate.py tests/test_gate_dense.py tests/test_permute.py \
 tests/test_unpermute.py tests/test_reference.py tests/test_determinism.py tests/test_validation.py \
 tests/test_direct_calls.py tests/test_routing_dtypes.py tests/test_scores.py \
-tests/test_device_math.py tests/test_router_replay.py tests/test_replay_files.py"}
+tests/test_device_math.py tests/test_router_replay.py tests/test_replay_files.py \
+tests/test_codec.py"}
 
 t_start=$SECONDS
 step() { echo "cuda-job: [$((SECONDS - t_start))s] $*"; }
@@ -55,10 +56,11 @@ if [[ "$have" != "$want" ]]; then
   step "creating $VENV with $CUDA_TORCH"
   rm -rf "$VENV"
   "$PY" -m venv "$VENV"
-  "$VPY" -m pip install "${PIP_Q[@]}" --upgrade "setuptools>=70" wheel ninja
-  "$VPY" -m pip install "${PIP_Q[@]}" "$CUDA_TORCH" numpy pytest hypothesis pyyaml omegaconf \
-      safetensors
+  "$VPY" -m pip install "${PIP_Q[@]}" "$CUDA_TORCH"
 fi
+# the build tools and the suite's light dependencies (a no-op when present)
+"$VPY" -m pip install "${PIP_Q[@]}" "setuptools>=70" wheel ninja numpy zstandard pytest \
+    hypothesis pyyaml omegaconf safetensors
 "$VPY" -c "import torch, sys; assert torch.version.cuda, 'not a CUDA build: ' + torch.__version__; print('cuda-job: venv torch', torch.__version__, 'CUDA', torch.version.cuda)"
 elapsed "venv" $t
 
