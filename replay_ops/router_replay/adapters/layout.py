@@ -52,7 +52,7 @@ def to_moe(layout: ModelShape, routing: torch.Tensor, who: str,
         raise RoutingMismatchError(f"{who}: num_experts={layout.num_experts} does not fit the "
                                    f"int16 training layout")
     if mapping == "absolute":
-        _check_dense_columns(layout, routing, who)
+        check_dense_columns(layout, routing, who)
     routing = routing[:, layout.columns(mapping), :]
     bad = first_bad_route(routing, layout.num_experts)
     if bad is not None:
@@ -62,7 +62,7 @@ def to_moe(layout: ModelShape, routing: torch.Tensor, who: str,
     return routing.to(INDEX_DTYPE), mapping
 
 
-def _check_dense_columns(layout: ModelShape, routing: torch.Tensor, who: str) -> None:
+def check_dense_columns(layout: ModelShape, routing: torch.Tensor, who: str) -> None:
     """In routing indexed by absolute layer id, the columns of the layers the model says are
     dense hold no route: 0 (what vLLM writes there) or -1. Anything else means the engine's
     model has MoE layers where this layout has dense ones (another model, or a wrong

@@ -63,6 +63,7 @@ from .layout import (
     SequenceRouting,
     as_tensor,
     check_batch,
+    check_dense_columns,
     missing_sequence,
     pack,
 )
@@ -145,9 +146,12 @@ def _check_not_zero_filled(t: torch.Tensor, layout: ModelShape, who: str) -> Non
         return  # the shape checks that follow name the problem
     L = t.shape[1]
     try:
-        cols = layout.columns(layout.mapping_for(L, who, error=RoutingMismatchError))
+        mapping = layout.mapping_for(L, who, error=RoutingMismatchError)
     except RoutingMismatchError:
         return
+    cols = layout.columns(mapping)
+    if mapping == "absolute":  # a layout with other dense layers is the better message
+        check_dense_columns(layout, t, who)
     moe = t[:, cols, :]
     zero = (moe == 0).all(dim=2)  # [n, L_moe]
     if not bool(zero.any()):
