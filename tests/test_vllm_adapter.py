@@ -159,6 +159,15 @@ def test_prompt_start_with_the_prefix_supplied():
                        prefix_routing=[full[:5]])
 
 
+def test_prompt_start_past_the_prompt_is_clamped_as_vllm_does():
+    """vLLM clamps routed_experts_prompt_start to the prompt length: a start of 50 on a
+    7-token prompt returns the rows from token 7 on."""
+    full = vllm_rows(10, seed=4)
+    seq = vllm_sequences([full[7:]], [7], [4], layout(), prompt_starts=[50],
+                         prefix_routing=[full[:7]])[0]
+    assert np.array_equal(seq.indices[:10].numpy(), full[:, list(MOE_IDS)])
+
+
 def test_prompt_start_masked_explicitly():
     full = vllm_rows(10, seed=4)
     b = vllm_batch([full[3:]], [7], [4], layout(), prompt_starts=[3], omitted="mask",

@@ -107,9 +107,9 @@ class VllmRuntime:
 
     def env(self) -> dict:
         env = dict(os.environ)
-        for k in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
-            env.pop(k, None)  # the vLLM environment is its own
         if self.cpu:
+            for k in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
+                env.pop(k, None)  # the vLLM environment is its own
             env["PYTHONPATH"] = SHIM_DIR
             env["TRITON_INTERPRET"] = "1"
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB

@@ -10,8 +10,8 @@ What the arrays hold (read from vLLM 0.32's source and measured against it):
   id; a dense layer's column is all 0. Ids are logical (before EPLB). The K ids of a
   (token, layer) are not in score order (the CPU router's top-k is unsorted); replay keeps
   the order it is given.
-* `start` is the request's `SamplingParams(routed_experts_prompt_start=N)`: the first N
-  prompt rows are omitted (multi-turn: a turn sends only its new rows). Rows that vLLM
+* `start` is the request's `SamplingParams(routed_experts_prompt_start=N)`, clamped by vLLM
+  to the prompt length: the first N prompt rows are omitted (multi-turn: a turn sends only its new rows). Rows that vLLM
   takes from its prefix cache hold the routing computed when the prefix was first run.
 * The OpenAI-compatible server returns it per choice as `routed_experts`: base64 of an
   `.npy` blob of the same array (`decode_vllm`); the request's start travels as
@@ -234,7 +234,8 @@ def vllm_sequences(
             if isinstance(st, (list, tuple)):
                 raise RoutingMismatchError(f"request {i}: prompt_starts[{i}] is a list, but "
                                            f"the request is a single payload")
-            turns = [(r, P + G, int(st or 0))]
+            # vLLM clamps the start to the prompt length (aux_output_connector/connector.py)
+            turns = [(r, P + G, min(int(st or 0), P))]
         for j, (payload, seq_len, start) in enumerate(turns):
             tw = f"request {i} turn {j}"
             t = _as_routing(payload, layout, tw)
