@@ -46,14 +46,19 @@ class TrainingEngine:
         self.train_patch.remove()
 
 
-def build_checkpoint(cfg: DemoConfig, path: str) -> str:
-    from ..testing import tiny
-
-    head_dim = cfg.hidden_size // 4
+def check_config(cfg: DemoConfig) -> None:
+    """Refuse, before anything starts, a size vLLM's CPU attention cannot run."""
+    head_dim = cfg.hidden_size // 4  # tiny_config's 4 heads
     if head_dim not in CPU_HEAD_SIZES:
         raise ValueError(f"demo --engine vllm: hidden_size={cfg.hidden_size} gives head_dim="
                          f"{head_dim}; vLLM's CPU attention takes head sizes {CPU_HEAD_SIZES} "
                          f"(use --size small or medium)")
+
+
+def build_checkpoint(cfg: DemoConfig, path: str) -> str:
+    from ..testing import tiny
+
+    check_config(cfg)
     model = tiny.tiny_model(cfg.arch, seed=cfg.seed, dtype=torch.float32,
                             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                             num_layers=cfg.num_layers, num_experts=cfg.num_experts,
@@ -81,6 +86,7 @@ def run(cfg: DemoConfig, device: torch.device, timing: dict, *, runtime: VllmRun
         log=print):  # log: a print-like function
     """The inference side on vLLM, then the training passes; returns (engine, results, r2,
     facts about the engine run)."""
+    check_config(cfg)
     t0 = time.perf_counter()
     runtime = runtime or find_vllm(install=True, log=log)
     timing["vllm_find_or_install_s"] = time.perf_counter() - t0
