@@ -144,6 +144,8 @@ def _check_not_zero_filled(t: torch.Tensor, layout: ModelShape, who: str) -> Non
     """Refuse zero-filled routing (see the module docstring for the top_k == 1 rule)."""
     if t.dim() != 3 or t.shape[0] == 0 or t.shape[2] != layout.top_k:
         return  # the shape checks that follow name the problem
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        return  # so does the dtype check
     L = t.shape[1]
     try:
         mapping = layout.mapping_for(L, who, error=RoutingMismatchError)
