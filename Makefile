@@ -80,7 +80,7 @@ test: install-test install-vllm check-cuda check-triton
 		$(PY) -m pytest -q $(CLIENT_TESTS)
 
 # R3 against a real vLLM server (two small checkpoints, one server each, started at once).
-test-vllm: install-vllm
+test-vllm: install-test install-vllm
 	$(VLLM_PYTEST)
 
 # On a GPU machine: the CUDA-only tests, and the rest of the suite on CUDA tensors. Nothing
