@@ -11,8 +11,9 @@ What the arrays hold (read from vLLM 0.32's source and measured against it):
   (token, layer) are not in score order (the CPU router's top-k is unsorted); replay keeps
   the order it is given.
 * `start` is the request's `SamplingParams(routed_experts_prompt_start=N)`, clamped by vLLM
-  to the prompt length: the first N prompt rows are omitted (multi-turn: a turn sends only its new rows). Rows that vLLM
-  takes from its prefix cache hold the routing computed when the prefix was first run.
+  to the prompt length: the first N prompt rows are omitted (multi-turn: a turn sends only
+  its new rows). Rows that vLLM takes from its prefix cache hold the routing computed when
+  the prefix was first run.
 * The OpenAI-compatible server returns it per choice as `routed_experts`: base64 of an
   `.npy` blob of the same array (`decode_vllm`); the request's start travels as
   `routed_experts_prompt_start` in the request body.
