@@ -154,7 +154,9 @@ def format_report(s: dict) -> str:
     lines.append("")
     lines.append(f"R3 replay: routing difference {100 * r['routing_mismatch']:.2f}% "
                  f"(exactly {'zero' if r['routing_mismatch'] == 0 else 'NOT zero'}); "
-                 f"KL {s['kl_reduction']:.1f}x lower")
+                 f"KL {s['kl_reduction']:.1f}x lower"
+                 + ("; without replay the engines already routed alike"
+                    if n["routing_mismatch"] == 0 else ""))
     q = s["r2_round_trip"]
     lines.append("")
     lines.append(f"R2 round trip ({q['tokens']} tokens, record file {q['record_file']}, "
