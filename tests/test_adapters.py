@@ -143,19 +143,38 @@ def test_zero_filled_row_is_not_read_as_expert_zero():
     reqs = requests(3)
     reqs[0] = reqs[0].copy()
     reqs[0][1, 2] = 0  # an all-zero row (verl's "no data") inside a real token
+    with pytest.raises(RoutingMismatchError, match=r"request 0 turn 0: token 1, MoE layer 4: "
+                                                   r"all 2 slots are expert 0 .*zero-filled"):
+        vllm_sequences(reqs, PROMPTS, RESPONSES, LAYOUT)
     with pytest.raises(RoutingMismatchError, match=r"token 1, MoE layer 4 repeats an expert "
                                                    r"\[0, 0\]"):
-        vllm_sequences(reqs, PROMPTS, RESPONSES, LAYOUT)
+        sglang_sequences([{"routed_experts": encode_sglang(reqs[0])}], [5], LAYOUT,
+                         num_layers=3)
 
 
 def test_dense_layers_do_not_shift_the_layer_mapping():
     """Absolute layout: MoE layer 1 is column 1 (not column 0, a dense layer)."""
     a = rows(4, 5, seed=4)
-    a[:, 0] = [5, 6]  # junk in the dense layer's column must not be used
+    a[:, 0] = 0  # what vLLM writes in a dense layer's column (-1 is accepted too)
+    a[2, 3] = -1
     seq = vllm_sequences([a], [2], [3], LAYOUT)[0]
     assert seq.mapping == "absolute"
     for n, lid in enumerate(MOE_IDS):
         assert np.array_equal(seq.indices[:4, n].numpy(), a[:, lid])
+
+
+def test_routes_in_a_dense_layer_are_refused():
+    """A route in a layer the model says is dense: the engine's model has other MoE layers,
+    so its MoE columns cannot be trusted either."""
+    a = rows(4, 5, seed=4)
+    a[2, 3] = [5, 6]
+    with pytest.raises(RoutingMismatchError,
+                       match=r"request 0 turn 0: token 2, layer 3 routes to experts \[5, 6\], "
+                             r"but the model's layer 3 is dense \(MoE layers \[1, 2, 4\] of 5\); "
+                             r"1 of 4 token rows"):
+        vllm_sequences([a], [2], [3], LAYOUT)
+    with pytest.raises(RoutingMismatchError, match=r"token 2, layer 3 routes to experts"):
+        sglang_sequences([{"routed_experts": encode_sglang(a)}], [5], LAYOUT, num_layers=5)
 
 
 def test_vllm_multi_turn_appends_without_overwriting():
@@ -307,6 +326,7 @@ def test_sglang_payload_that_fits_two_layer_counts_is_refused():
                      num_hidden_layers=61)
     rng = np.random.default_rng(0)
     true = np.stack([rng.permutation(16)[:Kd] for _ in range(58 * 61)]).reshape(58, 61, Kd)
+    true[:, :3] = 0  # the dense layers, as the engine leaves them
     payload = {"routed_experts": b64_int32(true.astype(np.int32))}
     with pytest.raises(RoutingMismatchError, match=r"fit both 61 token rows x L=58 and 58 rows "
                                                    r"x L=61.*num_layers=58.*num_layers=61"):

@@ -11,16 +11,21 @@ def mismatch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def compare(train_routing: dict, train_lp: dict, infer_routing: dict, infer_lp: dict,
-            seq_order: list[int]) -> dict:
+            seq_order: list[int], infer_mask: dict | None = None) -> dict:
     """Per training mode ("native", "R3"): the fraction of (token, layer) routing decisions
     that differ from the inference engine's (overall and per MoE layer), the fraction of
     tokens with at least one differing layer, and the per-token log-prob gap (the k3 KL
-    estimate, mean and max |delta logprob|). `_abs_dlogprob` keeps the gaps for the chart."""
-    ref_routing = torch.cat([infer_routing[i].to(torch.int32) for i in seq_order])
+    estimate, mean and max |delta logprob|). `_abs_dlogprob` keeps the gaps for the chart.
+    `infer_mask` ({seq: bool [n]}): only the rows the inference engine routed are compared."""
+    def rows(d: dict, i: int) -> torch.Tensor:
+        r = d[i].to(torch.int32)
+        return r if infer_mask is None else r[infer_mask[i].to(r.device)]
+
+    ref_routing = torch.cat([rows(infer_routing, i) for i in seq_order])
     ref_lp = torch.cat([infer_lp[i] for i in seq_order])
     results = {}
     for name in train_routing:
-        r = torch.cat([train_routing[name][i].to(torch.int32) for i in seq_order])
+        r = torch.cat([rows(train_routing[name], i) for i in seq_order])
         mm = mismatch(r, ref_routing)  # [T, L]
         d = torch.cat([train_lp[name][i] for i in seq_order]) - ref_lp
         k3 = torch.expm1(d) - d  # r - 1 - log r with r = p_train / p_infer

@@ -9,9 +9,19 @@ import torch
 from .._atomic import atomic_target
 
 
-def summary(cfg, eng, results: dict, r2: dict, device, timing: dict) -> dict:
-    """The summary of a run (written to summary.json)."""
+def summary(cfg, eng, results: dict, r2: dict, device, timing: dict,
+            engine: dict | None = None) -> dict:
+    """The summary of a run (written to summary.json). `engine`: facts about a real
+    inference engine's run (`--engine vllm`)."""
     lay = eng.layout
+    if engine is None:
+        inference = (f"bf16, sampled in batches of {cfg.sample_batch}, scored in batches "
+                     f"of {cfg.infer_batch} in prompt order, left padding")
+    else:
+        inference = (f"{engine['vllm_version']} ({engine['dtype']}), {cfg.num_seqs} concurrent "
+                     f"requests to its {engine['server']}; routed_experts "
+                     f"{engine['routed_experts_dtype']} [rows, L={engine['routed_experts_layers']}"
+                     f", K]")
     s = {
         "config": {k: (list(v) if isinstance(v, tuple) else v)
                    for k, v in dataclasses.asdict(cfg).items()},
@@ -23,8 +33,7 @@ def summary(cfg, eng, results: dict, r2: dict, device, timing: dict) -> dict:
         "workload": {
             "sequences": cfg.num_seqs, "tokens": results["_tokens"],
             "response_tokens": results["_response_tokens"],
-            "inference": f"bf16, sampled in batches of {cfg.sample_batch}, scored in batches "
-                         f"of {cfg.infer_batch} in prompt order, left padding",
+            "inference": inference,
             "training": f"fp32, batches of {cfg.train_batch} sorted by length, right padding",
         },
         "no_replay": {k: v for k, v in results["native"].items() if not k.startswith("_")},
@@ -34,6 +43,8 @@ def summary(cfg, eng, results: dict, r2: dict, device, timing: dict) -> dict:
         "versions": versions(),
         "timing": {k: round(v, 2) for k, v in timing.items()},
     }
+    if engine is not None:
+        s["engine"] = engine
     kl0, kl1 = s["no_replay"]["kl_k3_mean"], s["r3_replay"]["kl_k3_mean"]
     s["kl_reduction"] = (kl0 / kl1) if kl1 > 0 else math.inf
     return s
@@ -76,7 +87,8 @@ def chart(path: str, summary: dict, results: dict, layer_ids: list[int]) -> None
     a.set_xticks(x, [str(i) for i in layer_ids])
     a.set_xlabel("MoE layer")
     a.set_ylabel("routing decisions that differ (%)")
-    a.set_title("Training (fp32) vs inference (bf16) routing")
+    eng = (f"vLLM {summary['engine']['dtype']}" if "engine" in summary else "bf16")
+    a.set_title(f"Training (fp32) vs inference ({eng}) routing")
     a.legend()
     lo = 1e-6
     bins = torch.logspace(math.log10(lo), 0, 37).numpy()
@@ -107,12 +119,19 @@ def format_report(s: dict) -> str:
         f"{len(m['moe_layer_ids'])} MoE layers, {m['num_experts']} experts, top-{m['top_k']}, "
         f"{m['score_func']})"
     )
+    real = "engine" in s
     lines.append(f"  inference engine: {w['inference']}")
     lines.append(f"  training engine:  {w['training']}")
-    lines.append(f"  {w['sequences']} sequences, {w['tokens']} tokens, "
-                 f"{w['response_tokens']} sampled response tokens; backend: {s['backend']}")
+    lines.append(f"  {w['sequences']} sequences, {w['tokens']} "
+                 f"{'routed tokens (the final token of each has no route)' if real else 'tokens'}"
+                 f", {w['response_tokens']} sampled response tokens; backend: {s['backend']}")
+    if real:
+        e = s["engine"]
+        lines.append(f"  vLLM server started in {e['server_start_s']} s, generated in "
+                     f"{e['generation_s']} s ({e['runtime']})")
     lines.append("")
-    lines.append("Routing decisions that differ from the inference engine, per MoE layer")
+    lines.append("Routing decisions that differ from the inference engine"
+                 f"{' (vLLM)' if real else ''}, per MoE layer")
     lines.append(f"  {'layer':>5} | {'no replay':>10} | {'R3 replay':>10}")
     lines.append(f"  {'-' * 5}-+-{'-' * 10}-+-{'-' * 10}")
     for lid, a, b in zip(m["moe_layer_ids"], n["routing_mismatch_per_layer"],
@@ -135,7 +154,9 @@ def format_report(s: dict) -> str:
     lines.append("")
     lines.append(f"R3 replay: routing difference {100 * r['routing_mismatch']:.2f}% "
                  f"(exactly {'zero' if r['routing_mismatch'] == 0 else 'NOT zero'}); "
-                 f"KL {s['kl_reduction']:.1f}x lower")
+                 f"KL {s['kl_reduction']:.1f}x lower"
+                 + ("; without replay the engines already routed alike"
+                    if n["routing_mismatch"] == 0 else ""))
     q = s["r2_round_trip"]
     lines.append("")
     lines.append(f"R2 round trip ({q['tokens']} tokens, record file {q['record_file']}, "

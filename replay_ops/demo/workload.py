@@ -155,10 +155,13 @@ def score_inference(cfg, eng: Engines, seqs, prompt_lens, device):
     return routing, logprobs
 
 
-def training_passes(cfg, eng: Engines, seqs, prompt_lens, infer_routing, train_batches, device):
+def training_passes(cfg, eng: Engines, seqs, prompt_lens, infer_routing, train_batches, device,
+                    infer_mask=None):
     """The training engine's passes (right padding, batches sorted by length), each batch
-    twice: native routing, and R3 (the inference routing replayed). Returns ({"native"|"R3":
-    {seq: routing used}}, {"native"|"R3": {seq: response log-probs}})."""
+    twice: native routing, and R3 (the inference routing replayed). `infer_mask` ({seq:
+    bool [n]}, default all True): the rows that have inference routing (a rollout engine
+    has none for a sequence's final token); other rows keep native top-k. Returns
+    ({"native"|"R3": {seq: routing used}}, {"native"|"R3": {seq: response log-probs}})."""
     from ..router_replay import ReplayAction
 
     L, K = len(eng.layout.moe_layer_ids), eng.layout.top_k
@@ -183,7 +186,7 @@ def training_passes(cfg, eng: Engines, seqs, prompt_lens, infer_routing, train_b
             replay_mask = torch.zeros(B * S, dtype=torch.bool)
             for b, i in enumerate(batch):
                 r3[slots[b]] = infer_routing[i]
-                replay_mask[slots[b]] = True
+                replay_mask[slots[b]] = True if infer_mask is None else infer_mask[i]
             rr.clear()
             rr.set_routing(r3.to(device), replay_mask.to(device))
             rr.set_action(ReplayAction.REPLAY_FORWARD)

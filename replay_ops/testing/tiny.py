@@ -23,8 +23,10 @@ def tiny_config(
     expert_size: int = 32,
     num_heads: int = 4,
     initializer_range: float = 0.02,
+    dense_layers: tuple = (),
 ):
-    """A small config of `model_type` (one of ARCHS)."""
+    """A small config of `model_type` (one of ARCHS). `dense_layers`: layer ids that get a
+    dense MLP instead of experts (Qwen3-MoE's `mlp_only_layers`; qwen3_moe only)."""
     import transformers as tf
 
     head_dim = hidden_size // num_heads
@@ -42,6 +44,8 @@ def tiny_config(
         eos_token_id=1,
         pad_token_id=None,
     )
+    if dense_layers and model_type != "qwen3_moe":
+        raise ValueError(f"tiny_config: dense_layers is for qwen3_moe, got {model_type!r}")
     if model_type == "mixtral":
         return tf.MixtralConfig(
             **common, head_dim=head_dim, num_local_experts=num_experts,
@@ -58,7 +62,7 @@ def tiny_config(
         return tf.Qwen3MoeConfig(
             **common, head_dim=head_dim, num_experts=num_experts, num_experts_per_tok=top_k,
             moe_intermediate_size=expert_size, intermediate_size=2 * expert_size,
-            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=list(dense_layers),
         )
     if model_type == "olmoe":
         return tf.OlmoeConfig(

@@ -45,7 +45,7 @@ from .layout import (
 )
 from .sglang import decode_sglang, encode_sglang, payload_layers, sglang_batch, sglang_sequences
 from .verl import from_verl_padded, routing_from_batch
-from .vllm import vllm_batch, vllm_sequences
+from .vllm import decode_vllm, encode_vllm, vllm_batch, vllm_dtype, vllm_sequences
 
 __all__ = [
     "INDEX_DTYPE",
@@ -56,7 +56,9 @@ __all__ = [
     "SequenceRouting",
     "check_batch",
     "decode_sglang",
+    "decode_vllm",
     "encode_sglang",
+    "encode_vllm",
     "from_verl_padded",
     "missing_sequence",
     "pack",
@@ -68,5 +70,6 @@ __all__ = [
     "sglang_sequences",
     "to_moe",
     "vllm_batch",
+    "vllm_dtype",
     "vllm_sequences",
 ]

@@ -54,6 +54,8 @@ def to_moe(layout: ModelShape, routing: torch.Tensor, who: str,
     if layout.num_experts > torch.iinfo(INDEX_DTYPE).max:
         raise RoutingMismatchError(f"{who}: num_experts={layout.num_experts} does not fit the "
                                    f"int16 training layout")
+    if mapping == "absolute":
+        check_dense_columns(layout, routing, who)
     routing = routing[:, layout.columns(mapping), :]
     bad = first_bad_route(routing, layout.num_experts)
     if bad is not None:
@@ -61,6 +63,29 @@ def to_moe(layout: ModelShape, routing: torch.Tensor, who: str,
             f"{who}: {describe_bad_route(bad, layout.num_experts, layout.moe_layer_ids)}"
             f"{unsigned_note(dtype, bad.value)}")
     return routing.to(INDEX_DTYPE), mapping
+
+
+def check_dense_columns(layout: ModelShape, routing: torch.Tensor, who: str) -> None:
+    """In routing indexed by absolute layer id, the columns of the layers the model says are
+    dense hold no route: 0 (what vLLM writes there) or -1. Anything else means the engine's
+    model has MoE layers where this layout has dense ones (another model, or a wrong
+    `moe_layer_ids`), and the MoE columns cannot be trusted either."""
+    moe = set(layout.moe_layer_ids)
+    dense = [lid for lid in range(layout.num_hidden_layers) if lid not in moe]
+    if not dense or routing.shape[0] == 0:
+        return
+    cols = routing[:, dense, :]
+    bad = (cols != 0) & (cols != -1)
+    if not bool(bad.any()):
+        return
+    t, c, k = (int(v) for v in bad.nonzero()[0])
+    rows = int(bad.any(2).any(1).sum())
+    raise RoutingMismatchError(
+        f"{who}: token {t}, layer {dense[c]} routes to experts {cols[t, c].tolist()}, but the "
+        f"model's layer {dense[c]} is dense (MoE layers {list(layout.moe_layer_ids)} of "
+        f"{layout.num_hidden_layers}); {rows} of {routing.shape[0]} token rows have routes in "
+        f"dense layers. The routing comes from a model with other MoE layers"
+    )
 
 
 @dataclass
@@ -135,9 +160,11 @@ class MultiTurnRouting:
         self.layout = layout
         self.request = request
         self._parts: list[torch.Tensor] = []
+        self._masks: list[torch.Tensor] = []
         self.rows = 0
         self.turns = 0
         self.mapping: str | None = None
+        self.masked: list[tuple[int, int, str]] = []  # (first row, end row, why)
 
     def add_turn(self, routing, seq_len: int, start: int = 0) -> None:
         who = f"request {self.request} turn {self.turns}"
@@ -172,8 +199,22 @@ class MultiTurnRouting:
         new = moe[self.rows - start:]
         if new.shape[0]:
             self._parts.append(new)
+            self._masks.append(torch.ones(new.shape[0], dtype=torch.bool))
             self.rows += int(new.shape[0])
         self.turns += 1
+
+    def add_masked(self, n: int, why: str) -> None:
+        """Append `n` rows without routing (-1, replay mask False: native top-k), e.g. a
+        prompt prefix the engine omitted and nobody supplied, under an explicit policy.
+        `why` is kept in `masked` for the caller's report."""
+        if n < 0:
+            raise RoutingMismatchError(f"request {self.request}: cannot mask {n} rows")
+        if n:
+            L, K = self.layout.num_moe_layers, self.layout.top_k
+            self._parts.append(torch.full((n, L, K), -1, dtype=INDEX_DTYPE))
+            self._masks.append(torch.zeros(n, dtype=torch.bool))
+            self.masked.append((self.rows, self.rows + n, why))
+            self.rows += n
 
     def sequence(self, num_tokens: int) -> SequenceRouting:
         """The conversation's routing for its `num_tokens` training tokens, which must be
@@ -189,8 +230,7 @@ class MultiTurnRouting:
         L, K = self.layout.num_moe_layers, self.layout.top_k
         tail = torch.full((1, L, K), -1, dtype=INDEX_DTYPE)
         idx = torch.cat(self._parts + [tail], dim=0)
-        mask = torch.ones(num_tokens, dtype=torch.bool)
-        mask[-1] = False
+        mask = torch.cat(self._masks + [torch.zeros(1, dtype=torch.bool)])
         return SequenceRouting(idx, mask, self.mapping)
 
 

