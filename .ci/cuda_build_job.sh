@@ -16,6 +16,12 @@
 #      release), the project's library loaded under this torch, and the wheel offered to
 #      pip beside the project's torch.
 # Every step is timed. A failure is a failure; nothing here skips.
+#
+#   .ci/cuda_build_job.sh          all steps
+#   .ci/cuda_build_job.sh build    steps 1-3 (what `make test` starts in the background,
+#                                  niced, while the main suite runs)
+#   .ci/cuda_build_job.sh wait     waits for that background build (its exit status and log
+#                                  under build/cuda-job/), then steps 4-6
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -38,6 +44,8 @@ tests/test_direct_calls.py tests/test_routing_dtypes.py tests/test_scores.py \
 tests/test_device_math.py tests/test_router_replay.py tests/test_replay_files.py \
 tests/test_codec.py"}
 
+PHASE="${1:-all}"
+case "$PHASE" in all|build|wait) ;; *) echo "cuda-job: unknown phase '$PHASE' (all, build or wait)"; exit 2;; esac
 t_start=$SECONDS
 step() { echo "cuda-job: [$((SECONDS - t_start))s] $*"; }
 elapsed() { echo "cuda-job: $1 took $(($SECONDS - $2))s"; }
@@ -48,52 +56,72 @@ if [[ -z "$NVCC_BIN" && ! -x /usr/local/cuda/bin/nvcc && -z "${CUDA_HOME:-}" ]];
   exit 1
 fi
 
-# 1. the venv
-t=$SECONDS
-want=${CUDA_TORCH#torch==}
-have=$("$VPY" -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null || true)
-if [[ "$have" != "$want" ]]; then
-  step "creating $VENV with $CUDA_TORCH"
-  rm -rf "$VENV"
-  "$PY" -m venv "$VENV"
-  "$VPY" -m pip install "${PIP_Q[@]}" "$CUDA_TORCH"
-fi
-# the build tools and the suite's light dependencies (a no-op when present)
-"$VPY" -m pip install "${PIP_Q[@]}" "setuptools>=70" wheel ninja numpy zstandard pytest \
-    hypothesis pyyaml omegaconf safetensors
-"$VPY" -c "import torch, sys; assert torch.version.cuda, 'not a CUDA build: ' + torch.__version__; print('cuda-job: venv torch', torch.__version__, 'CUDA', torch.version.cuda)"
-elapsed "venv" $t
-
-# 2. the wheel, from a copy of the tree (the tree's own build/ and .so stay untouched)
-t=$SECONDS
 SRC=$JOB/src
 DIST=$JOB/dist
-rm -rf "$SRC" "$DIST"
-mkdir -p "$SRC" "$DIST"
-git ls-files -co --exclude-standard -z | grep -zv '^build/' | xargs -0 cp --parents -t "$SRC"
-step "building the wheel (REPLAY_OPS_CUDA=1, TORCH_CUDA_ARCH_LIST=$ARCHS)"
-( cd "$SRC" && env -u CUDA_HOME -u CUDA_PATH REPLAY_OPS_CUDA=1 TORCH_CUDA_ARCH_LIST="$ARCHS" \
-    MAX_JOBS="${MAX_JOBS:-2}" "$VPY" -m pip wheel -v --disable-pip-version-check --no-build-isolation --no-deps \
-    -w "$ROOT/$DIST" . ) > "$JOB/build.log" 2>&1 || {
-  echo "cuda-job: FAIL: the wheel did not build; the end of $JOB/build.log:"
-  tail -40 "$JOB/build.log"; exit 1; }
-grep -E "^replay_ops:" "$JOB/build.log" || true
-# compiler warnings (g++ "file:line:col: warning:", nvcc/cudafe "warning #NNN-D") fail the job
-if grep -E "(\.(cpp|cu|cuh|h):[0-9]+(:[0-9]+)?: warning:|warning #[0-9]+)" "$JOB/build.log" >"$JOB/warnings.log"; then
-  echo "cuda-job: FAIL: compiler warnings in the CUDA build:"
-  head -20 "$JOB/warnings.log"
-  exit 1
-fi
-echo "cuda-job: ok   0 compiler warnings"
-WHEEL=$(ls "$DIST"/replay_ops-*.whl)
-ls -l "$WHEEL"
-elapsed "CUDA build (wheel)" $t
+if [[ "$PHASE" == wait ]]; then
+  step "waiting for the background CUDA build (build/cuda-job/build-phase.log)"
+  if [[ ! -f "$JOB/build-phase.rc" && ! -f "$JOB/build-phase.log" ]]; then
+    echo "cuda-job: FAIL: no background build was started (.ci/cuda_build_job.sh build)"; exit 1
+  fi
+  for _ in $(seq 1 3600); do [[ -f "$JOB/build-phase.rc" ]] && break; sleep 1; done
+  if [[ ! -f "$JOB/build-phase.rc" ]]; then
+    echo "cuda-job: FAIL: the background build did not finish within an hour"; exit 1
+  fi
+  cat "$JOB/build-phase.log"
+  rc=$(cat "$JOB/build-phase.rc")
+  if [[ "$rc" != 0 ]]; then echo "cuda-job: FAIL: the background build exited with $rc"; exit 1; fi
+  elapsed "waiting" $t_start
+else
+  # 1. the venv
+  t=$SECONDS
+  want=${CUDA_TORCH#torch==}
+  have=$("$VPY" -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null || true)
+  if [[ "$have" != "$want" ]]; then
+    step "creating $VENV with $CUDA_TORCH"
+    rm -rf "$VENV"
+    "$PY" -m venv "$VENV"
+    "$VPY" -m pip install "${PIP_Q[@]}" "$CUDA_TORCH"
+  fi
+  # the build tools and the suite's light dependencies (a no-op when present)
+  "$VPY" -m pip install "${PIP_Q[@]}" "setuptools>=70" wheel ninja numpy zstandard pytest \
+      hypothesis pyyaml omegaconf safetensors
+  "$VPY" -c "import torch, sys; assert torch.version.cuda, 'not a CUDA build: ' + torch.__version__; print('cuda-job: venv torch', torch.__version__, 'CUDA', torch.version.cuda)"
+  elapsed "venv" $t
 
-# 3. install it
-t=$SECONDS
-"$VPY" -m pip uninstall "${PIP_Q[@]}" -y replay_ops >/dev/null 2>&1 || true
-"$VPY" -m pip install "${PIP_Q[@]}" --no-index --find-links "$DIST" "$WHEEL"
-elapsed "wheel install" $t
+  # 2. the wheel, from a copy of the tree (the tree's own build/ and .so stay untouched)
+  t=$SECONDS
+  rm -rf "$SRC" "$DIST"
+  mkdir -p "$SRC" "$DIST"
+  git ls-files -co --exclude-standard -z | grep -zv '^build/' | xargs -0 cp --parents -t "$SRC"
+  step "building the wheel (REPLAY_OPS_CUDA=1, TORCH_CUDA_ARCH_LIST=$ARCHS)"
+  ( cd "$SRC" && env -u CUDA_HOME -u CUDA_PATH REPLAY_OPS_CUDA=1 TORCH_CUDA_ARCH_LIST="$ARCHS" \
+      MAX_JOBS="${MAX_JOBS:-2}" "$VPY" -m pip wheel -v --disable-pip-version-check --no-build-isolation --no-deps \
+      -w "$ROOT/$DIST" . ) > "$JOB/build.log" 2>&1 || {
+    echo "cuda-job: FAIL: the wheel did not build; the end of $JOB/build.log:"
+    tail -40 "$JOB/build.log"; exit 1; }
+  grep -E "^\s*replay_ops:" "$JOB/build.log" | sed 's/^ *//' | sort -u || true
+  # compiler warnings (g++ "file:line:col: warning:", nvcc/cudafe "warning #NNN-D") fail the job
+  if grep -E "(\.(cpp|cu|cuh|h):[0-9]+(:[0-9]+)?: warning:|warning #[0-9]+)" "$JOB/build.log" >"$JOB/warnings.log"; then
+    echo "cuda-job: FAIL: compiler warnings in the CUDA build:"
+    head -20 "$JOB/warnings.log"
+    exit 1
+  fi
+  echo "cuda-job: ok   0 compiler warnings"
+  WHEEL=$(ls "$DIST"/replay_ops-*.whl)
+  ls -l "$WHEEL"
+  elapsed "CUDA build (wheel)" $t
+
+  # 3. install it
+  t=$SECONDS
+  "$VPY" -m pip uninstall "${PIP_Q[@]}" -y replay_ops >/dev/null 2>&1 || true
+  "$VPY" -m pip install "${PIP_Q[@]}" --no-index --find-links "$DIST" "$WHEEL"
+  elapsed "wheel install" $t
+fi
+if [[ "$PHASE" == build ]]; then
+  echo "cuda-job: build phase OK in $((SECONDS - t_start))s"
+  exit 0
+fi
+WHEEL=$(ls "$DIST"/replay_ops-*.whl)
 
 # 4. the build's checks, from outside the tree so the installed package is the one imported
 t=$SECONDS
