@@ -241,7 +241,7 @@ def rows_experts(experts: torch.nn.Module, rows: torch.Tensor, local_plan: Routi
     (`local_plan`: K = 1, one slot per row, experts numbered 0.. within `local_experts`).
     `sharded`: the module holds only the local experts' weights. Through the experts
     implementation the config names: grouped_mm over `local_plan.expert_offsets[1:]`, any
-    other one called with each row's expert (top-1, weight 1: exact)."""
+    other one called with each row's expert (top-1, weight 1: exact; 0 on padding rows)."""
     fn = experts_function(experts)
     if fn == GROUPED_MM:
         gate_up, down = experts.gate_up_proj, experts.down_proj
@@ -249,8 +249,12 @@ def rows_experts(experts: torch.nn.Module, rows: torch.Tensor, local_plan: Routi
             gate_up = gate_up[local_experts.start:local_experts.stop]
             down = down[local_experts.start:local_experts.stop]
         return grouped_mlp(experts, rows, local_plan.expert_offsets[1:], gate_up, down)
-    idx = local_plan.expert_indices.long()  # [R, 1]
+    # Row r holds the local plan's slot sorted_slots[r] (-1: a padding row): its expert is
+    # that slot's; padding rows (zero inputs) get weight 0.
+    slots = local_plan.sorted_slots[: rows.shape[0]]
+    valid = slots >= 0
+    idx = local_plan.expert_indices.reshape(-1)[slots.clamp_min(0).long()].long()
     if not sharded:
         idx = idx + local_experts.start
-    ones = torch.ones(idx.shape, dtype=rows.dtype, device=rows.device)
-    return fn(experts, rows, idx, ones)
+    weights = valid.to(rows.dtype)
+    return fn(experts, rows, idx[:, None], weights[:, None])
