@@ -289,3 +289,41 @@ def test_record_native_routing_reproduces_unpatched_per_implementation(arch):
         out = model(ids).logits
     torch.testing.assert_close(out, ref_logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(patch.last_routing().long(), ref_routing.long())
+
+
+def _imports(path):
+    """Every module a file imports (module level or inside functions), absolute."""
+    import ast
+    from pathlib import Path
+
+    pkg = path.relative_to(Path(replay_ops.__file__).parents[1]).with_suffix("").parts[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = list(pkg[: len(pkg) - node.level + 1]) if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            out.add(mod)
+            out |= {f"{mod}.{a.name}" for a in node.names}
+    return out
+
+
+@pytest.mark.parametrize("a,b", [
+    ("replay_ops/distributed/hf.py", "replay_ops/integrations/hf.py"),
+    ("replay_ops/integrations/megatron/router.py",
+     "replay_ops/integrations/megatron/dispatcher.py"),
+])
+def test_no_import_circle(a, b):
+    """The expert-parallel HF path and the plain one share hf_block.py; Megatron's router
+    and dispatcher share nothing but what wiring.py imports from both."""
+    from pathlib import Path
+
+    root = Path(replay_ops.__file__).parents[1]
+    name = lambda p: p[:-3].replace("/", ".")  # noqa: E731
+
+    def reaches(imports, mod):
+        return any(m == mod or m.startswith(mod + ".") for m in imports)
+
+    ia, ib = _imports(root / a), _imports(root / b)
+    assert not (reaches(ia, name(b)) and reaches(ib, name(a))), (a, b)

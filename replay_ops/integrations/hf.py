@@ -75,7 +75,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from replay_ops.integrations.hf_block import (  # noqa: F401  (BlockRouting, route_block: API)
+from replay_ops.integrations.hf_block import (  # BlockRouting, route_block: re-exported
     BlockRouting,
     block_forward,
     plan_experts,
@@ -83,7 +83,6 @@ from replay_ops.integrations.hf_block import (  # noqa: F401  (BlockRouting, rou
 )
 from replay_ops.router_replay import (
     ModelShape,
-    ReplayAction,
     RouterReplay,
     RouterReplayConfig,
 )
