@@ -17,7 +17,8 @@ token; gradients of every parameter):
 
 * `native grouped_mm`: the unpatched model, `config._experts_implementation="grouped_mm"`,
   its own routing.
-* `native eager`: the same with "eager".
+* `native eager`: the same with "eager" (about 10x slower: timed on its own,
+  `--eager-reps` calls, not interleaved with the others).
 * `replay_ops R3`: the model patched with `hf.patch_model`, R3 with `validate=False`,
   REPLAY_FORWARD of the routing the native model picks for the same batch (set once per
   batch with set_routing: timed with the step, its host read counted apart); experts
@@ -174,9 +175,14 @@ def run(args):
             with LaunchCounter() as c:
                 r3s.prepare()
             set_routing_syncs = c.syncs
+            # eager is 10x slower: timed on its own, --eager-reps times (not interleaved)
+            fast = {n: f for n, f in fns.items() if n != "native eager"}
             times = harness.median_of_runs([
-                harness.measure_interleaved(fns, device, warmup=args.warmup, reps=args.reps)
+                harness.measure_interleaved(fast, device, warmup=args.warmup, reps=args.reps)
                 for _ in range(args.runs)])
+            times["native eager"] = harness.measure_interleaved(
+                {"native eager": fns["native eager"]}, device, warmup=0,
+                reps=args.eager_reps)["native eager"]
             tag = (f"{case_name} ({case['arch']}, {case['batch']}x{case['seq']} tokens, "
                    f"H={case['hidden_size']}, E={case['num_experts']}, K={case['top_k']}, "
                    f"I={case['expert_size']}) {dtype_name}")
@@ -243,6 +249,8 @@ def parser():
     ap.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=["bfloat16"])
     ap.add_argument("--machine", default=None,
                     help="how to describe the machine in the results (e.g. '2-core shared CPU')")
+    ap.add_argument("--eager-reps", type=int, default=1,
+                    help="timed calls of the (slow) native eager provider, not interleaved")
     harness.add_run_args(ap, reps=5, warmup=1, runs=2)
     return ap
 

@@ -132,19 +132,20 @@ def test_no_cuda_sync_in_a_moe_block():
     B, S = 2, 5
     T = B * S
     model, patch, lid, block = _patched_block("qwen3_moe", "R3")
-    model.cuda()
+    model.to("cuda", torch.bfloat16)  # grouped_mm's CUDA kernel is bf16
     rr = patch.replay
     routing = _routing(T, rr.shape, 2).cuda()
     rr.set_routing(routing)
     rr.set_action(ReplayAction.REPLAY_FORWARD)
-    hidden = torch.randn(B, S, model.config.hidden_size, device="cuda")
-    block(hidden)  # warm up
+    hidden = torch.randn(B, S, model.config.hidden_size, device="cuda",
+                         dtype=torch.bfloat16, requires_grad=True)
+    block(hidden).sum().backward()  # warm up
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            block(hidden)
+            block(hidden).sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     syncs = [str(x.message) for x in w if "synchronizing" in str(x.message)]
