@@ -12,8 +12,13 @@ from _dist_spawn import run_group
 pytest.importorskip("transformers")
 
 WORLD = 2
-ARCHS = ("qwen2_moe", "deepseek_v3")  # shared experts (gated / MLP), dense layers,
-#                                       softmax without normalization / sigmoid + scaling
+# (architecture, experts implementation, shard_weights): every family; shared experts
+# (gated / MLP), dense layers, softmax with and without normalization, sigmoid + scaling;
+# each experts implementation; sharded and replicated expert weights.
+CONFIGS = (("qwen2_moe", "grouped_mm", True), ("deepseek_v3", "eager", True),
+           ("mixtral", "batched_mm", True), ("qwen3_moe", "grouped_mm", False),
+           ("olmoe", "eager", False))
+ARCHS = tuple(c[0] for c in CONFIGS)
 B_PER_RANK, S = 2, 6
 LOGIT_TOL = 1e-5  # other batch sizes in attention and the dense GEMMs (CPU BLAS blocking)
 GRAD_TOL = 1e-4   # ... and gradients summed over ranks in another order
@@ -24,6 +29,7 @@ def _hf_checks(rank, world):
     import torch.distributed as dist
 
     from _dist_spawn import tiny_model
+    from replay_ops.distributed.hf import enable_expert_parallel
     from replay_ops.integrations import hf
     from replay_ops.router_replay import ReplayAction
 
@@ -45,16 +51,27 @@ def _hf_checks(rank, world):
     mine = slice(rank * B_PER_RANK, (rank + 1) * B_PER_RANK)
     tok = slice(rank * B_PER_RANK * S, (rank + 1) * B_PER_RANK * S)
     ids = ids_all[mine]
-    for arch in ARCHS:
-        where = f"[{arch}, rank {rank}]"
-        ref = tiny_model(arch, seed=1234)
-        model = tiny_model(arch, seed=1234)
-        patch = hf.patch_model(model, "R3", ep_group=dist.group.WORLD)
+    for arch, impl, shard in CONFIGS:
+        where = f"[{arch}, {impl}, shard_weights={shard}, rank {rank}]"
+
+        def build():
+            m = tiny_model(arch, seed=1234)
+            m.set_experts_implementation(impl)
+            return m
+
+        ref = build()
+        model = build()
+        if shard:
+            patch = hf.patch_model(model, "R3", ep_group=dist.group.WORLD)
+        else:
+            patch = enable_expert_parallel(hf.patch_model(model, "R3"), dist.group.WORLD,
+                                           shard_weights=False)
         lay = patch.layout
         E, K, L = lay.num_experts, lay.top_k, len(lay.moe_layer_ids)
         n = E // world
         for blk in lay.blocks.values():
-            assert blk.experts.gate_up_proj.shape[0] == n, f"{where} experts not sharded"
+            assert blk.experts.gate_up_proj.shape[0] == (n if shard else E), \
+                f"{where} expert weights"
 
         # 1. No action: native routing, sharded experts == the unpatched model.
         with torch.no_grad():
@@ -83,7 +100,7 @@ def _hf_checks(rank, world):
         T_all = ids_all.numel()
         routing = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T_all * L)])
         routing = routing.view(T_all, L, K).to(torch.int32)
-        single = tiny_model(arch, seed=1234)
+        single = build()
         sp = hf.patch_model(single, "R3")
         sp.replay.set_routing(routing)
         sp.replay.set_action(ReplayAction.REPLAY_FORWARD)
@@ -99,9 +116,17 @@ def _hf_checks(rank, world):
         n_expert = n_other = 0
         for name, p in model.named_parameters():
             r = ref_params[name]
-            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and shard:
                 close(p.grad, r.grad[rank * n:(rank + 1) * n], f"{where} {name} grad", GRAD_TOL)
                 close(p.detach(), r.detach()[rank * n:(rank + 1) * n], f"{where} {name}", 0)
+                n_expert += 1
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                # replicated weights: this rank's experts get gradients, the others none
+                mine_e = slice(rank * n, (rank + 1) * n)
+                close(p.grad[mine_e], r.grad[mine_e], f"{where} {name} grad", GRAD_TOL)
+                others = torch.ones(E, dtype=torch.bool)
+                others[mine_e] = False
+                assert p.grad[others].abs().max() == 0, f"{where} {name}: other experts' grad"
                 n_expert += 1
             elif r.grad is not None:
                 g_sum = p.grad.clone()
@@ -110,8 +135,14 @@ def _hf_checks(rank, world):
                 n_other += 1
         assert n_expert == 2 * L and n_other > 0, (n_expert, n_other)
 
-        # 4. After remove(), the sharded experts refuse the original forward.
+        # 4. After remove(), the sharded experts refuse the original forward (replicated
+        #    ones run it: the unpatched model).
         patch.remove()
+        if not shard:
+            with torch.no_grad():
+                close(model(ids).logits, ref(ids).logits, f"{where} unpatched again", 0)
+            done.append(arch)
+            continue
         try:
             with torch.no_grad():
                 model(ids)
@@ -132,5 +163,5 @@ def _hf_checks(rank, world):
 
 
 def test_hf_tiny_model_ep2_matches_unsharded():
-    results = run_group("test_distributed_hf:_hf_checks", WORLD, timeout=60)
+    results = run_group("test_distributed_hf:_hf_checks", WORLD, timeout=180)
     assert results == [list(ARCHS)] * WORLD

@@ -11,7 +11,7 @@
    with replay disabled or no action set it routes natively: the router's own indices
    and weights, so a disabled patch computes the unpatched model's MoE;
 2. `replay_ops.distributed.dispatch` sends the rows to the ranks owning their experts,
-   each rank runs its E/W experts (one SwiGLU per expert segment), and
+   each rank runs its E/W experts (a grouped GEMM over its expert segments), and
    `replay_ops.distributed.combine` brings the results back, weighted by the gates;
 3. adds the shared experts where the architecture has them (replicated on every rank).
 
@@ -28,9 +28,13 @@ A rank whose routing fails (for example an out-of-range recorded expert under
 `validate=True`) reports the error through the dispatch header exchange, so every rank
 raises `DistributedInputError` naming it; none is left waiting.
 
-Host reads per MoE block forward: the dispatch's one, plus one in the expert loop (the
-per-expert row counts, to slice the segments; a grouped GEMM on `handle.local_offsets`
-would not need it).
+The experts run through the same function as on one device
+(`replay_ops.integrations.hf_block.rows_experts`, the implementation the config names):
+with "grouped_mm" a grouped GEMM over the received rows and `handle.local_offsets`.
+
+Host reads per MoE block forward: the dispatch's one (the split sizes of the exchange); the
+experts add none with "grouped_mm" (its fallback op and "eager" read what they read
+unpatched).
 """
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ import types
 import torch
 
 import replay_ops
-from replay_ops.integrations import hf
+from replay_ops.integrations.hf_block import block_forward, route_block, rows_experts
 
 from . import ep
 
@@ -108,7 +112,7 @@ def _ep_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Te
     try:
         # routed exactly as the single-device patch routes (RECORD, REPLAY_FORWARD, the
         # recompute queue)
-        r = hf.route_block(patch, lid, block, hidden_states)
+        r = route_block(patch, lid, block, hidden_states)
         plan = r.plan
         if plan is None:
             # Native routing: the router's own choice and weights, as the unpatched block.
@@ -121,25 +125,15 @@ def _ep_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Te
         ep.report_failure(exc, st.group)
     if r.plan is not None and not r.recompute:
         patch._last[lid] = plan.expert_indices
-    x_local, handle = ep.dispatch(r.x, plan, st.group)
-    y_local = _local_experts(block.experts, x_local, handle, st)
-    routed = ep.combine(y_local, handle)
-    if spec.add_shared is not None:
-        out = spec.add_shared(block, r.x, r.hidden_states, routed)
-    else:
-        out = routed
-    return out.reshape(r.hidden_states.shape)
+
+    def run_experts(experts, x, plan):
+        # dispatch -> this rank's experts over the rows it received -> combine
+        x_local, handle = ep.dispatch(x, plan, st.group)
+        y_local = rows_experts(experts, x_local, handle.local_plan, st.local_experts,
+                               st.sharded)
+        return ep.combine(y_local, handle)
+
+    return block_forward(block, dataclasses.replace(r, plan=plan), spec, run_experts)
 
 
 _ep_forward._replay_ops_forward = True  # unpatching removes it
-
-
-def _local_experts(experts, x_local: torch.Tensor, handle: ep.DispatchHandle,
-                   st: EPState) -> torch.Tensor:
-    """One SwiGLU per local expert segment (align 1: the segments tile the buffer)."""
-    counts = handle.tokens_per_local_expert.tolist()  # the expert loop's host read
-    offsets = [0]
-    for n in counts:
-        offsets.append(offsets[-1] + n)
-    ids = None if st.sharded else list(st.local_experts)
-    return hf.run_expert_segments(experts, x_local, offsets, ids)

@@ -15,8 +15,12 @@ Each supported MoE block (see `SUPPORTED`) gets an instance-level `forward` that
    as the unpatched model computes them (and keeps `output_router_logits` working);
 2. asks the replay object for a plan: `replay.route(layer_id, logits, topk_fn=<the block's
    native selection>, score_func=..., normalize=..., scaling_factor=...)`;
-3. runs the experts on the expert-major rows: `replay_ops.permute`, one SwiGLU per expert
-   segment, `replay_ops.unpermute` (fp32 accumulation in the recorded column order);
+3. runs the experts through the implementation the model's config names
+   (`config._experts_implementation`, transformers' `ExpertsInterface`) with the replayed
+   routing: for "grouped_mm", `replay_ops.permute` -> two grouped GEMMs over the plan's
+   expert offsets -> `replay_ops.unpermute` (fp32 accumulation in the recorded column
+   order); for any other implementation, that function itself given the replayed indices
+   and weights (see `replay_ops.integrations.hf_block`);
 4. adds the shared experts where the architecture has them.
 
 When the replay object returns no plan (mode "disabled", or no action set) the block runs
@@ -52,9 +56,13 @@ queue, and the replay object's own action is left alone), and a RECORD action ga
 the native choice again without recording it twice. Turn this off with
 `patch_model(..., auto_recompute=False)` and set the action yourself.
 
-Host syncs: one per MoE block per forward, the read of the plan's expert offsets that
-sizes each expert's rows. The routing's values are checked once, when it is set, loaded or
-recorded (`RouterReplayConfig.validate`), not in the layers.
+Host syncs: none in a MoE block forward with the "grouped_mm" experts (the permuted buffer
+has the plan's static `max_rows` rows and the grouped GEMM takes the offsets on the device),
+so a CUDA graph can capture the replayed forward. Where transformers' `_can_use_grouped_mm`
+rule sends the grouped GEMM to its fallback op (`transformers::grouped_mm_fallback`), that
+op reads the offsets once per GEMM, as it does unpatched; "eager" reads what its loop
+needs, as unpatched. The routing's values are checked once, when it is set, loaded or
+recorded (`RouterReplayConfig.validate`: one read there), not in the layers.
 """
 from __future__ import annotations
 
@@ -67,11 +75,14 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-import replay_ops
-from replay_ops.plan import RoutingPlan
+from replay_ops.integrations.hf_block import (  # BlockRouting, route_block: re-exported
+    BlockRouting,
+    block_forward,
+    plan_experts,
+    route_block,
+)
 from replay_ops.router_replay import (
     ModelShape,
-    ReplayAction,
     RouterReplay,
     RouterReplayConfig,
 )
@@ -88,7 +99,6 @@ __all__ = [
     "native_topk",
     "patch_model",
     "route_block",
-    "run_expert_segments",
     "unpatch_model",
     "supported_architectures",
 ]
@@ -337,11 +347,6 @@ def make_router_replay(
 # ----------------------------------------------------------------------------- the patch
 
 
-def _in_backward() -> bool:
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
-
-
 class ReplayPatch:
     """The handle `patch_model` returns: `.replay` (the RouterReplay), `.layout`,
     `.last_routing()`, `.remove()`; also a context manager that removes the patch."""
@@ -462,74 +467,6 @@ def unpatch_model(model: torch.nn.Module) -> None:
         patch.remove()
 
 
-@dataclasses.dataclass
-class BlockRouting:
-    """What `route_block` found for one MoE block forward."""
-
-    hidden_states: torch.Tensor  # the block's input (after Mixtral's router jitter)
-    x: torch.Tensor  # [T, H]
-    logits: torch.Tensor  # [T, E], fp32 where the architecture keeps gate weights in fp32
-    native_weights: torch.Tensor  # the router's own gate weights and indices
-    native_indices: torch.Tensor
-    plan: RoutingPlan | None  # None: the replay object chose the native path
-    recompute: bool  # an activation recompute (its routing is not reported again)
-
-
-def route_block(patch: ReplayPatch, lid: int, block: torch.nn.Module,
-                hidden_states: torch.Tensor) -> BlockRouting:
-    """Run the block's router and ask the replay object for the plan: RECORD, REPLAY_FORWARD,
-    and (inside a backward pass, with auto_recompute) the recompute of either. The single-
-    device forward and the expert-parallel one (replay_ops.distributed.hf) both route here."""
-    replay = patch.replay
-    spec = patch.layout.spec
-    if spec.jitter and block.training and block.jitter_noise > 0:
-        hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
-            1.0 - block.jitter_noise, 1.0 + block.jitter_noise
-        )
-    x = hidden_states.reshape(-1, hidden_states.shape[-1])
-    gate = block.gate
-    logits, native_w, native_idx = gate(x)
-    if spec.weights_fp32:
-        logits = logits.float()
-
-    def topk_fn(lg: torch.Tensor) -> torch.Tensor:
-        if lg.shape == logits.shape and lg.data_ptr() == logits.data_ptr():
-            return native_idx  # the router's own output for these very logits
-        return spec.topk(gate, lg)
-
-    action = replay.action if replay.enabled else None
-    opts = dict(score_func=spec.score_func, normalize=spec.normalize(gate),
-                scaling_factor=spec.scaling_factor(gate))
-    # DeepSeek-V3 normalizes its sigmoid weights even for top-1: w = s / (s + 1e-20), then
-    # the scaling. replay_ops.gate, as Megatron-Core, leaves a row with one slot as it is;
-    # gate unnormalized and unscaled, then apply the model's own formula (below).
-    top1_norm = spec.score_func == "sigmoid" and opts["normalize"] and int(gate.top_k) == 1
-    if top1_norm:
-        scaling = opts["scaling_factor"]
-        opts.update(normalize=False, scaling_factor=1.0)
-    recompute = patch.auto_recompute and action in (
-        ReplayAction.REPLAY_FORWARD, ReplayAction.RECORD) and _in_backward()
-    if action is None:
-        plan = None
-    elif recompute and action is ReplayAction.RECORD:
-        # Recompute of a recorded forward: same inputs, same native choice; gate with it but
-        # do not record it a second time.
-        with torch.no_grad():
-            idx = topk_fn(logits.detach())
-        plan = replay_ops.gate(logits, idx, validate=False, **opts)
-    elif recompute:
-        # the recompute of a replayed forward pops the layer's queue; the replay object's
-        # own action stays REPLAY_FORWARD (other layers may still run forwards)
-        plan = replay.route(lid, logits, action=ReplayAction.REPLAY_BACKWARD, topk_fn=topk_fn,
-                            **opts)
-    else:
-        plan = replay.route(lid, logits, action=action, topk_fn=topk_fn, **opts)
-    if top1_norm and plan is not None:
-        w = plan.weights
-        plan = plan._replace(weights=(w / (w + 1e-20)) * scaling)
-    return BlockRouting(hidden_states, x, logits, native_w, native_idx, plan, recompute)
-
-
 def _patched_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     layer = block.__dict__.get("_replay_ops_layer")
     if layer is None:  # removed, but called through a wrapper installed after patching
@@ -541,45 +478,7 @@ def _patched_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> tor
     r = route_block(patch, lid, block, hidden_states)
     if not r.recompute:
         patch._last[lid] = r.plan.expert_indices
-    routed = _experts_forward(block.experts, r.x, r.plan)
-    spec = patch.layout.spec
-    out = routed if spec.add_shared is None else spec.add_shared(block, r.x, r.hidden_states,
-                                                                 routed)
-    return out.reshape(r.hidden_states.shape)
+    return block_forward(block, r, patch.layout.spec, plan_experts)
 
 
 _patched_forward._replay_ops_forward = True  # remove() takes only its own forward
-
-
-def run_expert_segments(experts: torch.nn.Module, rows: torch.Tensor, offsets: list[int],
-                        expert_ids=None) -> torch.Tensor:
-    """One SwiGLU per expert segment: rows offsets[j]:offsets[j+1] go through expert
-    expert_ids[j] (default j). The segments must tile rows [0, offsets[-1]) (align 1).
-    With no row at all the (empty) input comes back, still attached to the graph."""
-    apply_gate = getattr(experts, "_apply_gate", None)
-    outs = []
-    for j in range(len(offsets) - 1):
-        if offsets[j + 1] == offsets[j]:
-            continue
-        e = j if expert_ids is None else expert_ids[j]
-        gate_up = F.linear(rows[offsets[j]: offsets[j + 1]], experts.gate_up_proj[e])
-        if apply_gate is not None:
-            h = apply_gate(gate_up)
-        else:
-            g, u = gate_up.chunk(2, dim=-1)
-            h = experts.act_fn(g) * u
-        outs.append(F.linear(h, experts.down_proj[e]))
-    return torch.cat(outs, dim=0) if outs else rows
-
-
-def _experts_forward(experts: torch.nn.Module, x: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
-    """sum_k w[t,k] * MLP_{e[t,k]}(x[t]) through permute -> per-expert SwiGLU -> unpermute.
-
-    One host read per MoE layer: the plan's expert offsets, which size each expert's
-    segment. permute gets the row count from them and unpermute gets exactly those rows,
-    so neither reads the device again."""
-    offsets = plan.expert_offsets.tolist()
-    rows = replay_ops.permute(x, plan, offsets[-1], validate=False)
-    # align=1: the expert segments tile rows [0, R) with no padding rows between them.
-    return replay_ops.unpermute(run_expert_segments(experts, rows, offsets), plan,
-                                validate=False)

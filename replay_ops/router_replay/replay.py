@@ -254,7 +254,12 @@ class RouterReplay:
         empty = (indices.index_select(1, sel) < 0).all(dim=2)  # [T, L_moe]
         all_empty = empty.all(dim=1)
         partial = empty.any(dim=1) & ~all_empty
-        if bool(partial.any()):
+        # one host read for both flags
+        any_partial, any_empty = torch.stack([partial.any(), all_empty.any()]).tolist()
+        if not any_partial and not any_empty:
+            # every row has a route: no mask, so the layers run no fallback selection
+            return None
+        if any_partial:
             t = int(partial.nonzero()[0, 0])
             layers = [self.moe_layer_ids[j] for j in empty[t].nonzero().flatten().tolist()]
             raise RouterReplayError(
@@ -281,6 +286,8 @@ class RouterReplay:
 
     @property
     def replay_mask(self) -> torch.Tensor | None:
+        """bool [T]: the rows replayed (False: the fallback selection). None when every row
+        is replayed (set explicitly, or derived from routing where no row is all -1)."""
         return self._replay_mask
 
     def _no_routing_message(self, layer_id: int) -> str:

@@ -47,11 +47,12 @@ _LAZY = {
     "UnsupportedConfigError": "router",
     "check_config": "router",
     "gate_semantics": "router",
-    "install": "router",
     "replay_action": "router",
     "replay_router": "router",
-    "replay_spec": "router",
     "spread_experts": "router",
+    # wiring.py (imports router.py and dispatcher.py)
+    "install": "wiring",
+    "replay_spec": "wiring",
     # dispatcher.py
     "PlanAlltoAllTokenDispatcher": "dispatcher",
     "ReplayMoELayer": "dispatcher",

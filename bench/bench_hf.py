@@ -1,0 +1,278 @@
+"""The Hugging Face path: a whole `transformers` MoE model's forward + backward under
+replay_ops R3 against the same model run natively, in the same run. Launches and host
+syncs are counted with launch_counter.py, beside CPU (or GPU) times; the targets of the
+replayed HF path are marked met or missed.
+
+    python bench/bench_hf.py --out cpu_2core_hf
+
+Cases (random weights, built locally; --cases picks some):
+
+* `qwen3`: Qwen3-MoE, 2 layers, batch 4 x 512 tokens, hidden 256, 64 experts, top-8,
+  expert FFN 128.
+* `mixtral`: Mixtral-like, 2 layers, batch 2 x 256 tokens, hidden 1024, 8 experts, top-2,
+  expert FFN 512 (smaller than Mixtral's FFN so that a 2-core CPU runs it in seconds).
+
+Providers, each one forward + backward of the whole model (loss: cross-entropy of the next
+token; gradients of every parameter):
+
+* `native grouped_mm`: the unpatched model, `config._experts_implementation="grouped_mm"`,
+  its own routing.
+* `native eager`: the same with "eager" (about 10x slower: timed on its own,
+  `--eager-reps` calls, not interleaved with the others).
+* `replay_ops R3`: the model patched with `hf.patch_model`, R3 with `validate=False`,
+  REPLAY_FORWARD of the routing the native model picks for the same batch (set once per
+  batch with set_routing: timed with the step, its host read counted apart); experts
+  implementation "grouped_mm" (the plan path of replay_ops.integrations.hf_block).
+* `replay_ops R3 validate`: the same with `validate=True` (the routing checked once when it
+  is set; set_routing is inside the timed call).
+
+Targets (replayed fwd+bwd against native grouped_mm fwd+bwd, same run): launches <= 0.6x,
+host syncs == 0 with validate=False, time <= 1.0x (bfloat16).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # this checkout's replay_ops, not an installed one
+sys.path.insert(0, str(HERE))
+import harness  # noqa: E402
+from launch_counter import LaunchCounter  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+CASES = {
+    "qwen3": dict(arch="qwen3_moe", batch=4, seq=512, hidden_size=256, num_experts=64, top_k=8,
+                  expert_size=128),
+    "mixtral": dict(arch="mixtral", batch=2, seq=256, hidden_size=1024, num_experts=8, top_k=2,
+                    expert_size=512),
+}
+LAUNCH_RATIO = 0.6
+TIME_RATIO = 1.0
+
+
+def build(case: dict, dtype, device, implementation: str):
+    from replay_ops.testing import tiny
+
+    model = tiny.tiny_model(case["arch"], seed=0, num_layers=2, hidden_size=case["hidden_size"],
+                            num_experts=case["num_experts"], top_k=case["top_k"],
+                            expert_size=case["expert_size"], dtype=dtype)
+    model.set_experts_implementation(implementation)
+    return model.to(device).train()
+
+
+def fwd_bwd(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out
+
+
+def native_routing(model, ids):
+    """[T, L_moe, K] int32: what the native router picks for `ids` (recorded by replay_ops
+    RECORD on a patched copy's forward, no gradient)."""
+    from replay_ops.integrations import hf
+    from replay_ops.router_replay import ReplayAction, RouterReplayConfig
+
+    patch = hf.patch_model(model, RouterReplayConfig(mode="R2"))
+    try:
+        patch.replay.set_action(ReplayAction.RECORD)
+        with torch.no_grad():
+            model(input_ids=ids)
+        return patch.last_routing()
+    finally:
+        patch.remove()
+
+
+def make_providers(case, dtype, device):
+    from replay_ops.integrations import hf
+    from replay_ops.router_replay import ReplayAction, RouterReplayConfig
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (case["batch"], case["seq"]), generator=g).to(device)
+    native = {impl: build(case, dtype, device, impl) for impl in ("grouped_mm", "eager")}
+    routing = native_routing(native["grouped_mm"], ids)
+    fns = {
+        "native grouped_mm": lambda: fwd_bwd(native["grouped_mm"], ids),
+        "native eager": lambda: fwd_bwd(native["eager"], ids),
+    }
+    for name, validate in (("replay_ops R3", False), ("replay_ops R3 validate", True)):
+        model = build(case, dtype, device, "grouped_mm")
+        patch = hf.patch_model(model, RouterReplayConfig(mode="R3", validate=validate))
+        patch.replay.set_action(ReplayAction.REPLAY_FORWARD)
+
+        def step(model=model, patch=patch):
+            patch.replay.set_routing(routing)
+            return fwd_bwd(model, ids)
+
+        # counted without set_routing (once per batch, not per layer: counted on its own)
+        step.prepare = lambda patch=patch: patch.replay.set_routing(routing)
+        step.counted = lambda model=model: fwd_bwd(model, ids)
+        fns[name] = step
+    blocks = {name: block_step(fns, name, case, dtype, device, native, routing)
+              for name in ("native grouped_mm", "replay_ops R3")}
+    return fns, blocks
+
+
+def block_step(fns, name, case, dtype, device, native, routing):
+    """One MoE block's forward + backward (the first MoE layer; input [B, S, H] random),
+    on the model of provider `name`: what the MoE layers alone launch."""
+    from replay_ops.integrations import hf
+
+    if name.startswith("native"):
+        model = native["grouped_mm"]
+    else:
+        model = fns[name].counted.__defaults__[0]
+    lay = hf.moe_layout(model)
+    lid = lay.moe_layer_ids[0]
+    block = lay.blocks[lid]
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(case["batch"], case["seq"], case["hidden_size"], generator=g).to(device,
+                                                                                      dtype)
+    grad = torch.randn(h.shape, generator=g).to(device, dtype)
+
+    def run():
+        x = h.detach().requires_grad_(True)
+        block(x).backward(grad)
+
+    run.prepare = getattr(fns[name], "prepare", None)
+    return run
+
+
+def counts(fn):
+    prepare = getattr(fn, "prepare", None)
+    if prepare is not None:
+        prepare()
+    with LaunchCounter() as c:
+        getattr(fn, "counted", fn)()
+    return {"launches": c.launches, "syncs": c.syncs, "bytes": c.bytes,
+            "model_us": round(c.model_us(), 2), "ops": dict(c.ops)}
+
+
+def ops_str(ops: dict, n: int = 8) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:n])
+
+
+def run(args):
+    device = args.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"bench_hf: --device {device}, but torch sees no CUDA device")
+    env = harness.env_info(device)
+    copy_bw = args.copy_bw or harness.copy_bandwidth(device)
+    rows, summary, targets = [], [], []
+    for case_name in args.cases:
+        case = CASES[case_name]
+        for dtype_name in args.dtype:
+            fns, blocks = make_providers(case, DTYPES[dtype_name], device)
+            for fn in fns.values():
+                fn()  # warm up (and check that every provider runs)
+            cnt = {n: counts(f) for n, f in fns.items()}
+            bcnt = {n: counts(f) for n, f in blocks.items()}
+            r3s = fns["replay_ops R3"]
+            with LaunchCounter() as c:
+                r3s.prepare()
+            set_routing_syncs = c.syncs
+            # eager is 10x slower: timed on its own, --eager-reps times (not interleaved)
+            fast = {n: f for n, f in fns.items() if n != "native eager"}
+            times = harness.median_of_runs([
+                harness.measure_interleaved(fast, device, warmup=args.warmup, reps=args.reps)
+                for _ in range(args.runs)])
+            times["native eager"] = harness.measure_interleaved(
+                {"native eager": fns["native eager"]}, device, warmup=0,
+                reps=args.eager_reps)["native eager"]
+            tag = (f"{case_name} ({case['arch']}, {case['batch']}x{case['seq']} tokens, "
+                   f"H={case['hidden_size']}, E={case['num_experts']}, K={case['top_k']}, "
+                   f"I={case['expert_size']}) {dtype_name}")
+            base = times["native grouped_mm"]["ms_median"]
+            for n in fns:
+                row = {"case": case_name, "dtype": dtype_name, "provider": n,
+                       **{k: v for k, v in cnt[n].items() if k != "ops"}, **times[n],
+                       "time_vs_native_grouped_mm": times[n]["ms_median"] / base,
+                       "launches_vs_native_grouped_mm":
+                           cnt[n]["launches"] / cnt["native grouped_mm"]["launches"]}
+                row.pop("run_medians", None)
+                rows.append(row)
+            r3, nat = cnt["replay_ops R3"], cnt["native grouped_mm"]
+            rb, nb = bcnt["replay_ops R3"], bcnt["native grouped_mm"]
+            n_moe = 2  # MoE layers of the bench models
+            lr = r3["launches"] / nat["launches"]
+            tr = times["replay_ops R3"]["ms_median"] / base
+
+            def add(name, value, bound, ok, detail):
+                targets.append({"case": f"{case_name} {dtype_name}", "target": name,
+                                "value": value, "bound": bound, "met": bool(ok),
+                                "detail": detail})
+
+            add("R3 model fwd+bwd launches / native grouped_mm", round(lr, 3),
+                f"<= {LAUNCH_RATIO}", lr <= LAUNCH_RATIO,
+                f"{r3['launches']} vs {nat['launches']}; of these the model outside its MoE "
+                f"blocks launches about {nat['launches'] - n_moe * nb['launches']} "
+                f"(native total - {n_moe} x native block)")
+            add("R3 fwd+bwd host syncs beyond native grouped_mm's (validate=False)",
+                r3["syncs"] - nat["syncs"], "== 0", r3["syncs"] == nat["syncs"],
+                f"R3 {r3['syncs']}, native grouped_mm {nat['syncs']} (the model's own, "
+                f"outside the MoE blocks); set_routing once per batch: {set_routing_syncs}")
+            rb, nb = bcnt["replay_ops R3"], bcnt["native grouped_mm"]
+            blr = rb["launches"] / nb["launches"]
+            add("R3 MoE block fwd+bwd launches / native grouped_mm block", round(blr, 3),
+                f"<= {LAUNCH_RATIO}", blr <= LAUNCH_RATIO,
+                f"{rb['launches']} vs {nb['launches']}; R3: {ops_str(rb['ops'], 30)}")
+            add("R3 MoE block fwd+bwd host syncs (validate=False)", rb["syncs"], "== 0",
+                rb["syncs"] == 0, f"native grouped_mm block {nb['syncs']}")
+            clock = "GPU" if device.startswith("cuda") else "CPU"
+            if dtype_name == "bfloat16":
+                add(f"R3 fwd+bwd {clock} time / native grouped_mm", round(tr, 3),
+                    f"<= {TIME_RATIO}", tr <= TIME_RATIO,
+                    f"{times['replay_ops R3']['ms_median']:.1f} ms vs {base:.1f} ms")
+            summary.append(
+                f"{tag}: R3 {r3['launches']} launches, {r3['syncs']} syncs, "
+                f"{times['replay_ops R3']['ms_median']:.1f} ms; native grouped_mm "
+                f"{nat['launches']} launches, {nat['syncs']} syncs, {base:.1f} ms; native eager "
+                f"{cnt['native eager']['launches']} launches, {cnt['native eager']['syncs']} "
+                f"syncs, {times['native eager']['ms_median']:.1f} ms")
+    args.env, args.copy_bw, args.targets = env, copy_bw, targets
+    return rows, summary
+
+
+COLS = ["case", "dtype", "provider", "launches", "syncs", "bytes", "model_us", "ms_median",
+        "ms_p20", "ms_p80", "time_vs_native_grouped_mm", "launches_vs_native_grouped_mm"]
+TARGET_COLS = ["case", "target", "value", "bound", "met", "detail"]
+
+
+def parser():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--cases", nargs="+", choices=sorted(CASES), default=["qwen3", "mixtral"])
+    ap.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=["bfloat16"])
+    ap.add_argument("--machine", default=None,
+                    help="how to describe the machine in the results (e.g. '2-core shared CPU')")
+    ap.add_argument("--eager-reps", type=int, default=1,
+                    help="timed calls of the (slow) native eager provider, not interleaved")
+    harness.add_run_args(ap, reps=5, warmup=1, runs=2)
+    return ap
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows, summary = run(args)
+    if args.machine:
+        summary.insert(0, f"Machine: {args.machine}")
+    met = sum(t["met"] for t in args.targets)
+    summary.append(f"targets met: {met} of {len(args.targets)} (table 'Targets')")
+    print(harness.to_markdown(rows, COLS))
+    print(harness.to_markdown(args.targets, TARGET_COLS))
+    print("\n".join(summary))
+    if args.out:
+        paths = harness.save(rows, summary, args.out, args.env, args.copy_bw, COLS,
+                             extra={"Targets": (args.targets, TARGET_COLS)})
+        print("wrote", *paths)
+    return rows, summary
+
+
+if __name__ == "__main__":
+    main()
