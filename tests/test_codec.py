@@ -461,3 +461,39 @@ def test_group_order_is_the_stable_order_on_every_path():
         t = rng.integers(lo, hi, size=300)
         t[::7] = t[0]
         np.testing.assert_array_equal(codec._group_order(t), np.argsort(t, kind="stable"))
+
+
+# ---------------------------------------------------------------------------- older formats
+FIXTURE_V1 = __import__("pathlib").Path(__file__).parent / "data" / "codec_v1_blobs.npz"
+
+
+@pytest.mark.parametrize("name", ["keep_tok", "keep_notok", "set_tok", "set_notok"])
+def test_format_1_blobs_still_decode(name):
+    """Blobs written by the format-1 encoder (record files of format 3 may hold them): the
+    routing they were made from (with empty slots and repeated ids) comes back exactly."""
+    f = np.load(FIXTURE_V1)
+    r, tok, lens = f["routing"], f["token_ids"], f["seq_lens"]
+    blob = f[name].tobytes()
+    order = name.split("_")[0]
+    ids = tok if name.endswith("_tok") else None
+    inf = codec.info(blob, verify_payload=True)
+    assert inf.version == 1 and inf.order == order and len(inf.chunks) == 2
+    want = expected(r, order)
+    np.testing.assert_array_equal(codec.decode(blob, token_ids=ids).numpy(), want)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    for i in range(len(lens)):
+        got = codec.decode_sequence(blob, i, token_ids=ids).numpy()
+        np.testing.assert_array_equal(got, want[cu[i]:cu[i + 1]])
+    # a damaged format-1 blob is still refused
+    bad = bytearray(blob)
+    bad[inf.chunks[1].payload_offset + 7] ^= 0x10
+    with pytest.raises(CodecError):
+        codec.decode(bytes(bad), token_ids=ids)
+
+
+def test_format_1_raw_chunk_and_append_still_decode():
+    f = np.load(FIXTURE_V1)
+    blob = f["keep_raw_append"].tobytes()
+    inf = codec.info(blob)
+    assert inf.version == 1 and [c.method for c in inf.chunks] == [0, 1]
+    np.testing.assert_array_equal(codec.decode(blob).numpy(), f["routing_raw_append"])
