@@ -134,15 +134,21 @@ def test_wide_k_uses_slot_permutation():
 
 
 @pytest.mark.parametrize("K", [1, 2, 3, 4, 5])
-def test_lehmer_code_is_the_lexicographic_rank(K):
-    """The permutation code of a row is the rank of its sorting permutation among all K!
-    permutations in lexicographic order (itertools' order): codes are 0..K!-1, one each."""
+@pytest.mark.parametrize("version", codec.READ_VERSIONS)
+def test_lehmer_code_is_the_lexicographic_rank(K, version):
+    """The permutation code of a row is the rank among all K! permutations in lexicographic
+    order (itertools' order) of its sorting permutation p (format 1: p[j] = the slot of the
+    j-th smallest id) or of its inverse q (format 2: q[s] = the rank of slot s's id): codes
+    are 0..K!-1, one each."""
     perms = list(itertools.permutations(range(K)))
     rows = np.zeros((len(perms), K), np.uint8)
     for r, q in enumerate(perms):
-        for j, slot in enumerate(q):
-            rows[r, slot] = 10 + j  # the j-th smallest id sits in slot q[j]
-    srt, code = codec.sort_rows(rows, "keep", 128)
+        for j, v in enumerate(q):
+            if version == 1:
+                rows[r, v] = 10 + j  # the j-th smallest id sits in slot q[j]
+            else:
+                rows[r, j] = 10 + v  # slot j holds the id of rank q[j]
+    srt, code = codec.sort_rows(rows, "keep", 128, version)
     assert np.all(srt == np.arange(10, 10 + K))
     w = codec.lehmer_width(K)
     got = (np.ascontiguousarray(code).view(f"<u{w}").reshape(-1) if w else
@@ -388,7 +394,8 @@ TRITON_CASES = [(16, 4, 9), (128, 8, 6), (300, 3, 5), (40000, 2, 4), (64, 1, 4),
 
 @pytest.mark.parametrize("E,K,N", TRITON_CASES)
 @pytest.mark.parametrize("order", codec.ORDERS)
-def test_triton_transform_is_bitwise_the_numpy_one(E, K, N, order):
+@pytest.mark.parametrize("version", codec.READ_VERSIONS)
+def test_triton_transform_is_bitwise_the_numpy_one(E, K, N, order, version):
     from replay_ops.triton_kernels import codec as tk
 
     rng = np.random.default_rng(E + K)
@@ -398,8 +405,10 @@ def test_triton_transform_is_bitwise_the_numpy_one(E, K, N, order):
     if K > 1:
         x[3, 1] = x[3, 0]  # a repeated id
     canon = np.where(x < 0, E, x).astype(codec._NARROW[codec.id_width(E)])
-    ref_srt, ref_code = codec.sort_rows(canon.copy(), order, E)
-    out_srt, out_code = tk.sort_rows(torch.from_numpy(x).t().contiguous().t(), E, order)
+    ref_srt, ref_code = codec.sort_rows(canon.copy(), order, E, version)
+    inverse = codec._inverse_code(version, K)
+    out_srt, out_code = tk.sort_rows(torch.from_numpy(x).t().contiguous().t(), E, order,
+                                     inverse=inverse)
     np.testing.assert_array_equal(out_srt.numpy().astype(np.int64), ref_srt.astype(np.int64))
     if order == "keep" and K > 1:
         w = codec.lehmer_width(K)
@@ -412,7 +421,7 @@ def test_triton_transform_is_bitwise_the_numpy_one(E, K, N, order):
     dst = big[:, ::2]
     digits = (None if out_code is None else
               torch.from_numpy(codec.lehmer_digits(out_code.numpy(), K)))
-    tk.unsort_rows(out_srt, digits, E, dst)
+    tk.unsort_rows(out_srt, digits, E, dst, inverse=inverse)
     np.testing.assert_array_equal(dst.numpy(), expected(x[:, None, :], order)[:, 0])
     assert torch.all(big[:, 1::2] == 5)
 
@@ -443,8 +452,8 @@ def test_triton_backend_checks_what_it_wrote(monkeypatch):
     x, t, blob = _small_blob("keep")
     real = tk.unsort_rows
 
-    def broken(srt, code, E, out):
-        real(srt, code, E, out)
+    def broken(srt, code, E, out, **kw):
+        real(srt, code, E, out, **kw)
         out[0, 0], out[0, 1] = out[0, 1].clone(), out[0, 0].clone()
         return out
 
@@ -497,3 +506,26 @@ def test_format_1_raw_chunk_and_append_still_decode():
     inf = codec.info(blob)
     assert inf.version == 1 and [c.method for c in inf.chunks] == [0, 1]
     np.testing.assert_array_equal(codec.decode(blob).numpy(), f["routing_raw_append"])
+
+
+@pytest.mark.parametrize("name", ["keep_tok", "keep_notok", "set_tok"])
+def test_appending_to_a_format_1_blob_stays_format_1(name):
+    """A record file's blob keeps its format: appended chunks are written in the blob's
+    version, and the whole blob decodes."""
+    f = np.load(FIXTURE_V1)
+    r, tok = f["routing"], f["token_ids"]
+    blob = f[name].tobytes()
+    order, ids = name.split("_")[0], (tok if name.endswith("_tok") else None)
+    more = r[100:300]
+    more_ids = None if ids is None else tok[100:300]
+    out = codec.append(blob, more, token_ids=more_ids, seq_lens=[150, 50])
+    assert out[:len(blob)] == blob and codec.info(out).version == 1
+    all_ids = None if ids is None else np.concatenate([ids, more_ids])
+    np.testing.assert_array_equal(codec.decode(out, token_ids=all_ids).numpy(),
+                                  expected(np.concatenate([r, more]), order))
+    # the same routing encoded now is format 2, and decodes to the same
+    new = codec.encode(np.concatenate([r, more]), num_experts=128, order=order,
+                       token_ids=all_ids)
+    assert codec.info(new).version == codec.FORMAT_VERSION == 2
+    np.testing.assert_array_equal(codec.decode(new, token_ids=all_ids).numpy(),
+                                  expected(np.concatenate([r, more]), order))
