@@ -529,3 +529,115 @@ def test_appending_to_a_format_1_blob_stays_format_1(name):
     assert codec.info(new).version == codec.FORMAT_VERSION == 2
     np.testing.assert_array_equal(codec.decode(new, token_ids=all_ids).numpy(),
                                   expected(np.concatenate([r, more]), order))
+
+
+# ---------------------------------------------------------------------------- relabelling
+def _relabel_case(E=6, K=3, T=64, seed=11):
+    """keep routing where some experts usually take the first slots (the relabelling's
+    case), with empty slots and repeated ids."""
+    rng = np.random.default_rng(seed)
+    x = np.stack([rng.permutation(E)[:K] for _ in range(T * 2)]).reshape(T, 2, K)
+    x[::3, :, 0] = 0          # expert 0 often in slot 0
+    x[::3, :, 1:] = rng.integers(1, E, size=(len(x[::3]), 2, K - 1))
+    x[5, 1, 2] = -1
+    x[6, 0] = -1
+    x[7, 1] = [2, 2, 2][:K]
+    return x
+
+
+def _rewrite_payload(blob: bytes, ci: int, raw: bytes) -> bytes:
+    """blob with chunk ci's payload replaced by zstd(raw), every checksum but the content's
+    made right again (a forged chunk that only the decoder's own checks can refuse)."""
+    import zstandard
+
+    inf = codec.info(blob)
+    ch = inf.chunks[ci]
+    z = zstandard.ZstdCompressor(level=3).compress(raw)
+    fields = list(codec._CHUNK.unpack_from(blob, ch.offset))
+    fields[8], fields[11] = len(z), zlib.crc32(z)
+    fixed = codec._CHUNK.pack(*fields)
+    lens_b = np.asarray(ch.seq_lens, dtype="<u4").tobytes()
+    head = fixed + struct.pack("<I", zlib.crc32(fixed + lens_b)) + lens_b
+    end = ch.payload_offset + ch.payload_len
+    return blob[:ch.offset] + head + z + blob[end:]
+
+
+@pytest.mark.parametrize("with_tok", [False, True])
+def test_keep_chunks_relabel_and_round_trip(with_tok):
+    x = _relabel_case()
+    tok = np.arange(64) % 5 if with_tok else None
+    blob = codec.encode(x, num_experts=6, order="keep", token_ids=tok, seq_lens=[40, 24],
+                        chunk_tokens=40)
+    inf = codec.info(blob)
+    # 40 * 3 ids >= 16 * 6 experts: relabelled; 24 * 3 < 96: not
+    assert [bool(c.layout & codec._LAYOUT_RELABEL) for c in inf.chunks] == [True, False]
+    np.testing.assert_array_equal(codec.decode(blob, token_ids=tok).numpy(), x)
+    np.testing.assert_array_equal(codec.decode_sequence(blob, 0, token_ids=tok).numpy(),
+                                  x[:40])
+    # "set" never relabels
+    s = codec.encode(x, num_experts=6, order="set", token_ids=tok)
+    assert not any(c.layout & codec._LAYOUT_RELABEL for c in codec.info(s).chunks)
+
+
+def test_relabel_table_orders_experts_by_mean_slot():
+    x = _relabel_case()
+    canon = np.where(x < 0, 6, x).astype(np.uint8)
+    lab = codec._relabel_table(canon, 6)
+    for l in range(2):
+        assert sorted(lab[l]) == list(range(6))
+        slots = {e: [] for e in range(6)}
+        for row in canon[:, l]:
+            for j, e in enumerate(row):
+                if e < 6:
+                    slots[int(e)].append(j)
+        mean = {e: (np.mean(v) if v else 3.0) for e, v in slots.items()}
+        want = sorted(range(6), key=lambda e: (mean[e], e))
+        assert [int(np.flatnonzero(lab[l] == i)[0]) for i in range(6)] == want
+    assert lab[0, 0] == 0  # expert 0 leads slot 0 most often
+
+
+def test_a_relabelled_chunk_with_a_bad_table_is_refused():
+    x = _relabel_case()
+    blob = codec.encode(x, num_experts=6, order="keep")
+    ch = codec.info(blob).chunks[0]
+    assert ch.layout & codec._LAYOUT_RELABEL
+    import zstandard
+
+    raw = bytearray(zstandard.ZstdDecompressor().decompress(
+        blob[ch.payload_offset:ch.payload_offset + ch.payload_len]))
+    n_ids = x.size
+    tab = n_ids  # the table follows the ids (L * E one-byte labels)
+    bad = bytearray(raw)
+    bad[tab + 1] = bad[tab]  # two experts of layer 0 share a label
+    with pytest.raises(CodecError, match="relabelling table is not a permutation"):
+        codec.decode(_rewrite_payload(blob, 0, bytes(bad)))
+    bad = bytearray(raw)
+    bad[tab], bad[tab + 1] = bad[tab + 1], bad[tab]  # a valid but wrong table
+    with pytest.raises(CodecError, match="decoded content checksum mismatch"):
+        codec.decode(_rewrite_payload(blob, 0, bytes(bad)))
+    # untouched, the rewritten blob decodes: the forgery helper itself is right
+    np.testing.assert_array_equal(codec.decode(_rewrite_payload(blob, 0, bytes(raw))).numpy(),
+                                  x)
+
+
+def test_relabelled_chunks_refuse_every_flipped_byte():
+    x = _relabel_case(T=40)
+    blob = codec.encode(x, num_experts=6, order="keep")
+    for i in range(len(blob)):
+        b = bytearray(blob)
+        b[i] ^= 0x04
+        with pytest.raises(CodecError):
+            codec.decode(bytes(b))
+
+
+@pytest.mark.parametrize("with_tok", [False, True])
+def test_triton_backend_relabelled_blobs_match_numpy(with_tok):
+    x = _relabel_case()
+    tok = np.arange(64) % 7 if with_tok else None
+    kw = dict(num_experts=6, order="keep", token_ids=tok, seq_lens=[40, 24], chunk_tokens=40)
+    blob = codec.encode(x, **kw)
+    assert codec.info(blob).chunks[0].layout & codec._LAYOUT_RELABEL
+    assert codec.encode(torch.from_numpy(x), backend="triton", **kw) == blob
+    dst = torch.full((64, 2, 6), 7, dtype=torch.int32)[:, :, ::2]
+    codec.decode(blob, token_ids=tok, out=dst, backend="triton")
+    np.testing.assert_array_equal(dst.numpy(), x)
