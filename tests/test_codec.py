@@ -641,3 +641,27 @@ def test_triton_backend_relabelled_blobs_match_numpy(with_tok):
     dst = torch.full((64, 2, 6), 7, dtype=torch.int32)[:, :, ::2]
     codec.decode(blob, token_ids=tok, out=dst, backend="triton")
     np.testing.assert_array_equal(dst.numpy(), x)
+
+
+def test_relabel_table_is_the_same_for_many_experts():
+    """The table's two counting paths (one count of (slot, layer, id), or a count per slot
+    when that would take more than 2**20 bins) both order the experts by mean slot."""
+    rng = np.random.default_rng(12)
+    E = 50000
+    x = rng.integers(0, E, size=(500, 3, 8)).astype(np.uint16)
+    x[:, :, 0] = rng.integers(0, 50, size=(500, 3))  # low ids lead
+
+    def want(y):
+        K = y.shape[2]
+        s_ = np.zeros((3, E))
+        c_ = np.zeros((3, E))
+        for l in range(3):
+            np.add.at(s_[l], y[:, l].astype(np.int64), np.broadcast_to(np.arange(K), (500, K)))
+            np.add.at(c_[l], y[:, l].astype(np.int64), 1)
+        mean = np.where(c_ > 0, s_ / np.maximum(c_, 1), float(K))
+        return np.argsort(np.argsort(mean, axis=1, kind="stable"), axis=1, kind="stable")
+
+    for y in (x, np.ascontiguousarray(x[:, :, :4])):  # 8 * 3 * 50001 > 2**20 > 4 * 3 * 50001
+        np.testing.assert_array_equal(codec._relabel_table(y, E), want(y))
+    blob = codec.encode(x, num_experts=E, order="keep", chunk_tokens=1 << 20)
+    assert not codec.info(blob).chunks[0].layout & codec._LAYOUT_RELABEL  # too few ids

@@ -495,11 +495,21 @@ def _relabel_table(canon: np.ndarray, E: int) -> np.ndarray:
     # NOTE: one count of (slot, layer, id) triples: 1.6 ms for 16384 x 8 x 8 ids, against
     # 2.2 ms for a count per slot and 6 ms for one weighted count (2-core test machine)
     it = np.int32 if K * L * E1 < 2**31 else np.int64
-    off = ((np.arange(L, dtype=it) * E1)[None, :, None]
-           + (np.arange(K, dtype=it) * (L * E1))[None, None, :])
-    per = np.bincount((canon + off).reshape(-1), minlength=K * L * E1).reshape(K, L, E1)
-    cnt = per.sum(axis=0)[:, :E]
-    tot = np.tensordot(np.arange(K, dtype=np.int64), per, axes=1)[:, :E]
+    if K * L * E1 <= 1 << 20:
+        off = ((np.arange(L, dtype=it) * E1)[None, :, None]
+               + (np.arange(K, dtype=it) * (L * E1))[None, None, :])
+        per = np.bincount((canon + off).reshape(-1), minlength=K * L * E1).reshape(K, L, E1)
+        cnt = per.sum(axis=0)[:, :E]
+        tot = np.tensordot(np.arange(K, dtype=np.int64), per, axes=1)[:, :E]
+    else:  # a count per slot: L * E bins at a time
+        off = (np.arange(L, dtype=it) * E1)[None, :]
+        cnt = np.zeros(L * E1, np.int64)
+        tot = np.zeros(L * E1, np.int64)
+        for j in range(K):
+            c = np.bincount((canon[:, :, j] + off).reshape(-1), minlength=L * E1)
+            cnt += c
+            tot += j * c
+        cnt, tot = cnt.reshape(L, E1)[:, :E], tot.reshape(L, E1)[:, :E]
     mean = np.where(cnt > 0, tot / np.maximum(cnt, 1), float(K))
     order = np.argsort(mean, axis=1, kind="stable")
     lab = np.empty((L, E), np.int64)
