@@ -60,15 +60,17 @@ def _codec_sort_kernel(
     v = tl.where(v < 0, E, v)
     # padding slots sort last: their key is above every real key
     big = (E.to(tl.int64) + 1) << SHIFT
-    key0 = tl.where(cmask[None, :], (v << SHIFT) | col[None, :].to(tl.int64), big)
-    key = tl.sort(key0, dim=1)
+    key = tl.where(cmask[None, :], (v << SHIFT) | col[None, :].to(tl.int64), big)
+    key = tl.sort(key, dim=1)
     srt = key >> SHIFT
     tl.store(Sorted_ptr + r[:, None] * K + col[None, :],
              srt.to(Sorted_ptr.dtype.element_ty), mask=m2)
     if KEEP:
         if INV:
-            # c_s = #{s' > s, s' < K : key_s' < key_s}: the keys in slot order
-            p = key0
+            # c_s = #{s' > s, s' < K : key_s' < key_s} on the keys in slot order, which for
+            # s' > s is v_s' < v_s (equal ids: the later slot's key is the larger); the ids
+            # (<= E < 2^31) as int32, like p
+            p = v.to(tl.int32)
         else:
             p = (key & ((1 << SHIFT) - 1)).to(tl.int32)
         # c_j = #{i > j, i < K : p_i < p_j}
