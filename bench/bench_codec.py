@@ -60,7 +60,7 @@ NOTES = """## Reading the results
   numpy on top of the 2 ms that 1 GB/s allows: none of them is in the codec. A native
   or GPU decoder would make them usable.
 * zstd settings ("zstd settings"): long-distance matching and bigger tables change
-  nothing on this stream; the lazy strategies gain 3-8% but take 1.5-2.5x the compress
+  nothing on this stream; the lazy strategies gain 3-9% but take 1.9-3x the compress
   time of level 3, which the 200 MB/s encode target does not leave.
 * Decode with token ids pays for regrouping (sorting the token ids again, one gather per
   chunk): about 1 GB/s, at the target's edge (0.9-1.03 GB/s over runs on this shared
