@@ -64,7 +64,7 @@ NOTES = """## Reading the results
   time of level 3, which the 200 MB/s encode target does not leave.
 * Decode with token ids pays for regrouping (sorting the token ids again, one gather per
   chunk): about 1 GB/s, at the target's edge (0.9-1.03 GB/s over runs on this shared
-  machine); without token ids the decode is 1.3-1.4 GB/s.
+  machine); without token ids the decode is 1.2-1.5 GB/s.
 * `keep` (format 2) codes each row's order as the Lehmer code of its slot order, most
   significant byte (the top slot's rank) first, and relabels the ids per layer by their
   mean slot over the chunk (a 1 KB table per chunk here): the top-scoring experts of a
