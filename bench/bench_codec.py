@@ -42,23 +42,37 @@ DATA = ROOT / "bench" / "data" / "dev_qwen3moe_e128_k8_l8.npz"
 
 NOTES = """## Reading the results
 
+* The machine is shared with other jobs (2 cores): CPU times are the best of the repeats,
+  and the throughputs still move by 10-20% between runs.
 * The general compressor is zstd (`zstandard`); no entropy coder was written by hand, so
   none is compared here. The per-row transform (sorting network, Lehmer-coded order,
-  token regrouping, layer-major layout) is what the codec adds; zstd's level trades
-  encode speed for size (levels 6-9: 8.6-8.7x at 100-140 MB/s; 19: 9.9x at 10 MB/s).
+  per-layer relabelling for `keep`, token regrouping, layer-major layout) is what the codec
+  adds; zstd's level trades encode speed for size (levels 6-9: 8.6-8.7x at 100-150 MB/s;
+  19: 9.9x at 10 MB/s).
 * `set` at the default level misses 9x: 7.9x with token ids (8.2x with one 32768-token
-  chunk), 7.0x without. The section "Transforms tried" shows one transform that reaches
-  9.3x at zstd-3 (each row as the kept-mask of the same token's previous occurrence plus
-  the added ids); it is not in the codec because its decode follows each token's chain of
-  occurrences (one vectorised step per occurrence index: hundreds of steps for frequent
-  tokens), which the 1 GB/s decode target rules out in numpy; a native or GPU decoder
-  would make it usable.
+  chunk), 7.0x without. "Transforms tried" measures coding each row against an earlier
+  occurrence of the same token (a kept-mask + the added ids): 9.3x on one 32768-token
+  chunk against the previous occurrence, but its decode follows each token's chain of
+  occurrences, one vectorised step per occurrence index (761 here); capping the chain
+  keeps most of it (restarted every 32 occurrences: 9.1x in 32 steps; every 8: 8.8x) and
+  against the first occurrence (one gather) 8.5x. Each decode step is a ragged gather and
+  the rows must be sorted again (a sorting network), a few ms per 16384-token chunk in
+  numpy on top of the 2 ms that 1 GB/s allows: none of them is in the codec. A native
+  or GPU decoder would make them usable.
+* zstd settings ("zstd settings"): long-distance matching and bigger tables change
+  nothing on this stream; the lazy strategies gain 3-9% but take 1.9-3x the compress
+  time of level 3, which the 200 MB/s encode target does not leave.
 * Decode with token ids pays for regrouping (sorting the token ids again, one gather per
   chunk): about 1 GB/s, at the target's edge (0.9-1.03 GB/s over runs on this shared
-  machine); without token ids the decode is 1.4 GB/s.
-* `keep` stores each row's order as a Lehmer code: log2(8!) = 15.3 bits per row, about
-  half of the bytes; the experts' score order is close to random against their ids, so it
-  does not compress. With token ids it reaches 4.1x, without 3.8x.
+  machine); without token ids the decode is 1.2-1.5 GB/s.
+* `keep` (format 2) codes each row's order as the Lehmer code of its slot order, most
+  significant byte (the top slot's rank) first, and relabels the ids per layer by their
+  mean slot over the chunk (a 1 KB table per chunk here): the top-scoring experts of a
+  layer get the small labels, so a row's slot order is close to its ascending order and
+  the code is small ("How `keep` codes each row's order": 4.02x against format 1's 3.80x
+  without token ids, 4.26x against 4.09x with them). The relabelling costs encode time
+  (about 150 MB/s against format 1's 230-260). Rows of 8 ids still take log2(8!) = 15.3
+  bits of order at most; the experts' score order is close to random against their ids.
 * Uniform random routing does not compress; such chunks are stored raw, at most the
   uint8 size plus the headers (a few dozen bytes per chunk).
 * A chunk is what `decode_sequence` decompresses. The chunk-size table shows what
@@ -160,16 +174,106 @@ def transforms_tried(r: np.ndarray, tok: np.ndarray) -> list[dict]:
     x[first] = bm[first]
     add("bitmask of E, XOR with the token's previous occurrence, layer-major",
         x.transpose(1, 0, 2))
-    prev = np.arange(T) - 1
-    has = ~first
-    C, P = G[has], G[prev[has]]
-    in_p = (C[..., :, None] == P[..., None, :]).any(-1)
-    kept = (P[..., :, None] == C[..., None, :]).any(-1)
-    mask = np.packbits(kept, axis=-1, bitorder="little")[..., 0]
-    added = C.transpose(1, 0, 2)[~in_p.transpose(1, 0, 2)]
-    add("kept-mask of the token's previous occurrence + added ids (+ first occurrences)",
-        mask.T, added, G[first].transpose(1, 0, 2))
+    idx = np.arange(T)
+    head = np.maximum.accumulate(np.where(first, idx, 0))  # the token's first occurrence
+    rank = idx - head                                        # occurrence index
+
+    def kept_mask(name, ref, absolute):
+        """Rows not `absolute` as the kept-mask of row `ref` + the added ids."""
+        has = ~absolute
+        C, P = G[has], G[ref[has]]
+        in_p = (C[..., :, None] == P[..., None, :]).any(-1)
+        kept = (P[..., :, None] == C[..., None, :]).any(-1)
+        mask = np.packbits(kept, axis=-1, bitorder="little")[..., 0]
+        added = C.transpose(1, 0, 2)[~in_p.transpose(1, 0, 2)]
+        add(name, mask.T, added, G[absolute].transpose(1, 0, 2))
+
+    kept_mask("kept-mask of the token's previous occurrence + added ids (+ first "
+              f"occurrences; decode: one step per occurrence index, here {rank.max() + 1})",
+              idx - 1, first)
+    kept_mask("kept-mask of the token's first occurrence + added ids (decode: one gather)",
+              head, first)
+    for m in (8, 32):
+        kept_mask(f"kept-mask of the previous occurrence, chain restarted every {m} "
+                  f"occurrences (decode: {m} steps)", idx - 1, rank % m == 0)
+    kept_mask("kept-mask of the previous occurrence, every 32nd occurrence against the "
+              f"32nd before it (decode: {32 + rank.max() // 32} steps)",
+              np.where(rank % 32 == 0, idx - 32, idx - 1), first)
     return rows
+
+
+def zstd_parameters(r: np.ndarray, tok: np.ndarray, repeats: int) -> list[dict]:
+    """zstd settings on the codec's `set` stream (sorted ids grouped by token, layer-major)
+    of each 16384-token chunk: bytes and CPU ms for the whole corpus."""
+    import zstandard
+
+    P = zstandard.ZstdCompressionParameters.from_level
+    streams = []
+    for a in range(0, r.shape[0], codec.DEFAULT_CHUNK_TOKENS):
+        rr, tt = r[a:a + codec.DEFAULT_CHUNK_TOKENS], tok[a:a + codec.DEFAULT_CHUNK_TOKENS]
+        g = np.argsort(tt, kind="stable")
+        streams.append(np.ascontiguousarray(np.sort(rr, axis=-1)[g].transpose(1, 0, 2))
+                       .tobytes())
+    n16 = r.size * 2
+    rows = []
+    for name, params in [
+            ("level 3 (the default: dfast)", P(3)),
+            ("level 3, 20-bit hash and chain tables", P(3, hash_log=20, chain_log=20)),
+            ("level 3, min_match 6", P(3, min_match=6)),
+            ("level 3 with lazy, search_log 2, min_match 5", P(3, strategy=3, search_log=2,
+                                                               min_match=5)),
+            ("level 3 with lazy2, search_log 2, min_match 5", P(3, strategy=4, search_log=2,
+                                                                min_match=5)),
+            ("level 3 with lazy2, search_log 3, min_match 5", P(3, strategy=4, search_log=3,
+                                                                min_match=5)),
+            ("level 3 with long-distance matching", P(3, enable_ldm=True))]:
+        c = zstandard.ZstdCompressor(compression_params=params)
+        te, zs = best_cpu(lambda: [c.compress(b) for b in streams], repeats)
+        dz = zstandard.ZstdDecompressor()
+        td, _ = best_cpu(lambda: [dz.decompress(z) for z in zs], repeats)
+        nb = sum(len(z) for z in zs)
+        rows.append({"zstd": name, "bytes": nb, "x_vs_int16": n16 / nb,
+                     "compress_ms": te * 1e3, "decompress_ms": td * 1e3})
+    return rows
+
+
+def keep_orders(r: np.ndarray, tok: np.ndarray) -> list[dict]:
+    """How each "keep" row's order is coded (16384-token chunks, zstd-3, the ids' stream
+    included): format 1's code, format 2's, and relabelling choices."""
+    import zstandard
+
+    z3 = zstandard.ZstdCompressor(level=3)
+    n16 = r.size * 2
+    out = {}
+    for use_tok in (True, False):
+        for a in range(0, r.shape[0], codec.DEFAULT_CHUNK_TOKENS):
+            x = r[a:a + codec.DEFAULT_CHUNK_TOKENS]
+            T, L, K = x.shape
+            g = (np.argsort(tok[a:a + T], kind="stable") if use_tok else np.arange(T))
+            lab_mean = codec._relabel_table(x, 128)
+            cnt = np.stack([np.bincount(x[:, l].reshape(-1), minlength=128) for l in range(L)])
+            lab_freq = np.argsort(np.argsort(-cnt, axis=1, kind="stable"), axis=1)
+            for name, version, lab in [
+                    ("format 1: Lehmer code of the sorted order p, low byte first", 1, None),
+                    ("Lehmer code of the slot order q, high byte first", 2, None),
+                    ("format 2: ids relabelled per layer by mean slot + q code (+ table)", 2,
+                     lab_mean),
+                    ("ids relabelled per layer by frequency + q code (+ table)", 2,
+                     lab_freq)]:
+                y = x if lab is None else codec._apply_labels(x, lab, 128)
+                srt, pc = codec.sort_rows(y.reshape(T * L, K), "keep", 128, version)
+                pc = pc.reshape(T, L, -1)[g].transpose(1, 0, 2) if use_tok else pc
+                ids = srt.reshape(T, L, K)[g].transpose(1, 0, 2) if use_tok else srt
+                planes = np.ascontiguousarray(pc.reshape(-1, pc.shape[-1]).T)
+                if version == 2:
+                    planes = planes[::-1]
+                tab = b"" if lab is None else lab.astype(np.uint8).tobytes()
+                nb = len(z3.compress(np.ascontiguousarray(ids).tobytes() + tab
+                                     + np.ascontiguousarray(planes).tobytes()))
+                key = (name, use_tok)
+                out[key] = out.get(key, 0) + nb
+    return [{"order code": n, "token ids": "yes" if t else "no", "bytes": nb,
+             "x_vs_int16": n16 / nb} for (n, t), nb in out.items()]
 
 
 def uniform_sets(T, L, K, E, seed=0):
@@ -231,6 +335,8 @@ def main(argv=None):
 
     # transforms tried: sizes only (zstd-3 over the whole corpus as one chunk)
     tried = transforms_tried(d["routing_trained"], tok)
+    zparams = zstd_parameters(d["routing_trained"], tok, args.repeats)
+    orders = keep_orders(d["routing_trained"], tok)
 
     # targets
     def status(ok):
@@ -305,12 +411,19 @@ def main(argv=None):
           "## Transforms tried (trained routing, token ids given, one 32768-token chunk, "
           "zstd-3; sizes only)", "",
           "The codec ships the first two; the others were measured and not adopted.", "",
-          to_markdown(tried, ["transform", "bytes", "x_vs_int16"]), ""]
+          to_markdown(tried, ["transform", "bytes", "x_vs_int16"]), "",
+          "## zstd settings (the `set` stream with token ids, 16384-token chunks; CPU ms "
+          f"for the corpus, best of {args.repeats})", "",
+          to_markdown(zparams, ["zstd", "bytes", "x_vs_int16", "compress_ms",
+                                "decompress_ms"]), "",
+          "## How `keep` codes each row's order (16384-token chunks, zstd-3, sizes only)",
+          "", to_markdown(orders, ["order code", "token ids", "bytes", "x_vs_int16"]), ""]
     out = ROOT / "bench" / "results"
     write_atomic(out / f"{args.out}.md", "\n".join(md))
     write_atomic(out / f"{args.out}.json", json.dumps(
         {"env": env, "targets": targets, "rows": rows, "chunk_rows": chunk_rows,
-         "transforms_tried": tried}, indent=1)
+         "transforms_tried": tried, "zstd_settings": zparams, "keep_orders": orders},
+        indent=1)
         + "\n")
     print("\n".join(md))
 

@@ -134,15 +134,21 @@ def test_wide_k_uses_slot_permutation():
 
 
 @pytest.mark.parametrize("K", [1, 2, 3, 4, 5])
-def test_lehmer_code_is_the_lexicographic_rank(K):
-    """The permutation code of a row is the rank of its sorting permutation among all K!
-    permutations in lexicographic order (itertools' order): codes are 0..K!-1, one each."""
+@pytest.mark.parametrize("version", codec.READ_VERSIONS)
+def test_lehmer_code_is_the_lexicographic_rank(K, version):
+    """The permutation code of a row is the rank among all K! permutations in lexicographic
+    order (itertools' order) of its sorting permutation p (format 1: p[j] = the slot of the
+    j-th smallest id) or of its inverse q (format 2: q[s] = the rank of slot s's id): codes
+    are 0..K!-1, one each."""
     perms = list(itertools.permutations(range(K)))
     rows = np.zeros((len(perms), K), np.uint8)
     for r, q in enumerate(perms):
-        for j, slot in enumerate(q):
-            rows[r, slot] = 10 + j  # the j-th smallest id sits in slot q[j]
-    srt, code = codec.sort_rows(rows, "keep", 128)
+        for j, v in enumerate(q):
+            if version == 1:
+                rows[r, v] = 10 + j  # the j-th smallest id sits in slot q[j]
+            else:
+                rows[r, j] = 10 + v  # slot j holds the id of rank q[j]
+    srt, code = codec.sort_rows(rows, "keep", 128, version)
     assert np.all(srt == np.arange(10, 10 + K))
     w = codec.lehmer_width(K)
     got = (np.ascontiguousarray(code).view(f"<u{w}").reshape(-1) if w else
@@ -388,7 +394,8 @@ TRITON_CASES = [(16, 4, 9), (128, 8, 6), (300, 3, 5), (40000, 2, 4), (64, 1, 4),
 
 @pytest.mark.parametrize("E,K,N", TRITON_CASES)
 @pytest.mark.parametrize("order", codec.ORDERS)
-def test_triton_transform_is_bitwise_the_numpy_one(E, K, N, order):
+@pytest.mark.parametrize("version", codec.READ_VERSIONS)
+def test_triton_transform_is_bitwise_the_numpy_one(E, K, N, order, version):
     from replay_ops.triton_kernels import codec as tk
 
     rng = np.random.default_rng(E + K)
@@ -398,8 +405,10 @@ def test_triton_transform_is_bitwise_the_numpy_one(E, K, N, order):
     if K > 1:
         x[3, 1] = x[3, 0]  # a repeated id
     canon = np.where(x < 0, E, x).astype(codec._NARROW[codec.id_width(E)])
-    ref_srt, ref_code = codec.sort_rows(canon.copy(), order, E)
-    out_srt, out_code = tk.sort_rows(torch.from_numpy(x).t().contiguous().t(), E, order)
+    ref_srt, ref_code = codec.sort_rows(canon.copy(), order, E, version)
+    inverse = codec._inverse_code(version, K)
+    out_srt, out_code = tk.sort_rows(torch.from_numpy(x).t().contiguous().t(), E, order,
+                                     inverse=inverse)
     np.testing.assert_array_equal(out_srt.numpy().astype(np.int64), ref_srt.astype(np.int64))
     if order == "keep" and K > 1:
         w = codec.lehmer_width(K)
@@ -412,7 +421,7 @@ def test_triton_transform_is_bitwise_the_numpy_one(E, K, N, order):
     dst = big[:, ::2]
     digits = (None if out_code is None else
               torch.from_numpy(codec.lehmer_digits(out_code.numpy(), K)))
-    tk.unsort_rows(out_srt, digits, E, dst)
+    tk.unsort_rows(out_srt, digits, E, dst, inverse=inverse)
     np.testing.assert_array_equal(dst.numpy(), expected(x[:, None, :], order)[:, 0])
     assert torch.all(big[:, 1::2] == 5)
 
@@ -443,8 +452,8 @@ def test_triton_backend_checks_what_it_wrote(monkeypatch):
     x, t, blob = _small_blob("keep")
     real = tk.unsort_rows
 
-    def broken(srt, code, E, out):
-        real(srt, code, E, out)
+    def broken(srt, code, E, out, **kw):
+        real(srt, code, E, out, **kw)
         out[0, 0], out[0, 1] = out[0, 1].clone(), out[0, 0].clone()
         return out
 
@@ -461,3 +470,198 @@ def test_group_order_is_the_stable_order_on_every_path():
         t = rng.integers(lo, hi, size=300)
         t[::7] = t[0]
         np.testing.assert_array_equal(codec._group_order(t), np.argsort(t, kind="stable"))
+
+
+# ---------------------------------------------------------------------------- older formats
+FIXTURE_V1 = __import__("pathlib").Path(__file__).parent / "data" / "codec_v1_blobs.npz"
+
+
+@pytest.mark.parametrize("name", ["keep_tok", "keep_notok", "set_tok", "set_notok"])
+def test_format_1_blobs_still_decode(name):
+    """Blobs written by the format-1 encoder (record files of format 3 may hold them): the
+    routing they were made from (with empty slots and repeated ids) comes back exactly."""
+    f = np.load(FIXTURE_V1)
+    r, tok, lens = f["routing"], f["token_ids"], f["seq_lens"]
+    blob = f[name].tobytes()
+    order = name.split("_")[0]
+    ids = tok if name.endswith("_tok") else None
+    inf = codec.info(blob, verify_payload=True)
+    assert inf.version == 1 and inf.order == order and len(inf.chunks) == 2
+    want = expected(r, order)
+    np.testing.assert_array_equal(codec.decode(blob, token_ids=ids).numpy(), want)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    for i in range(len(lens)):
+        got = codec.decode_sequence(blob, i, token_ids=ids).numpy()
+        np.testing.assert_array_equal(got, want[cu[i]:cu[i + 1]])
+    # a damaged format-1 blob is still refused
+    bad = bytearray(blob)
+    bad[inf.chunks[1].payload_offset + 7] ^= 0x10
+    with pytest.raises(CodecError):
+        codec.decode(bytes(bad), token_ids=ids)
+
+
+def test_format_1_raw_chunk_and_append_still_decode():
+    f = np.load(FIXTURE_V1)
+    blob = f["keep_raw_append"].tobytes()
+    inf = codec.info(blob)
+    assert inf.version == 1 and [c.method for c in inf.chunks] == [0, 1]
+    np.testing.assert_array_equal(codec.decode(blob).numpy(), f["routing_raw_append"])
+
+
+@pytest.mark.parametrize("name", ["keep_tok", "keep_notok", "set_tok"])
+def test_appending_to_a_format_1_blob_stays_format_1(name):
+    """A record file's blob keeps its format: appended chunks are written in the blob's
+    version, and the whole blob decodes."""
+    f = np.load(FIXTURE_V1)
+    r, tok = f["routing"], f["token_ids"]
+    blob = f[name].tobytes()
+    order, ids = name.split("_")[0], (tok if name.endswith("_tok") else None)
+    more = r[100:300]
+    more_ids = None if ids is None else tok[100:300]
+    out = codec.append(blob, more, token_ids=more_ids, seq_lens=[150, 50])
+    assert out[:len(blob)] == blob and codec.info(out).version == 1
+    all_ids = None if ids is None else np.concatenate([ids, more_ids])
+    np.testing.assert_array_equal(codec.decode(out, token_ids=all_ids).numpy(),
+                                  expected(np.concatenate([r, more]), order))
+    # the same routing encoded now is format 2, and decodes to the same
+    new = codec.encode(np.concatenate([r, more]), num_experts=128, order=order,
+                       token_ids=all_ids)
+    assert codec.info(new).version == codec.FORMAT_VERSION == 2
+    np.testing.assert_array_equal(codec.decode(new, token_ids=all_ids).numpy(),
+                                  expected(np.concatenate([r, more]), order))
+
+
+# ---------------------------------------------------------------------------- relabelling
+def _relabel_case(E=6, K=3, T=64, seed=11):
+    """keep routing where some experts usually take the first slots (the relabelling's
+    case), with empty slots and repeated ids."""
+    rng = np.random.default_rng(seed)
+    x = np.stack([rng.permutation(E)[:K] for _ in range(T * 2)]).reshape(T, 2, K)
+    x[::3, :, 0] = 0          # expert 0 often in slot 0
+    x[::3, :, 1:] = rng.integers(1, E, size=(len(x[::3]), 2, K - 1))
+    x[5, 1, 2] = -1
+    x[6, 0] = -1
+    x[7, 1] = [2, 2, 2][:K]
+    return x
+
+
+def _rewrite_payload(blob: bytes, ci: int, raw: bytes) -> bytes:
+    """blob with chunk ci's payload replaced by zstd(raw), every checksum but the content's
+    made right again (a forged chunk that only the decoder's own checks can refuse)."""
+    import zstandard
+
+    inf = codec.info(blob)
+    ch = inf.chunks[ci]
+    z = zstandard.ZstdCompressor(level=3).compress(raw)
+    fields = list(codec._CHUNK.unpack_from(blob, ch.offset))
+    fields[8], fields[11] = len(z), zlib.crc32(z)
+    fixed = codec._CHUNK.pack(*fields)
+    lens_b = np.asarray(ch.seq_lens, dtype="<u4").tobytes()
+    head = fixed + struct.pack("<I", zlib.crc32(fixed + lens_b)) + lens_b
+    end = ch.payload_offset + ch.payload_len
+    return blob[:ch.offset] + head + z + blob[end:]
+
+
+@pytest.mark.parametrize("with_tok", [False, True])
+def test_keep_chunks_relabel_and_round_trip(with_tok):
+    x = _relabel_case()
+    tok = np.arange(64) % 5 if with_tok else None
+    blob = codec.encode(x, num_experts=6, order="keep", token_ids=tok, seq_lens=[40, 24],
+                        chunk_tokens=40)
+    inf = codec.info(blob)
+    # 40 * 3 ids >= 16 * 6 experts: relabelled; 24 * 3 < 96: not
+    assert [bool(c.layout & codec._LAYOUT_RELABEL) for c in inf.chunks] == [True, False]
+    np.testing.assert_array_equal(codec.decode(blob, token_ids=tok).numpy(), x)
+    np.testing.assert_array_equal(codec.decode_sequence(blob, 0, token_ids=tok).numpy(),
+                                  x[:40])
+    # "set" never relabels
+    s = codec.encode(x, num_experts=6, order="set", token_ids=tok)
+    assert not any(c.layout & codec._LAYOUT_RELABEL for c in codec.info(s).chunks)
+
+
+def test_relabel_table_orders_experts_by_mean_slot():
+    x = _relabel_case()
+    canon = np.where(x < 0, 6, x).astype(np.uint8)
+    lab = codec._relabel_table(canon, 6)
+    for l in range(2):
+        assert sorted(lab[l]) == list(range(6))
+        slots = {e: [] for e in range(6)}
+        for row in canon[:, l]:
+            for j, e in enumerate(row):
+                if e < 6:
+                    slots[int(e)].append(j)
+        mean = {e: (np.mean(v) if v else 3.0) for e, v in slots.items()}
+        want = sorted(range(6), key=lambda e: (mean[e], e))
+        assert [int(np.flatnonzero(lab[l] == i)[0]) for i in range(6)] == want
+    assert lab[0, 0] == 0  # expert 0 leads slot 0 most often
+
+
+def test_a_relabelled_chunk_with_a_bad_table_is_refused():
+    x = _relabel_case()
+    blob = codec.encode(x, num_experts=6, order="keep")
+    ch = codec.info(blob).chunks[0]
+    assert ch.layout & codec._LAYOUT_RELABEL
+    import zstandard
+
+    raw = bytearray(zstandard.ZstdDecompressor().decompress(
+        blob[ch.payload_offset:ch.payload_offset + ch.payload_len]))
+    n_ids = x.size
+    tab = n_ids  # the table follows the ids (L * E one-byte labels)
+    bad = bytearray(raw)
+    bad[tab + 1] = bad[tab]  # two experts of layer 0 share a label
+    with pytest.raises(CodecError, match="relabelling table is not a permutation"):
+        codec.decode(_rewrite_payload(blob, 0, bytes(bad)))
+    bad = bytearray(raw)
+    bad[tab], bad[tab + 1] = bad[tab + 1], bad[tab]  # a valid but wrong table
+    with pytest.raises(CodecError, match="decoded content checksum mismatch"):
+        codec.decode(_rewrite_payload(blob, 0, bytes(bad)))
+    # untouched, the rewritten blob decodes: the forgery helper itself is right
+    np.testing.assert_array_equal(codec.decode(_rewrite_payload(blob, 0, bytes(raw))).numpy(),
+                                  x)
+
+
+def test_relabelled_chunks_refuse_every_flipped_byte():
+    x = _relabel_case(T=40)
+    blob = codec.encode(x, num_experts=6, order="keep")
+    for i in range(len(blob)):
+        b = bytearray(blob)
+        b[i] ^= 0x04
+        with pytest.raises(CodecError):
+            codec.decode(bytes(b))
+
+
+@pytest.mark.parametrize("with_tok", [False, True])
+def test_triton_backend_relabelled_blobs_match_numpy(with_tok):
+    x = _relabel_case()
+    tok = np.arange(64) % 7 if with_tok else None
+    kw = dict(num_experts=6, order="keep", token_ids=tok, seq_lens=[40, 24], chunk_tokens=40)
+    blob = codec.encode(x, **kw)
+    assert codec.info(blob).chunks[0].layout & codec._LAYOUT_RELABEL
+    assert codec.encode(torch.from_numpy(x), backend="triton", **kw) == blob
+    dst = torch.full((64, 2, 6), 7, dtype=torch.int32)[:, :, ::2]
+    codec.decode(blob, token_ids=tok, out=dst, backend="triton")
+    np.testing.assert_array_equal(dst.numpy(), x)
+
+
+def test_relabel_table_is_the_same_for_many_experts():
+    """The table's two counting paths (one count of (slot, layer, id), or a count per slot
+    when that would take more than 2**20 bins) both order the experts by mean slot."""
+    rng = np.random.default_rng(12)
+    E = 50000
+    x = rng.integers(0, E, size=(500, 3, 8)).astype(np.uint16)
+    x[:, :, 0] = rng.integers(0, 50, size=(500, 3))  # low ids lead
+
+    def want(y):
+        K = y.shape[2]
+        s_ = np.zeros((3, E))
+        c_ = np.zeros((3, E))
+        for l in range(3):
+            np.add.at(s_[l], y[:, l].astype(np.int64), np.broadcast_to(np.arange(K), (500, K)))
+            np.add.at(c_[l], y[:, l].astype(np.int64), 1)
+        mean = np.where(c_ > 0, s_ / np.maximum(c_, 1), float(K))
+        return np.argsort(np.argsort(mean, axis=1, kind="stable"), axis=1, kind="stable")
+
+    for y in (x, np.ascontiguousarray(x[:, :, :4])):  # 8 * 3 * 50001 > 2**20 > 4 * 3 * 50001
+        np.testing.assert_array_equal(codec._relabel_table(y, E), want(y))
+    blob = codec.encode(x, num_experts=E, order="keep", chunk_tokens=1 << 20)
+    assert not codec.info(blob).chunks[0].layout & codec._LAYOUT_RELABEL  # too few ids

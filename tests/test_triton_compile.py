@@ -51,6 +51,9 @@ def test_cases_reach_every_launcher_and_regime():
     codec = [c for c in cs if c["op"].startswith("codec")]
     assert {(c["op"], c["order"], c["K"]) for c in codec} == set(
         itertools.product(["codec_sort", "codec_unsort"], ["set", "keep"], [1, 2, 8, 13, 20]))
+    # both order codes (format 1's and format 2's inverse) with keep rows
+    assert {(c["op"], c["inverse"]) for c in codec if c["order"] == "keep"} == set(
+        itertools.product(["codec_sort", "codec_unsort"], [False, True]))
     gate = [c for c in cs if c["op"] == "gate_fwd"]
     assert {(c["logits"], c["index"]) for c in gate} == set(
         itertools.product(tcc.LOGITS_DTYPES, tcc.INDEX_DTYPES))

@@ -231,11 +231,13 @@ def op_factors() -> dict[str, dict[str, list]]:
             f["weights"] = ["same", "fp32"]
         out[op] = f
     # the routing codec's row transform (codec.py): K from 1 to the Lehmer limit, the
-    # narrow id types, both orders
+    # narrow id types, both orders, both order codes (inverse: format 2's)
     out["codec_sort"] = {"K": [1, 2, 8, 13, 20], "E": [128, 300, 40000],
-                         "order": ["set", "keep"], "routing": ["int16", "int64", "strided"]}
+                         "order": ["set", "keep"], "routing": ["int16", "int64", "strided"],
+                         "inverse": [False, True]}
     out["codec_unsort"] = {"K": [1, 2, 8, 13, 20], "E": [128, 300, 40000],
-                           "order": ["set", "keep"], "out": ["int16", "int32"]}
+                           "order": ["set", "keep"], "out": ["int16", "int32"],
+                           "inverse": [False, True]}
     return out
 
 
@@ -289,14 +291,14 @@ def run_launcher(case: dict) -> None:
                 r = torch.empty(N, 3, K, dtype=torch.int32, device="meta")[:, 1, :]
             else:
                 r = torch.empty(N, K, dtype=getattr(torch, case["routing"]), device="meta")
-            codec.sort_rows(r, E, case["order"])
+            codec.sort_rows(r, E, case["order"], inverse=case["inverse"])
         else:
             srt = torch.empty(N, K, dtype=torch.uint8 if E <= 255 else torch.int16
                               if E <= 32767 else torch.int32, device="meta")
             code = (torch.empty(N, K, dtype=torch.uint8, device="meta")
                     if case["order"] == "keep" and K > 1 else None)
             codec.unsort_rows(srt, code, E, torch.empty(N, 2, K, dtype=getattr(
-                torch, case["out"]), device="meta")[:, 0, :])
+                torch, case["out"]), device="meta")[:, 0, :], inverse=case["inverse"])
         return
     if op in ("gate_dense_fwd", "gate_dense_bwd"):
         T, E, K = case["shape"]

@@ -13,10 +13,13 @@ equal to the numpy transform of the codec (`codec.sort_rows` and its inverse).
              p[r, j]   = slot of the j-th smallest key
              code[r]   = sum_j c_j * (K-1-j)!,  c_j = #{i > j : p[i] < p[j]}   (Lehmer code,
                                                          "keep" only; K <= 20)
+             inverse:  c_s = #{s' > s : key[s'] < key[s]} on the keys in slot order (the
+                       Lehmer code of q, the inverse of p: format version 2)
     unsort:  given the Lehmer digits c_j (split from the code on the host, `codec.
              lehmer_digits`: no 64-bit division on the GPU), p from c (for j from K-2
              down to 0: every later p[i] >= p[j] moves up by one), then
              out[r, p[r, j]] = sorted[r, j]  with E written as -1   ("set": p = identity)
+             inverse: the digits give q, and out[r, s] = sorted[r, q[r, s]] (a gather)
 
 One program handles BLOCK_R rows; a row's K ids (padded to the power of two KP) sit in
 registers. No atomics, no floating point: the output is a pure function of the input.
@@ -43,7 +46,8 @@ def _codec_sort_kernel(
     # sizes and strides
     N, K, E, stride_xr, stride_xk,
     # constexprs
-    KP: tl.constexpr, SHIFT: tl.constexpr, KEEP: tl.constexpr, BLOCK_R: tl.constexpr,
+    KP: tl.constexpr, SHIFT: tl.constexpr, KEEP: tl.constexpr, INV: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -62,7 +66,13 @@ def _codec_sort_kernel(
     tl.store(Sorted_ptr + r[:, None] * K + col[None, :],
              srt.to(Sorted_ptr.dtype.element_ty), mask=m2)
     if KEEP:
-        p = (key & ((1 << SHIFT) - 1)).to(tl.int32)
+        if INV:
+            # c_s = #{s' > s, s' < K : key_s' < key_s} on the keys in slot order, which for
+            # s' > s is v_s' < v_s (equal ids: the later slot's key is the larger); the ids
+            # (<= E < 2^31) as int32, like p
+            p = v.to(tl.int32)
+        else:
+            p = (key & ((1 << SHIFT) - 1)).to(tl.int32)
         # c_j = #{i > j, i < K : p_i < p_j}
         pj = p[:, :, None]
         pi = p[:, None, :]
@@ -82,7 +92,7 @@ def _codec_unsort_kernel(
     # sizes and strides
     N, K, E, stride_or, stride_ok,
     # constexprs
-    KP: tl.constexpr, KEEP: tl.constexpr, BLOCK_R: tl.constexpr,
+    KP: tl.constexpr, KEEP: tl.constexpr, INV: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -100,7 +110,13 @@ def _codec_unsort_kernel(
                 pjv = tl.sum(tl.where(col[None, :] == j, p, 0), axis=1)
                 move = (col[None, :] > j) & (p >= pjv[:, None]) & cmask[None, :]
                 p = tl.where(move, p + 1, p)
-        dst = p.to(tl.int64)
+        if INV:
+            # p holds q: slot s takes the q[s]-th sorted id
+            hit = (p[:, :, None] == col[None, None, :]) & cmask[None, None, :]
+            val = tl.sum(tl.where(hit, val[:, None, :], 0), axis=2)
+            dst = col[None, :].to(tl.int64) + tl.zeros([BLOCK_R, KP], tl.int64)
+        else:
+            dst = p.to(tl.int64)
     else:
         dst = col[None, :].to(tl.int64) + tl.zeros([BLOCK_R, KP], tl.int64)
     tl.store(Out_ptr + r[:, None] * stride_or + dst * stride_ok,
@@ -122,10 +138,12 @@ def _kp(k: int) -> int:
     return 1 << max(0, (k - 1).bit_length())
 
 
-def sort_rows(routing: torch.Tensor, num_experts: int, order: str, sorted_dtype=None):
+def sort_rows(routing: torch.Tensor, num_experts: int, order: str, sorted_dtype=None,
+              inverse: bool = False):
     """[N, K] integer routing (-1 = empty; any strides) -> (sorted [N, K] canonical ids
     (-1 as num_experts) in `sorted_dtype` (default: the codec's narrow type, uint8 for
-    E <= 255), code [N] int64 Lehmer codes or None for order="set")."""
+    E <= 255), code [N] int64 Lehmer codes or None for order="set"). `inverse`: the code
+    of the slot order q (format version 2) instead of the sorted order p."""
     if routing.dim() != 2:
         raise ValueError(f"sort_rows: routing must be [N, K], got {tuple(routing.shape)}")
     N, K = routing.shape
@@ -146,16 +164,17 @@ def sort_rows(routing: torch.Tensor, num_experts: int, order: str, sorted_dtype=
         _codec_sort_kernel[(triton.cdiv(N, br),)](
             routing, w, srt, code if keep else w, N, K, num_experts, routing.stride(0),
             routing.stride(1), KP=kp, SHIFT=max(0, (K - 1).bit_length()), KEEP=keep,
-            BLOCK_R=br, **LAUNCH_OPTIONS,
+            INV=bool(inverse) and keep, BLOCK_R=br, **LAUNCH_OPTIONS,
         )
     return srt, code
 
 
 def unsort_rows(sorted_ids: torch.Tensor, digits: torch.Tensor | None, num_experts: int,
-                out: torch.Tensor) -> torch.Tensor:
+                out: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Inverse of `sort_rows`, written into `out` [N, K] (any integer dtype, any strides):
     the ids in their original slots (`digits` [N, K] uint8: the Lehmer digits of each row's
-    code, `codec.lehmer_digits`) or sorted (digits None), -1 for empty.
+    code, `codec.lehmer_digits`) or sorted (digits None), -1 for empty. `inverse`: the
+    digits are those of the slot order q (format version 2).
 
     NOTE: the digits come from the host (K bytes per row, the size of the int64 code at
     K = 8): splitting the code on the GPU takes 64-bit divisions, a subroutine call each
@@ -173,6 +192,7 @@ def unsort_rows(sorted_ids: torch.Tensor, digits: torch.Tensor | None, num_exper
     with device_ctx(out):
         _codec_unsort_kernel[(triton.cdiv(N, br),)](
             sorted_ids, digits, out, N, K, num_experts,
-            out.stride(0), out.stride(1), KP=kp, KEEP=keep, BLOCK_R=br, **LAUNCH_OPTIONS,
+            out.stride(0), out.stride(1), KP=kp, KEEP=keep, INV=bool(inverse) and keep,
+            BLOCK_R=br, **LAUNCH_OPTIONS,
         )
     return out
