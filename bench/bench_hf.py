@@ -256,22 +256,7 @@ def parser():
 
 
 def main(argv=None):
-    args = parser().parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    rows, summary = run(args)
-    if args.machine:
-        summary.insert(0, f"Machine: {args.machine}")
-    met = sum(t["met"] for t in args.targets)
-    summary.append(f"targets met: {met} of {len(args.targets)} (table 'Targets')")
-    print(harness.to_markdown(rows, COLS))
-    print(harness.to_markdown(args.targets, TARGET_COLS))
-    print("\n".join(summary))
-    if args.out:
-        paths = harness.save(rows, summary, args.out, args.env, args.copy_bw, COLS,
-                             extra={"Targets": (args.targets, TARGET_COLS)})
-        print("wrote", *paths)
-    return rows, summary
+    return harness.cli_main(parser, run, COLS, argv, target_cols=TARGET_COLS, machine=True)
 
 
 if __name__ == "__main__":

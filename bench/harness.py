@@ -234,14 +234,26 @@ def add_run_args(ap, *, reps: int, warmup: int, runs: int = 3) -> None:
     ap.set_defaults(copy_bw=None)
 
 
-def cli_main(parser: Callable, run: Callable, cols: list[str], argv=None):
-    """Shared `main` of the bench scripts: parse, run, print the table, save with --out."""
+def cli_main(parser: Callable, run: Callable, cols: list[str], argv=None,
+             target_cols: list[str] | None = None, machine: bool = False):
+    """Shared `main` of the bench scripts: parse, run, print the table, save with --out.
+    With `target_cols`, the run's `args.targets` rows are printed and saved as the table
+    'Targets', and the summary counts the targets met; with `machine`, `args.machine` heads
+    the summary."""
     args = parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     rows, summary = run(args)
+    if machine and args.machine:
+        summary.insert(0, f"Machine: {args.machine}")
+    extra = None
     print(to_markdown(rows, cols))
+    if target_cols is not None:
+        met = sum(t["met"] for t in args.targets)
+        summary = summary + [f"targets met: {met} of {len(args.targets)} (table 'Targets')"]
+        extra = {"Targets": (args.targets, target_cols)}
+        print(to_markdown(args.targets, target_cols))
     print("\n".join(summary))
     if args.out:
-        print("wrote", *save(rows, summary, args.out, args.env, args.copy_bw, cols))
+        print("wrote", *save(rows, summary, args.out, args.env, args.copy_bw, cols, extra=extra))
     return rows, summary
