@@ -275,13 +275,14 @@ def sort_rows(canon: np.ndarray, order: str, num_experts: int,
     return srt, _perm_encode(perm, k)
 
 
-def _lehmer_of_slots(cols: list[np.ndarray], k: int) -> np.ndarray:
-    """The Lehmer code of each row's slot order, as [N, lehmer_width(k)] little-endian bytes:
-    q[s] = the rank of slot s's id in the row (equal ids ranked by slot), digit s =
-    #{s' > s : q[s'] < q[s]} = #{s' > s : id[s'] < id[s]} in radix k - s, slot 0's digit
-    most significant. Equal to `_perm_encode` of the inverse permutation."""
+def _lehmer_bytes(cols: list[np.ndarray], k: int) -> np.ndarray:
+    """The Lehmer code of each row of the columns `cols` (K arrays of N values), as
+    [N, lehmer_width(k)] little-endian bytes: digit j = #{i > j : cols[i] < cols[j]} in
+    radix k - j, column 0's digit most significant."""
     n = cols[0].shape[0]
     w = lehmer_width(k)
+    if w == 0:
+        return np.zeros((n, 0), np.uint8)
     code = np.zeros(n, np.uint64)
     for j in range(k - 1):
         c = np.zeros(n, np.uint8)
@@ -293,22 +294,20 @@ def _lehmer_of_slots(cols: list[np.ndarray], k: int) -> np.ndarray:
     return np.ascontiguousarray(code.astype(f"<u{w}")).view(np.uint8).reshape(n, w)
 
 
+def _lehmer_of_slots(cols: list[np.ndarray], k: int) -> np.ndarray:
+    """The Lehmer code of each row's slot order: q[s] = the rank of slot s's id in the row
+    (equal ids ranked by slot), digit s = #{s' > s : q[s'] < q[s]} = #{s' > s : id[s'] <
+    id[s]}, slot 0's digit most significant. Equal to `_perm_encode` of the inverse
+    permutation."""
+    return _lehmer_bytes(cols, k)
+
+
 def _perm_encode(perm: list[np.ndarray], k: int) -> np.ndarray:
     """perm[j][r] = the original slot of row r's j-th smallest key -> [N, width] bytes."""
     n = perm[0].shape[0]
     if k > MAX_LEHMER_K:
         return np.ascontiguousarray(np.stack(perm, axis=1)).view(np.uint8).reshape(n, -1)
-    w = lehmer_width(k)
-    code = np.zeros(n, np.uint64)
-    for j in range(k - 1):
-        c = np.zeros(n, np.uint8)
-        pj = perm[j]
-        for i in range(j + 1, k):
-            c += perm[i] < pj
-        code *= np.uint64(k - j)
-        code += c
-    return np.ascontiguousarray(code.astype(f"<u{w}") if w else np.zeros((n, 0), np.uint8)
-                                ).view(np.uint8).reshape(n, w)
+    return _lehmer_bytes(perm, k)
 
 
 def lehmer_digits(code: np.ndarray, k: int) -> np.ndarray:
