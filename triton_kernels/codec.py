@@ -38,6 +38,17 @@ MAX_LEHMER_K = 20  # 20! < 2^63
 
 
 @triton.jit
+def _row_block(N, K, KP: tl.constexpr, BLOCK_R: tl.constexpr):
+    """This program's BLOCK_R rows (int64) and the KP slot columns, with their masks."""
+    pid = tl.program_id(0).to(tl.int64)
+    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    col = tl.arange(0, KP)
+    rmask = r < N
+    cmask = col < K
+    return r, col, rmask, cmask, rmask[:, None] & cmask[None, :]
+
+
+@triton.jit
 def _codec_sort_kernel(
     # inputs
     X_ptr, W_ptr,
@@ -49,12 +60,7 @@ def _codec_sort_kernel(
     KP: tl.constexpr, SHIFT: tl.constexpr, KEEP: tl.constexpr, INV: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    col = tl.arange(0, KP)
-    rmask = r < N
-    cmask = col < K
-    m2 = rmask[:, None] & cmask[None, :]
+    r, col, rmask, cmask, m2 = _row_block(N, K, KP, BLOCK_R)
     v = tl.load(X_ptr + r[:, None] * stride_xr + col[None, :].to(tl.int64) * stride_xk,
                 mask=m2, other=0).to(tl.int64)
     v = tl.where(v < 0, E, v)
@@ -94,12 +100,7 @@ def _codec_unsort_kernel(
     # constexprs
     KP: tl.constexpr, KEEP: tl.constexpr, INV: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    col = tl.arange(0, KP)
-    rmask = r < N
-    cmask = col < K
-    m2 = rmask[:, None] & cmask[None, :]
+    r, col, rmask, cmask, m2 = _row_block(N, K, KP, BLOCK_R)
     srt = tl.load(Sorted_ptr + r[:, None] * K + col[None, :], mask=m2, other=0).to(tl.int64)
     val = tl.where(srt == E, -1, srt)
     if KEEP:
