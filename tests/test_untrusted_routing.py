@@ -348,7 +348,8 @@ def _slow_appender(path, ready, go_on):
     append_routing(path, routing(2, seed=7), META)
 
 
-def _writer(path, done):
+def _writer(path, started, done):
+    started.set()
     write_routing(path, routing(3, seed=8), META)
     done.set()
 
@@ -360,15 +361,16 @@ def test_a_write_is_never_lost_to_a_concurrent_append(tmp_path):
     p = str(tmp_path / "r.safetensors")
     write_routing(p, routing(4, seed=6), META)
     ctx = _context()
-    ready, go_on, done = ctx.Event(), ctx.Event(), ctx.Event()
+    ready, go_on, started, done = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Event()
     app = ctx.Process(target=_slow_appender, args=(p, ready, go_on))
-    wri = ctx.Process(target=_writer, args=(p, done))
+    wri = ctx.Process(target=_writer, args=(p, started, done))
     app.start()
     try:
         assert ready.wait(60), "the appender did not start"
         wri.start()
-        # the writer must block on the appender's lock
-        blocked = not done.wait(1.5)
+        assert started.wait(60), "the writer did not start"
+        # the writer must block on the appender's lock (unblocked, it writes in far less)
+        blocked = not done.wait(3)
         go_on.set()
         app.join(60)
         wri.join(60)
