@@ -57,16 +57,17 @@ def test_smallest_dtype_and_round_trip(tmp_path, E, dtype, encoding):
     write_routing(p, idx, meta(E=E), cu_seqlens=[0, 3, 3, 7], encoding=encoding)
     rf = open_routing(p)
     assert rf.encoding == encoding
-    if encoding == "codec":
-        dtype = np.int16  # decoded
+    # the stored type and empty value of the model's ids, whichever encoding stored them
     assert rf.dtype == np.dtype(dtype)
+    assert rf.empty_value == (255 if dtype == np.uint8 else -1)
+    assert rf.raw().dtype == torch.from_numpy(np.zeros(1, dtype)).dtype
     out = rf.indices()
     assert out.dtype == torch.int16 and torch.equal(out.to(torch.int32), idx)
     assert rf.cu_seqlens.tolist() == [0, 3, 3, 7] and rf.num_sequences == 3
     assert torch.equal(rf.sequence(2).to(torch.int32), idx[3:7])
     assert rf.sequence(1).shape == (0, 3, 2)
     assert rf.replay_mask().tolist() == [True, True, True, False, True, True, True]
-    if dtype == np.uint8 and encoding == "raw":  # the stored sentinel for an empty slot is 255
+    if dtype == np.uint8:  # the stored sentinel for an empty slot is 255
         assert int(rf.raw()[5, 1, 1]) == 255
     m = rf.meta
     assert (m.num_experts, m.top_k, m.moe_layer_ids, m.num_hidden_layers, m.layer_index,

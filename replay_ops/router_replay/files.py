@@ -44,7 +44,12 @@ Writes go through `replay_ops._atomic` (a temporary file in the same directory, 
 renamed over the target), so a reader sees the old file or the new one, never a partial
 one; a writer killed mid-write leaves the previous file intact. Appending copies the old
 data into the new temporary file in chunks (the old file is memory-mapped, never loaded
-whole) under an advisory lock, after verifying the old file's checksums.
+whole), after verifying the old file's checksums. Writers and appenders of a path hold one
+advisory lock across their read-modify-write, so no returned write is lost to an append.
+
+A header is untrusted input: every field is checked (type, range, bounds far beyond any
+real model, sizes against the bytes present) before anything is built from it, and every
+failure is a RoutingFileError naming the field.
 
 Reading opens the file once: the size, the header, the memory maps and the checksum all
 come from that one descriptor, so a writer replacing the file during a read cannot mix two
@@ -57,7 +62,9 @@ import contextlib
 import errno
 import hashlib
 import json
+import math
 import os
+import re
 import struct
 from typing import Iterator, Sequence
 
@@ -65,6 +72,7 @@ import numpy as np
 import torch
 
 from .._atomic import atomic_target
+from ._bounds import MAX_LAYERS, MAX_TOP_K, codec_call
 from .shape import ModelShape, first_bad_route
 
 FORMAT = "replay_ops.router_replay"
@@ -127,7 +135,8 @@ class RecordMeta:
     @property
     def num_layers(self) -> int:
         """L of the stored [N, L, K] indices."""
-        return len(self.shape.layer_ids(self.layer_index))
+        return (self.shape.num_moe_layers if self.layer_index == "moe"
+                else self.shape.num_hidden_layers)
 
     def check(self) -> None:
         if self.layer_index not in ("moe", "absolute"):
@@ -261,7 +270,11 @@ def _chunks(buf: memoryview) -> Iterator[memoryview]:
 
 @contextlib.contextmanager
 def _locked(path) -> Iterator[None]:
-    """Advisory exclusive lock for read-modify-write appends (a sibling .lock file)."""
+    """Advisory exclusive lock (flock of a sibling .lock file) held by every writer and
+    appender of `path` across its read-modify-write, so that none of them replaces a file
+    another wrote meanwhile. It serialises processes and threads (each holds its own
+    descriptor) on one host, and hosts on a filesystem whose flock is cluster-wide (NFS:
+    Linux maps it to a POSIX lock on the server)."""
     import fcntl
 
     path = os.fspath(path)
@@ -343,8 +356,16 @@ def write_routing(path, indices: torch.Tensor, meta: RecordMeta, *, cu_seqlens=N
     """Write [N, L, K] routing (-1 = empty) with its sequence boundaries, atomically,
     replacing any existing file. `encoding="codec"` (default) stores the ids as one
     `codec` blob (exact, order kept; zstd `level`); `"raw"` stores them uncompressed in the
-    smallest integer type, readable as zero-copy views of the memory map."""
+    smallest integer type, readable as zero-copy views of the memory map. Writers and
+    appenders of one path take the same lock (`_locked`), so a write is never lost to an
+    append that read the file before it."""
     _check_encoding(encoding, level)
+    with _locked(path):
+        _write_routing(path, indices, meta, cu_seqlens, encoding, level)
+
+
+def _write_routing(path, indices, meta: RecordMeta, cu_seqlens, encoding: str,
+                   level: int) -> None:
     arr = _encode(indices, meta, path)
     cu = _check_cu_seqlens(cu_seqlens, arr.shape[0], path)
     if encoding == "codec":
@@ -363,8 +384,7 @@ def append_routing(path, indices: torch.Tensor, meta: RecordMeta, *, cu_seqlens=
     _check_encoding(encoding, level)
     with _locked(path):
         if not os.path.exists(path):
-            write_routing(path, indices, meta, cu_seqlens=cu_seqlens, encoding=encoding,
-                          level=level)
+            _write_routing(path, indices, meta, cu_seqlens, encoding, level)
             return
         old = open_routing(path, verify=True)
         old.check_model(num_experts=meta.num_experts, top_k=meta.top_k,
@@ -377,8 +397,9 @@ def append_routing(path, indices: torch.Tensor, meta: RecordMeta, *, cu_seqlens=
         if encoding == "codec" and old.encoding == "codec":
             from . import codec
 
-            blob = codec.append(bytes(old.raw_np), _signed(arr), seq_lens=np.diff(cu_new),
-                                level=level)
+            blob = codec_call(codec.append, bytes(old.raw_np), _signed(arr),
+                              seq_lens=np.diff(cu_new), level=level,
+                              **old._limits(int(cu[-1])))
             _write(path, old.meta, cu, [], meta.num_layers, codec_blob=blob)
         elif encoding == "codec":
             ids = np.concatenate([old.indices().numpy(), _signed(arr)])
@@ -438,8 +459,9 @@ def _read_header(snap: _Snapshot) -> tuple[dict, int]:
                                      f"has only {size - 8} after the length field")
     try:
         header = json.loads(snap.read(8, n).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RoutingFileError(path, f"corrupt header (not valid JSON): {e}") from None
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError, JSONDecodeError...
+        raise RoutingFileError(path, f"corrupt header (not valid JSON): "
+                                     f"{type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(header, dict):
         raise RoutingFileError(path, "corrupt header: not a JSON object")
     return header, 8 + n
@@ -467,7 +489,12 @@ def _check_header(path: str, header: dict) -> dict:
                                          f"checksum of their own, so a damaged one shows only "
                                          f"as missing keys)")
     else:
-        stored, got = md.get("header_checksum"), header_digest(header)
+        stored = md.get("header_checksum")
+        try:
+            got = header_digest(header)
+        except (ValueError, TypeError, RecursionError) as e:
+            raise RoutingFileError(path, f"corrupt header: {type(e).__name__}: "
+                                         f"{str(e)[:200]}") from None
         if stored != got:
             raise RoutingFileError(path, f"header checksum mismatch: the header says "
                                          f"{stored!r} but hashes to {got!r}; the header is "
@@ -495,11 +522,14 @@ def _check_layout(path: str, header: dict, data_len: int) -> None:
     for name in ("cu_seqlens", data_name):
         info = header[name]
         shape, offs = info.get("shape"), info.get("data_offsets")
+        ndim = 3 if name == "indices" else 1
         if (not isinstance(shape, list) or not isinstance(offs, list) or len(offs) != 2
-                or any(not isinstance(v, int) or v < 0 for v in shape + offs)):
-            raise RoutingFileError(path, f"corrupt header: bad shape/offsets for {name!r}")
+                or len(shape) != ndim or any(isinstance(v, bool) or not isinstance(v, int)
+                                             or v < 0 for v in shape + offs)):
+            raise RoutingFileError(path, f"corrupt header: bad shape/offsets for {name!r} "
+                                         f"(shape {_short(shape)}, data_offsets {_short(offs)})")
         itemsize = np.dtype(_ST_DTYPES[info["dtype"]]).itemsize
-        if offs[0] != end or offs[1] - offs[0] != int(np.prod(shape, dtype=np.int64)) * itemsize:
+        if offs[0] != end or offs[1] - offs[0] != math.prod(shape) * itemsize:
             raise RoutingFileError(path, f"corrupt header: offsets {offs} of {name!r} do not "
                                          f"match its shape {shape}")
         end = offs[1]
@@ -511,25 +541,65 @@ def _check_layout(path: str, header: dict, data_len: int) -> None:
                                      f"data")
 
 
-def _parse_meta(path: str, md: dict) -> RecordMeta:
-    def get(key):
-        if key not in md:
-            raise RoutingFileError(path, f"corrupt header: metadata key {key!r} is missing")
-        return md[key]
+def _short(v) -> str:
+    s = repr(v)
+    return s if len(s) <= 200 else s[:200] + "..."
 
+
+def _meta_str(path: str, md: dict, key: str) -> str:
+    if key not in md:
+        raise RoutingFileError(path, f"corrupt header: metadata key {key!r} is missing")
+    v = md[key]
+    if not isinstance(v, str):
+        raise RoutingFileError(path, f"corrupt header: metadata {key} is {_short(v)}, not a "
+                                     f"string")
+    return v
+
+
+def _meta_int(path: str, md: dict, key: str, lo: int, hi: int) -> int:
+    v = _meta_str(path, md, key)
+    if not re.fullmatch(r"[0-9]{1,10}", v) or not lo <= int(v) <= hi:
+        raise RoutingFileError(path, f"corrupt header: metadata {key}={_short(v)} is not an "
+                                     f"integer in {lo}..{hi}")
+    return int(v)
+
+
+def _meta_json(path: str, md: dict, key: str):
+    v = _meta_str(path, md, key)
     try:
-        return RecordMeta(
-            num_experts=int(get("num_experts")),
-            top_k=int(get("top_k")),
-            moe_layer_ids=[int(i) for i in json.loads(get("moe_layer_ids"))],
-            num_hidden_layers=int(get("num_hidden_layers")),
-            layer_index=get("layer_index"),
-            model_name=get("model_name"),
-        )
-    except RoutingFileError:
-        raise
-    except (ValueError, TypeError) as e:
-        raise RoutingFileError(path, f"corrupt header metadata: {e}") from e
+        return json.loads(v)
+    except (ValueError, RecursionError) as e:
+        raise RoutingFileError(path, f"corrupt header: metadata {key} is not valid JSON "
+                                     f"({type(e).__name__}: {str(e)[:100]})") from None
+
+
+def _int_list(path: str, key: str, v, n: int | None, hi: int) -> list[int]:
+    if (not isinstance(v, list) or (n is not None and len(v) != n) or len(v) > MAX_LAYERS
+            or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= hi
+                   for i in v)):
+        raise RoutingFileError(path, f"corrupt header: metadata {key}={_short(v)} is not a "
+                                     f"list of {'' if n is None else f'{n} '}integers in "
+                                     f"0..{hi}")
+    return v
+
+
+def _parse_meta(path: str, md: dict) -> RecordMeta:
+    """The model metadata, every field checked (type, range, bounds far beyond any real
+    model: at most 32767 experts, MAX_TOP_K, MAX_LAYERS) before anything is built from it;
+    RoutingFileError names the field."""
+    E = _meta_int(path, md, "num_experts", 1, np.iinfo(np.int16).max)
+    K = _meta_int(path, md, "top_k", 1, min(E, MAX_TOP_K))
+    H = _meta_int(path, md, "num_hidden_layers", 1, MAX_LAYERS)
+    ids = _int_list(path, "moe_layer_ids", _meta_json(path, md, "moe_layer_ids"), None, H - 1)
+    layer_index = _meta_str(path, md, "layer_index")
+    if layer_index not in ("moe", "absolute"):
+        raise RoutingFileError(path, f"corrupt header: metadata layer_index={_short(layer_index)}"
+                                     f" is not 'moe' or 'absolute'")
+    try:
+        return RecordMeta(num_experts=E, top_k=K, moe_layer_ids=ids, num_hidden_layers=H,
+                          layer_index=layer_index, model_name=_meta_str(path, md, "model_name"))
+    except ValueError as e:
+        raise RoutingFileError(path, f"corrupt header metadata: {e}") from None
 
 
 class RoutingFile:
@@ -553,15 +623,16 @@ class RoutingFile:
                                              else "indices"])
         self._decoded = None
         if self.encoding == "codec":
-            try:
-                shape = [int(v) for v in json.loads(md.get("indices_shape", "null"))]
-                if len(shape) != 3:
-                    raise ValueError(shape)
-            except (TypeError, ValueError) as e:
-                raise RoutingFileError(self.path, f"corrupt header: indices_shape "
-                                                  f"{md.get('indices_shape')!r}") from e
+            shape = _meta_json(self.path, md, "indices_shape")
+            if (not isinstance(shape, list) or len(shape) != 3
+                    or any(isinstance(v, bool) or not isinstance(v, int) or v < 0
+                           for v in shape)):
+                raise RoutingFileError(self.path, f"corrupt header: metadata indices_shape "
+                                                  f"{_short(shape)} is not [N, L, K]")
             self.shape = tuple(shape)
-            self.dtype = np.dtype(np.int16)  # what raw()/indices() return for codec files
+            # the type raw() returns: that of a raw file of the same model (uint8 for at
+            # most 255 experts, 255 = empty), whichever encoding stored the ids
+            self.dtype = index_dtype(self.meta.num_experts)
         else:
             self.shape = tuple(self.raw_np.shape)
             self.dtype = self.raw_np.dtype
@@ -590,10 +661,29 @@ class RoutingFile:
 
     def raw(self) -> torch.Tensor:
         """The stored indices as a tensor viewing the memory map (uint8 or int16); for a
-        codec file, the decoded indices (int16, -1 = empty)."""
+        codec file, the decoded indices in the same type, with the same empty value
+        (`dtype`, `empty_value`)."""
         if self.encoding == "codec":
-            return self._decode_all()
+            out = self._decode_all()
+            if self.dtype == np.uint8:
+                return torch.where(out < 0, UINT8_EMPTY, out).to(torch.uint8)
+            return out
         return torch.from_numpy(self.raw_np)
+
+    def _limits(self, n: int) -> dict:
+        """The codec's limits for decoding n tokens of this file (from its metadata)."""
+        return {"max_tokens": n, "max_bytes": n * self.shape[1] * self.shape[2] * 2}
+
+    def _empty(self, n: int) -> torch.Tensor:
+        """The int16 [n, L, K] output of a decode, allocated here, so that a size no memory
+        holds is this file's error."""
+        shape = (n,) + tuple(self.shape[1:])
+        try:
+            return torch.empty(shape, dtype=torch.int16)
+        except (RuntimeError, MemoryError) as e:
+            raise RoutingFileError(self.path, f"indices_shape {list(self.shape)}: {shape} int16 "
+                                              f"({math.prod(shape) * 2} bytes) cannot be "
+                                              f"allocated: {str(e)[:200]}") from None
 
     def _codec_error(self, e) -> RoutingFileError:
         return RoutingFileError(self.path, f"corrupt indices_codec data: {e}")
@@ -602,8 +692,10 @@ class RoutingFile:
         from . import codec
 
         if self._decoded is None:
+            out = self._empty(self.num_tokens)
             try:
-                self._decoded = codec.decode(memoryview(self.raw_np), dtype=torch.int16)
+                self._decoded = codec_call(codec.decode, memoryview(self.raw_np), out=out,
+                                           **self._limits(self.num_tokens))
             except codec.CodecError as e:
                 raise self._codec_error(e) from None
         return self._decoded
@@ -615,9 +707,9 @@ class RoutingFile:
         if not 0 <= start <= stop <= self.num_tokens:
             raise IndexError(f"router replay file {self.path!r}: token range {start}:{stop} is "
                              f"outside 0:{self.num_tokens}")
-        part = self.raw()[start:stop]
         if self.encoding == "codec":
-            return part
+            return self._decode_all()[start:stop]
+        part = self.raw()[start:stop]
         if self.dtype == np.uint8:
             out = part.to(torch.int16)
             return out.masked_fill_(part == UINT8_EMPTY, -1)
@@ -631,8 +723,11 @@ class RoutingFile:
         if self.encoding == "codec" and self._decoded is None:
             from . import codec
 
+            n = int(cu[i + 1] - cu[i])
+            out = self._empty(n)
             try:  # only the chunks that hold sequence i
-                return codec.decode_sequence(memoryview(self.raw_np), i, dtype=torch.int16)
+                return codec_call(codec.decode_sequence, memoryview(self.raw_np), i, out=out,
+                                  **self._limits(n))
             except codec.CodecError as e:
                 raise self._codec_error(e) from None
         return self.indices(int(cu[i]), int(cu[i + 1]))
@@ -683,7 +778,8 @@ class RoutingFile:
         from . import codec
 
         try:
-            inf = codec.info(memoryview(self.raw_np), verify_payload=True)
+            inf = codec_call(codec.info, memoryview(self.raw_np), verify_payload=True,
+                             **self._limits(self.num_tokens))
         except codec.CodecError as e:
             raise self._codec_error(e) from None
         m, cu = self.meta, self.cu_seqlens_np

@@ -14,6 +14,7 @@ and for requests explicitly allowed to have no routing.
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from ..._validate import int16_routing, signed_routing, unsigned_note
+from .._bounds import MAX_LAYER_SLOTS, MAX_LAYERS, MAX_TOP_K, check_limits, codec_call
 from ..shape import ModelShape, describe_bad_route, first_bad_route
 
 INDEX_DTYPE = torch.int16
@@ -256,62 +258,111 @@ class ReplayBatch:
         """The batch as compact bytes: the indices as a `codec` blob (order kept exactly;
         one chunk run per sequence: a THD batch's sequences, a padded batch's rows), the
         mask bit-packed, and a small JSON header, each checksummed. `num_experts` defaults
-        to the largest id + 1. `ReplayBatch.from_bytes` inverts it; pickling (Ray) uses it."""
+        to the largest id + 1. `ReplayBatch.from_bytes` inverts it; pickling (Ray) uses it.
+        A batch that `from_bytes` would refuse (an index dtype outside `BATCH_DTYPES`,
+        cu_seqlens that are not the sequences' boundaries...) raises here."""
         from .. import codec
 
+        who = "ReplayBatch.to_bytes"
         idx = self.indices.detach().cpu()
         if idx.dim() not in (3, 4):
-            raise RoutingMismatchError(f"ReplayBatch.to_bytes: indices must be [N, L, K] or "
+            raise RoutingMismatchError(f"{who}: indices must be [N, L, K] or "
                                        f"[B, S, L, K], got {tuple(idx.shape)}")
         flat = idx.reshape(-1, *idx.shape[-2:])
-        if idx.dim() == 4:
-            lens = [idx.shape[1]] * idx.shape[0]
-        elif self.cu_seqlens is not None:
-            lens = torch.diff(self.cu_seqlens.detach().cpu()).tolist()
-        else:
-            lens = None
-        if num_experts is None:
-            num_experts = max(int(flat.max()) + 1, 1) if flat.numel() else 1
-        blob = codec.encode(flat, num_experts=num_experts, order="keep", level=level,
-                            seq_lens=lens)
         mask = self.replay_mask.detach().cpu()
-        head = json.dumps({
+        head = {
             "indices_shape": list(idx.shape), "indices_dtype": str(idx.dtype).split(".")[-1],
             "mask_shape": list(mask.shape),
             "cu_seqlens": None if self.cu_seqlens is None else
-            self.cu_seqlens.detach().cpu().tolist(),
+            [int(v) for v in self.cu_seqlens.detach().cpu().reshape(-1).tolist()],
             "mappings": list(self.mappings), "layer_index": self.layer_index,
-        }, separators=(",", ":")).encode()
+        }
+        lens = _check_batch_head(head, who)
+        if num_experts is None:
+            num_experts = max(int(flat.max()) + 1, 1) if flat.numel() else 1
+        try:
+            blob = codec.encode(flat, num_experts=num_experts, order="keep", level=level,
+                                seq_lens=lens)
+        except codec.CodecError as e:
+            raise RoutingMismatchError(f"{who}: {e}") from None
+        _check_batch_dtype(head["indices_dtype"], num_experts, who)
+        head = json.dumps(head, separators=(",", ":")).encode()
         bits = np.packbits(mask.numpy().astype(bool).reshape(-1)).tobytes()
         body = struct.pack("<QQ", len(head), len(bits)) + head + bits
         return _BATCH_MAGIC + struct.pack("<I", zlib.crc32(body)) + body + blob
 
     @classmethod
-    def from_bytes(cls, data) -> "ReplayBatch":
-        """Inverse of `to_bytes`; a corrupt or foreign payload raises RoutingMismatchError
-        naming the problem (the codec's errors name the offset within the blob)."""
+    def from_bytes(cls, data, *, max_tokens: int | None = None,
+                   max_bytes: int | None = None) -> "ReplayBatch":
+        """Inverse of `to_bytes`, the safe way to take a batch from another process (never
+        unpickle bytes from a peer you do not trust). Every header field is checked against
+        a whitelist and against the data before anything is allocated: the index dtype (a
+        fixed table), the shapes, L and K (bounded), the mask length against the tokens,
+        cu_seqlens against the blob's sequences. `max_tokens` / `max_bytes` bound the
+        decoded batch further (tokens; bytes of indices). A corrupt, foreign or crafted
+        payload raises RoutingMismatchError naming the problem (the codec's errors name the
+        offset within the blob)."""
         from .. import codec
 
-        buf = memoryview(data).cast("B")
+        who = "ReplayBatch.from_bytes"
+        try:
+            buf = memoryview(data).cast("B")
+        except TypeError as e:
+            raise RoutingMismatchError(f"{who}: expected bytes, got {type(data).__name__} "
+                                       f"({e})") from None
         m = len(_BATCH_MAGIC)
         if len(buf) < m + 20 or bytes(buf[:m]) != _BATCH_MAGIC:
-            raise RoutingMismatchError("ReplayBatch.from_bytes: not a ReplayBatch payload "
-                                       "(magic or length)")
+            raise RoutingMismatchError(f"{who}: not a ReplayBatch payload (magic or length)")
         (crc,) = struct.unpack_from("<I", buf, m)
         nh, nb = struct.unpack_from("<QQ", buf, m + 4)
         end = m + 4 + 16 + nh + nb
         if len(buf) < end or zlib.crc32(buf[m + 4:end]) != crc:
-            raise RoutingMismatchError("ReplayBatch.from_bytes: truncated or corrupt header "
-                                       "(checksum mismatch)")
-        head = json.loads(bytes(buf[m + 20:m + 20 + nh]))
+            raise RoutingMismatchError(f"{who}: truncated or corrupt header (checksum "
+                                       f"mismatch)")
         try:
-            flat = codec.decode(buf[end:], dtype=getattr(torch, head["indices_dtype"]))
+            head = json.loads(bytes(buf[m + 20:m + 20 + nh]))
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+            raise RoutingMismatchError(f"{who}: the JSON header does not parse: "
+                                       f"{type(e).__name__}: {str(e)[:200]}") from None
+        lens = _check_batch_head(head, who, nb)
+        shape = head["indices_shape"]
+        n, L, K = math.prod(shape[:-2]), shape[-2], shape[-1]
+        dtype, decode_dtype = BATCH_DTYPES[head["indices_dtype"]]
+        row_bytes = L * K * dtype.itemsize
+        out_bytes = n * L * K * decode_dtype.itemsize  # what the codec decodes into
+        check_limits(who, n, row_bytes, max_tokens, max_bytes, RoutingMismatchError,
+                     "indices_shape tokens")
+        blob = buf[end:]
+        try:
+            inf = codec_call(codec.info, blob, max_tokens=n, max_bytes=out_bytes)
         except codec.CodecError as e:
-            raise RoutingMismatchError(f"ReplayBatch.from_bytes: {e}") from None
-        shape, mshape = head["indices_shape"], head["mask_shape"]
-        n = int(np.prod(mshape, dtype=np.int64))
+            raise RoutingMismatchError(f"{who}: {e}") from None
+        got = (inf.order, inf.num_layers, inf.top_k, inf.num_tokens, list(inf.seq_lens),
+               inf.has_token_ids)
+        want = ("keep", L, K, n, lens, False)
+        if got != want:
+            raise RoutingMismatchError(
+                f"{who}: the routing blob holds (order, L, K, tokens, sequence lengths, token "
+                f"ids) = {_short(got)}, the header says {_short(want)}")
+        _check_batch_dtype(head["indices_dtype"], inf.num_experts, who)
+        try:
+            flat = torch.empty((n, L, K), dtype=decode_dtype)
+        except (RuntimeError, MemoryError) as e:
+            raise RoutingMismatchError(f"{who}: indices_shape {shape} ({n * row_bytes} "
+                                       f"bytes) cannot be allocated: {e}") from None
+        try:
+            codec_call(codec.decode, blob, out=flat, max_tokens=n, max_bytes=out_bytes)
+        except codec.CodecError as e:
+            raise RoutingMismatchError(f"{who}: {e}") from None
+        if decode_dtype != dtype:  # an unsigned batch: every id fits, no -1 was encoded
+            if n and bool((flat < 0).any()):
+                raise RoutingMismatchError(f"{who}: indices_dtype {head['indices_dtype']!r} "
+                                           f"but the blob holds empty slots (-1)")
+            flat = flat.to(dtype)
         bits = np.frombuffer(buf[m + 20 + nh:end], dtype=np.uint8)
-        mask = np.unpackbits(bits, count=n).astype(bool).reshape(mshape)
+        if n % 8 and int(bits[-1]) & (0xFF >> (n % 8)):
+            raise RoutingMismatchError(f"{who}: the mask's padding bits are set (corrupt)")
+        mask = np.unpackbits(bits, count=n).astype(bool).reshape(shape[:-2])
         cu = head["cu_seqlens"]
         return cls(flat.reshape(shape), torch.from_numpy(mask),
                    None if cu is None else torch.tensor(cu, dtype=torch.int64),
@@ -322,6 +373,92 @@ class ReplayBatch:
 
 
 _BATCH_MAGIC = b"RRBATCH1"
+# indices_dtype name -> (the batch's dtype, the signed dtype the codec decodes into)
+BATCH_DTYPES = {
+    "int8": (torch.int8, torch.int8),
+    "int16": (torch.int16, torch.int16),
+    "int32": (torch.int32, torch.int32),
+    "int64": (torch.int64, torch.int64),
+    "uint8": (torch.uint8, torch.int16),
+}
+_BATCH_KEYS = {"indices_shape", "indices_dtype", "mask_shape", "cu_seqlens", "mappings",
+               "layer_index"}
+_BATCH_MAPPINGS = (None, "moe", "absolute")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _short(v) -> str:
+    s = repr(v)
+    return s if len(s) <= 300 else s[:300] + "..."
+
+
+def _check_batch_dtype(name: str, num_experts: int, who: str) -> None:
+    dtype = BATCH_DTYPES[name][0]
+    if num_experts - 1 > torch.iinfo(dtype).max:
+        raise RoutingMismatchError(f"{who}: indices_dtype {name!r} cannot hold the blob's "
+                                   f"expert ids 0..{num_experts - 1}")
+
+
+def _check_batch_head(head, who: str, mask_bytes: int | None = None) -> list[int]:
+    """The header of a `ReplayBatch` payload, checked field by field (types, whitelists,
+    bounds, consistency between the fields and with the `mask_bytes` of mask bits the
+    payload carries: one bit per token, so the token count is bounded by data that is
+    there); returns the sequence lengths its blob must hold. Raises RoutingMismatchError
+    naming the field."""
+    if not isinstance(head, dict) or set(head) != _BATCH_KEYS:
+        keys = sorted(head) if isinstance(head, dict) else type(head).__name__
+        raise RoutingMismatchError(f"{who}: the header must have exactly the fields "
+                                   f"{sorted(_BATCH_KEYS)}, got {_short(keys)}")
+    name = head["indices_dtype"]
+    if not isinstance(name, str) or name not in BATCH_DTYPES:
+        raise RoutingMismatchError(f"{who}: indices_dtype {_short(name)} is not one of "
+                                   f"{sorted(BATCH_DTYPES)}")
+    shape = head["indices_shape"]
+    if (not isinstance(shape, list) or len(shape) not in (3, 4)
+            or not all(_is_int(v) and v >= 0 for v in shape)):
+        raise RoutingMismatchError(f"{who}: indices_shape {_short(shape)} is not [N, L, K] or "
+                                   f"[B, S, L, K] of non-negative integers")
+    L, K = shape[-2], shape[-1]
+    if not (1 <= L <= MAX_LAYERS and 1 <= K <= MAX_TOP_K and L * K <= MAX_LAYER_SLOTS):
+        raise RoutingMismatchError(f"{who}: indices_shape {shape}: L={L}, K={K} is outside "
+                                   f"1..{MAX_LAYERS} layers, 1..{MAX_TOP_K} experts per token, "
+                                   f"L*K <= {MAX_LAYER_SLOTS}")
+    if head["mask_shape"] != shape[:-2]:
+        raise RoutingMismatchError(f"{who}: mask_shape {_short(head['mask_shape'])} is not "
+                                   f"the tokens of indices_shape {shape} ({shape[:-2]})")
+    n = math.prod(shape[:-2])
+    if mask_bytes is not None and mask_bytes != (n + 7) // 8:
+        raise RoutingMismatchError(f"{who}: mask_shape {shape[:-2]} holds {n} tokens, which "
+                                   f"take {(n + 7) // 8} bytes of mask bits, but the payload "
+                                   f"carries {mask_bytes}")
+    cu = head["cu_seqlens"]
+    if len(shape) == 4:
+        if cu is not None:
+            raise RoutingMismatchError(f"{who}: a padded [B, S, L, K] batch has no cu_seqlens, "
+                                       f"got {_short(cu)}")
+        lens, nseq = [shape[1]] * shape[0], shape[0]
+    elif cu is None:
+        lens, nseq = [n], None
+    else:
+        if (not isinstance(cu, list) or not cu or not all(_is_int(v) for v in cu)
+                or cu[0] != 0 or cu[-1] != n or any(b < a for a, b in zip(cu, cu[1:]))):
+            raise RoutingMismatchError(f"{who}: cu_seqlens {_short(cu)} must be integers from 0 "
+                                       f"to the token count N={n}, never decreasing")
+        lens, nseq = [b - a for a, b in zip(cu, cu[1:])], len(cu) - 1
+    maps = head["mappings"]
+    if (not isinstance(maps, list) or any(v not in _BATCH_MAPPINGS or isinstance(v, bool)
+                                          for v in maps)
+            or (maps and nseq is not None and len(maps) != nseq)):
+        raise RoutingMismatchError(f"{who}: mappings {_short(maps)} must be a list of "
+                                   f"{_BATCH_MAPPINGS[1:]} or None, one per sequence "
+                                   f"({nseq}) or empty")
+    if head["layer_index"] not in ("moe", "absolute") or not isinstance(head["layer_index"], str):
+        raise RoutingMismatchError(f"{who}: layer_index {_short(head['layer_index'])} is not "
+                                   f"'moe' or 'absolute'")
+    return lens
 
 
 def _batch_from_bytes(data: bytes) -> ReplayBatch:

@@ -157,6 +157,14 @@ def sglang_sequences(
             if rows < 0:
                 raise RoutingMismatchError(f"{tw}: start={s} is past seq_len - 1 = {sl - 1}")
             if isinstance(payload, (str, bytes)):
+                # bound the decoded size by the request's tokens before decoding
+                most = 4 * rows * max(layout.num_hidden_layers, layout.num_moe_layers) * \
+                    layout.top_k
+                if len(payload) > 4 * -(-most // 3) + 4:
+                    raise RoutingMismatchError(
+                        f"{tw}: routed_experts is {len(payload)} base64 characters, more than "
+                        f"the {4 * -(-most // 3)} that {rows} token rows (seqlen={sl}, "
+                        f"start={s}) of int32 [L, K={layout.top_k}] take")
                 raw = _b64(payload, tw)
                 if len(raw) % 4:
                     raise RoutingMismatchError(f"{tw}: {len(raw)} bytes is not a whole number "

@@ -86,10 +86,13 @@ def vllm_dtype(num_experts: int) -> np.dtype:
     return np.dtype(np.uint8) if num_experts <= 256 else np.dtype(np.uint16)
 
 
-def decode_vllm(payload: str | bytes, *, who: str = "vllm routed_experts") -> np.ndarray:
+def decode_vllm(payload: str | bytes, *, who: str = "vllm routed_experts",
+                max_rows: int | None = None) -> np.ndarray:
     """The server's `routed_experts` field (base64 of an `.npy` blob) -> the numpy array.
     Pickled object arrays are refused (never unpickled); so are blobs that are not `.npy`,
-    and arrays that are not 3-D integer arrays."""
+    and arrays that are not 3-D integer arrays. The `.npy` header is checked before
+    anything is allocated: a 3-D integer shape of at most `max_rows` rows (the request's
+    token count, when the caller knows it) whose bytes are exactly those present."""
     if isinstance(payload, str):
         try:
             payload = payload.encode("ascii")
@@ -105,6 +108,7 @@ def decode_vllm(payload: str | bytes, *, who: str = "vllm routed_experts") -> np
     if not raw.startswith(b"\x93NUMPY"):
         raise RoutingMismatchError(f"{who}: the decoded {len(raw)} bytes are not an .npy blob "
                                    f"(they start with {raw[:8]!r})")
+    _check_npy_header(raw, who, max_rows)
     try:
         arr = np.load(io.BytesIO(raw), allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
@@ -113,7 +117,43 @@ def decode_vllm(payload: str | bytes, *, who: str = "vllm routed_experts") -> np
     if arr.dtype.kind not in "iu" or arr.ndim != 3:
         raise RoutingMismatchError(f"{who}: the .npy blob holds a {arr.dtype} array of shape "
                                    f"{arr.shape}; routing is a 3-D integer array [tokens, L, K]")
+    if not arr.dtype.isnative:
+        arr = arr.astype(arr.dtype.newbyteorder("="))
     return arr
+
+
+def _check_npy_header(raw: bytes, who: str, max_rows: int | None) -> None:
+    """What an `.npy` blob's header declares (dtype, shape), checked against `max_rows`
+    and against the bytes that follow it, before numpy allocates the array."""
+    fmt = np.lib.format
+    f = io.BytesIO(raw)
+    try:
+        version = fmt.read_magic(f)
+        if version == (1, 0):
+            shape, _, dtype = fmt.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, _, dtype = fmt.read_array_header_2_0(f)
+        else:
+            raise ValueError(f".npy format version {version} (vLLM writes 1.0)")
+    except Exception as e:  # noqa: BLE001 - numpy's header parser fails in many types
+        raise RoutingMismatchError(f"{who}: a corrupt or truncated .npy blob ({len(raw)} "
+                                   f"bytes), its header: {type(e).__name__}: "
+                                   f"{str(e)[:200]}") from None
+    if dtype.hasobject:
+        raise RoutingMismatchError(f"{who}: a corrupt or truncated .npy blob: it holds a "
+                                   f"{dtype} array (a pickle, never loaded)")
+    if dtype.kind not in "iu" or len(shape) != 3:
+        raise RoutingMismatchError(f"{who}: the .npy blob holds a {dtype} array of shape "
+                                   f"{shape}; routing is a 3-D integer array [tokens, L, K]")
+    if max_rows is not None and shape[0] > max_rows:
+        raise RoutingMismatchError(f"{who}: the .npy header declares shape {shape}, "
+                                   f"{shape[0]} token rows, more than the request's "
+                                   f"{max_rows} tokens")
+    need, have = math.prod(shape) * dtype.itemsize, len(raw) - f.tell()
+    if need != have:
+        raise RoutingMismatchError(f"{who}: a corrupt or truncated .npy blob: its header "
+                                   f"declares shape {shape} of {dtype} ({need} bytes) but "
+                                   f"{have} bytes of data follow it")
 
 
 def encode_vllm(routing) -> str:
@@ -124,11 +164,12 @@ def encode_vllm(routing) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _as_routing(x, layout: ModelShape, who: str) -> torch.Tensor:
+def _as_routing(x, layout: ModelShape, who: str, max_rows: int | None = None) -> torch.Tensor:
     """One payload (array, tensor, list, or the server's base64 text) as a tensor, with
-    vLLM's dtype rule checked."""
+    vLLM's dtype rule checked; a base64 payload declaring more than `max_rows` rows is
+    refused before it is decoded."""
     if isinstance(x, (str, bytes, bytearray, memoryview)):
-        x = decode_vllm(x, who=who)
+        x = decode_vllm(x, who=who, max_rows=max_rows)
     t = as_tensor(x, who)
     E = layout.num_experts
     if t.dtype == torch.uint16 and E <= 256:
@@ -245,7 +286,7 @@ def vllm_sequences(
             turns = [(r, P + G, min(int(st or 0), P))]
         for j, (payload, seq_len, start) in enumerate(turns):
             tw = f"request {i} turn {j}"
-            t = _as_routing(payload, layout, tw)
+            t = _as_routing(payload, layout, tw, max_rows=max(seq_len, 0))
             want = seq_len - 1 - start
             if t.dim() == 3 and t.shape[0] != want:
                 what = ("prompt_len + response_len - 1" if len(turns) == 1
@@ -253,7 +294,8 @@ def vllm_sequences(
                 lens = (f"prompt_len={P}, response_len={G}" if len(turns) == 1
                         else f"seq_len={seq_len}")
                 raise RoutingMismatchError(
-                    f"request {i}: vLLM routed_experts has {t.shape[0]} token rows but "
+                    f"{f'request {i}' if len(turns) == 1 else tw}: vLLM routed_experts has "
+                    f"{t.shape[0]} token rows but "
                     f"{what} = {want} ({lens}{f', prompt_start={start}' if start else ''})"
                     f"{_hint(t.shape[0], seq_len - 1) if not start else ''}")
             _check_not_zero_filled(t, layout, tw)
@@ -261,7 +303,7 @@ def vllm_sequences(
                 gap = (acc.rows, start)
                 if j == 0 and pre is not None:
                     pw = f"request {i} prefix_routing"
-                    p = _as_routing(pre, layout, pw)
+                    p = _as_routing(pre, layout, pw, max_rows=max(start, 0))
                     if p.dim() == 3 and p.shape[0] != start - acc.rows:
                         raise RoutingMismatchError(
                             f"{pw}: has {p.shape[0]} token rows but the request omitted rows "
