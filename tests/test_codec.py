@@ -233,20 +233,33 @@ def test_every_flipped_byte_is_refused(order):
 
 
 def test_every_truncation_is_refused():
+    """Format 3: every cut raises, a cut exactly between chunks too (the blob header counts
+    the chunks)."""
     x, t, blob = _small_blob()
-    n_ok = 0
     inf = codec.info(blob)
-    ends = {c.payload_offset + c.payload_len for c in inf.chunks}
+    assert inf.version == 3 and len(inf.chunks) == 2
     for n in range(len(blob)):
-        if n in ends or n == codec.BLOB_HEADER_SIZE:
-            # a cut exactly between chunks is a valid shorter blob: fewer tokens
-            out = codec.decode(blob[:n], token_ids=t[:codec.info(blob[:n]).num_tokens])
-            assert out.shape[0] < 30
-            n_ok += 1
-            continue
         with pytest.raises(CodecError, match=r"offset \d+: (truncated|not a routing)"):
             codec.decode(blob[:n], token_ids=t)
-    assert n_ok == 2
+
+
+def test_older_formats_cut_between_chunks_decode_shorter():
+    """Formats 1 and 2 count nothing in their header: a cut exactly between chunks is a
+    valid shorter blob (fewer tokens; documented), every other cut raises."""
+    f = np.load(FIXTURE_V1)
+    blob, tok = f["keep_tok"].tobytes(), f["token_ids"]
+    inf = codec.info(blob)
+    ends = {c.payload_offset + c.payload_len for c in inf.chunks}
+    for n in range(0, len(blob), 7):
+        if n in ends or n == codec.BLOB_HEADER_SIZE_V2:
+            continue
+        with pytest.raises(CodecError, match=r"offset \d+: (truncated|not a routing)"):
+            codec.decode(blob[:n], token_ids=tok)
+    shorter = [n for n in sorted(ends | {codec.BLOB_HEADER_SIZE_V2}) if n < len(blob)]
+    assert len(shorter) == 2
+    for n in shorter:
+        out = codec.decode(blob[:n], token_ids=tok[:codec.info(blob[:n]).num_tokens])
+        assert out.shape[0] < inf.num_tokens
 
 
 def test_foreign_and_newer_blobs():
@@ -523,10 +536,10 @@ def test_appending_to_a_format_1_blob_stays_format_1(name):
     all_ids = None if ids is None else np.concatenate([ids, more_ids])
     np.testing.assert_array_equal(codec.decode(out, token_ids=all_ids).numpy(),
                                   expected(np.concatenate([r, more]), order))
-    # the same routing encoded now is format 2, and decodes to the same
+    # the same routing encoded now is format 3, and decodes to the same
     new = codec.encode(np.concatenate([r, more]), num_experts=128, order=order,
                        token_ids=all_ids)
-    assert codec.info(new).version == codec.FORMAT_VERSION == 2
+    assert codec.info(new).version == codec.FORMAT_VERSION == 3
     np.testing.assert_array_equal(codec.decode(new, token_ids=all_ids).numpy(),
                                   expected(np.concatenate([r, more]), order))
 
@@ -550,16 +563,11 @@ def _rewrite_payload(blob: bytes, ci: int, raw: bytes) -> bytes:
     made right again (a forged chunk that only the decoder's own checks can refuse)."""
     import zstandard
 
-    inf = codec.info(blob)
-    ch = inf.chunks[ci]
-    z = zstandard.ZstdCompressor(level=3).compress(raw)
-    fields = list(codec._CHUNK.unpack_from(blob, ch.offset))
-    fields[8], fields[11] = len(z), zlib.crc32(z)
-    fixed = codec._CHUNK.pack(*fields)
-    lens_b = np.asarray(ch.seq_lens, dtype="<u4").tobytes()
-    head = fixed + struct.pack("<I", zlib.crc32(fixed + lens_b)) + lens_b
-    end = ch.payload_offset + ch.payload_len
-    return blob[:ch.offset] + head + z + blob[end:]
+    from _codec_forge import reseal, split
+
+    version, head, ext, chunks = split(blob)
+    chunks[ci].payload = zstandard.ZstdCompressor(level=3).compress(raw)
+    return reseal(version, head, ext, chunks)
 
 
 @pytest.mark.parametrize("with_tok", [False, True])
