@@ -65,7 +65,7 @@ def reseal(version: int, head: list, ext, chunks, *, fix_first_seq: bool = True,
         f[2], f[8], f[11] = len(c.lens), len(c.payload), zlib.crc32(c.payload)
         fixed = codec._CHUNK.pack(*f)
         lens_b = np.asarray(c.lens, dtype="<u4").tobytes()
-        chain = codec._chunk_crc(version, fixed + lens_b, i, chain)
+        chain = codec._chunk_crc(version, fixed, lens_b, i, chain)
         out.append(fixed + struct.pack("<I", chain) + lens_b + c.payload)
     if version >= 3:
         e = list(ext)

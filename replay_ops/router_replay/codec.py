@@ -58,13 +58,15 @@ device, contiguous or not) of shape [T, L, K].
    planes, then (relabelled chunks) the table's byte planes [L, E], then ("keep") the
    code's byte planes.
 
-## Format (little-endian; FORMAT_VERSION 2; version 1 blobs are read and appended to in
-## their own format)
+## Format (little-endian; FORMAT_VERSION 3; version 1 and 2 blobs are read and appended
+## to in their own format)
 
-    blob header  (BLOB_HEADER_SIZE bytes)
+    blob header  (BLOB_HEADER_SIZE bytes; BLOB_HEADER_SIZE_V2 before version 3)
         magic b"RRCODEC\\0", version u16, order u8 (0 set, 1 keep), flags u8 (bit 0: token
-        ids), num_experts u32, num_layers u32, top_k u32, reserved u32, crc32 of the bytes
-        before it (u32)
+        ids), num_experts u32, num_layers u32, top_k u32, reserved u32 (0),
+        version 3 only: blob_id u64, num_tokens u64, num_chunks u32, num_seqs u32,
+        chain u32 (the last chunk's header checksum),
+        crc32 of the bytes before it (u32)
     chunks, each:
         chunk header  (CHUNK_HEADER_SIZE bytes)
             magic b"RRCK", first_seq u32, num_seqs u32, continues u8 (1: the first sequence
@@ -77,15 +79,28 @@ device, contiguous or not) of shape [T, L, K].
             token order, then for "keep" the permutation code bytes of the blob's version,
             little-endian rows; decoders re-derive them from the routing they return),
             payload_crc u32, crc32 of the chunk header before it and the sequence lengths
-            after it (u32)
+            after it (u32; version 3: seeded with crc32(index u32) continued from the
+            previous chunk's checksum, the first chunk's from the crc32 of the blob
+            header's first 36 bytes, which never change: `_chunk_crc`)
         seq_lens  u32 * num_seqs
         payload   payload_len bytes
 
 Each chunk holds whole sequences (or the next turn of the blob's last sequence, when
 appended with `continue_last=True`), so a sequence decodes from its own chunks alone, and
-appending a turn adds chunks without touching the earlier ones. A corrupt, truncated or
-foreign blob raises `CodecError` naming the byte offset and the reason; a decoded chunk
-whose content crc32 differs is refused, so decoding never returns wrong routing.
+appending a turn adds chunks without touching the earlier ones (version 3: and rewrites
+the blob header). A corrupt, truncated, spliced or foreign blob raises `CodecError` naming
+the byte offset and the reason; a decoded chunk whose content crc32 differs is refused, on
+every decode path (`_check_content`), so decoding never returns wrong routing by accident.
+The checksums are crc32s: they catch accidents, not a sender that recomputes them.
+
+## Bounds
+
+Every size a header claims is checked before anything is allocated (`MAX_TOP_K`,
+`MAX_LAYERS`, `MAX_TOKENS`, `MAX_IDS`, and `ZSTD_MAX_RATIO` decompressed bytes per payload
+byte), and a zstd frame must declare exactly what its chunk header implies, with nothing
+after it; `max_tokens=` and `max_bytes=` bound a blob further. Decoding any input takes
+memory within a small constant factor of the output its validated header allows, plus a
+constant, and time linear in its size (tests/test_fuzz_codec.py).
 """
 from __future__ import annotations
 
@@ -654,20 +669,20 @@ def _chain_start(head: bytes) -> int:
     return zlib.crc32(head[:_BLOB.size + 8])
 
 
-def _chunk_crc(version: int, fixed_and_lens: bytes, index: int, chain: int) -> int:
-    """The checksum in a chunk header: crc32 of the header and the sequence lengths; from
-    format 3 on, seeded with the chunk's index and the previous chunk's checksum (the chain
-    start for chunk 0), which binds the chunk to its blob and its position."""
-    if version < 3:
-        return zlib.crc32(fixed_and_lens)
-    return zlib.crc32(fixed_and_lens, zlib.crc32(_U32.pack(index), chain))
+def _chunk_crc(version: int, fixed, lens_b, index: int, chain: int) -> int:
+    """The checksum in a chunk header: crc32 of the header (`fixed`) and the sequence
+    lengths; from format 3 on, seeded with the chunk's index and the previous chunk's
+    checksum (the chain start for chunk 0), which binds the chunk to its blob and its
+    position. Encoder and parser both compute it here."""
+    seed = 0 if version < 3 else zlib.crc32(_U32.pack(index), chain)
+    return zlib.crc32(lens_b, zlib.crc32(fixed, seed))
 
 
 def _link(parts: list, version: int, index: int, chain: int) -> tuple[list, int]:
     """Chunk bytes for `parts` (chunks index, index+1, ...), and the chain value after them."""
     out = []
     for i, c in enumerate(parts):
-        chain = _chunk_crc(version, c.fixed + c.lens_b, index + i, chain)
+        chain = _chunk_crc(version, c.fixed, c.lens_b, index + i, chain)
         out.append(c.fixed + struct.pack("<I", chain) + c.lens_b + c.payload)
     return out, chain
 
@@ -1093,12 +1108,7 @@ def info(blob, *, verify_payload: bool = False, max_tokens: int | None = None,
             _fail(off, f"truncated: the chunk's {nseq} sequence lengths run past the end")
         (hcrc,) = struct.unpack_from("<I", buf, off + _CHUNK.size)
         lens_b = buf[lens_off:lens_off + 4 * nseq]
-        if version < 3:
-            want_crc = zlib.crc32(lens_b, zlib.crc32(buf[off:off + _CHUNK.size]))
-        else:
-            want_crc = zlib.crc32(lens_b, zlib.crc32(
-                buf[off:off + _CHUNK.size], zlib.crc32(_U32.pack(len(chunks)), chain)))
-        if hcrc != want_crc:
+        if hcrc != _chunk_crc(version, buf[off:off + _CHUNK.size], lens_b, len(chunks), chain):
             _fail(off, "chunk header checksum mismatch (corrupt chunk header"
                        + (", or a chunk of another blob or position)" if ext else ")"))
         chain = hcrc
