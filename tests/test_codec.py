@@ -809,9 +809,14 @@ def test_header_sizes_are_bounded_before_allocation():
                               ("num_tokens", 2**34, f"T\\*L\\*K={2**37} is above")]:
         with pytest.raises(CodecError, match=msg):
             codec.decode(forge_header(blob, **{field: value}), token_ids=t)
-    # the header's counts must match the chunks
+    # the header's counts must match the chunks: a header that understates the tokens
+    # does not get them past max_tokens
     with pytest.raises(CodecError, match="does not match its chunks"):
         codec.decode(forge_header(blob, num_tokens=31), token_ids=t)
+    with pytest.raises(CodecError, match="does not match its chunks"):
+        codec.decode(forge_header(blob, num_tokens=5), token_ids=t, max_tokens=5)
+    with pytest.raises(CodecError, match="does not match its chunks"):
+        codec.decode(forge_header(blob, num_seqs=1), token_ids=t)
     with pytest.raises(CodecError, match="not a chunk header"):
         codec.decode(forge_header(blob, num_chunks=1), token_ids=t)
     with pytest.raises(CodecError, match="top_k=300 is above"):

@@ -311,8 +311,9 @@ MUTANTS = [
     M("MC04", "replay_ops/router_replay/codec.py",
       "        if (total, len(seqs), chain) != (h_tokens, h_seqs, h_chain):",
       "        if False:",
-      ("tests/test_codec.py", "-k", "truncation or every_cut"),
-      "codec: the blob header's counts and chain end not compared (a cut between chunks)"),
+      ("tests/test_codec.py", "-k", "bounded"),
+      "codec: the blob header's token and sequence counts and chain end not compared with "
+      "its chunks (a header that understates the tokens passes max_tokens)"),
     M("MC05", "replay_ops/router_replay/codec.py",
       "        if v > top:",
       "        if False:",

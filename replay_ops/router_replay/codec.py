@@ -1417,8 +1417,8 @@ def _chunk_into(buf, ch: ChunkInfo, inf: BlobInfo, tok, dst: torch.Tensor, a: in
             if (a, b) == (0, ch.num_tokens):
                 _decode_into_device(buf, ch, inf, tok, dst)
             else:
-                tmp = torch.empty((ch.num_tokens,) + tuple(dst.shape[1:]), dtype=dst.dtype,
-                                  device=dst.device)
+                tmp = _output((ch.num_tokens,) + tuple(dst.shape[1:]), inf.num_experts,
+                              dst.device, dst.dtype, None)
                 _decode_into_device(buf, ch, inf, tok, tmp)
                 dst.copy_(tmp[a:b])
             return
