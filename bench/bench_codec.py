@@ -16,6 +16,14 @@ against the formats peers ship routing in, on the dev routing corpus (bench/data
   than uint8. Each is marked met or missed at the default level and at the best level.
 
 Writes bench/results/codec_<machine>.md and .json (atomically).
+
+    python bench/bench_codec.py --hardening [--repeats 9]
+
+* The cost of the format-3 hardening (chunks bound to their blob and position, bounds, zstd
+  frame checks, the one content check): encode and decode throughput of this codec against
+  the codec at 641b54d (format 2), loaded from `git show 641b54d:...` into a temporary
+  folder at run time, in the same process, interleaved call by call. Target: >= 0.90x.
+  Writes bench/results/codec_hardening_<machine>.md and .json.
 """
 from __future__ import annotations
 
@@ -282,13 +290,110 @@ def uniform_sets(T, L, K, E, seed=0):
     return np.argpartition(keys, K, axis=1)[:, :K].reshape(T, L, K).astype(np.uint8)
 
 
+BASELINE = "641b54d"
+
+
+def _baseline_codec(tmp: str):
+    """The codec module at BASELINE, from git, imported from a temporary folder."""
+    import importlib.util
+    import subprocess
+
+    src = subprocess.run(["git", "show", f"{BASELINE}:replay_ops/router_replay/codec.py"],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    path = Path(tmp) / f"codec_{BASELINE}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(f"codec_{BASELINE}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def hardening(args) -> None:
+    """Throughput of this codec against BASELINE's, same data, same process."""
+    import tempfile
+
+    d = np.load(DATA)
+    tok, lens = d["token_ids"], d["seq_lens"]
+    env = env_info("cpu")
+    rows, targets = [], []
+    with tempfile.TemporaryDirectory(prefix="codec_baseline_") as tmp:
+        old = _baseline_codec(tmp)
+        for corpus in ("routing_trained", "routing_random"):
+            r = d[corpus]
+            n16 = r.size * 2
+            for order in codec.ORDERS:
+                for use_tok in (True, False):
+                    kw = dict(num_experts=128, order=order, level=codec.DEFAULT_LEVEL,
+                              seq_lens=lens, token_ids=tok if use_tok else None)
+                    ids = kw["token_ids"]
+                    out = torch.empty(r.shape, dtype=torch.int16)
+                    best = {}
+                    blobs = {"old": old.encode(r, **kw), "new": codec.encode(r, **kw)}
+                    mods = {"old": old, "new": codec}
+                    for _ in range(args.repeats):  # interleaved: both see the same noise
+                        for name, m in mods.items():
+                            t = time.thread_time()
+                            m.encode(r, **kw)
+                            te = time.thread_time() - t
+                            t = time.thread_time()
+                            m.decode(blobs[name], token_ids=ids, out=out)
+                            td = time.thread_time() - t
+                            want = np.sort(r, axis=-1) if order == "set" else r
+                            assert np.array_equal(out.numpy(), want.astype(np.int16))
+                            be, bd = best.get(name, (float("inf"), float("inf")))
+                            best[name] = (min(be, te), min(bd, td))
+                    assert codec.info(blobs["new"]).version == 3
+                    row = {"corpus": corpus, "order": order, "token ids": use_tok,
+                           "bytes 641b54d": len(blobs["old"]), "bytes now": len(blobs["new"])}
+                    for i, what in enumerate(("encode", "decode")):
+                        o, n = n16 / best["old"][i] / 1e6, n16 / best["new"][i] / 1e6
+                        row[f"{what} MB/s 641b54d"] = o
+                        row[f"{what} MB/s now"] = n
+                        row[f"{what} now/641b54d"] = n / o
+                    rows.append(row)
+                    print(row, flush=True)
+    for what in ("encode", "decode"):
+        worst = min(r[f"{what} now/641b54d"] for r in rows)
+        geo = float(np.exp(np.mean([np.log(r[f"{what} now/641b54d"]) for r in rows])))
+        targets.append({"target": f"{what} throughput >= 0.90x of 641b54d (every row)",
+                        "measured": f"worst {worst:.3f}x, geometric mean {geo:.3f}x",
+                        "status": "met" if worst >= 0.90 else "missed"})
+    cols = list(rows[0])
+    md = [f"# Routing codec hardening cost ({args.out})", "",
+          f"Command: `{env['command']}`", "",
+          f"Machine: {env['device_name']}; shared with other jobs, noisy. torch "
+          f"{env['torch']}; numpy {np.__version__}; zstandard "
+          f"{__import__('zstandard').__version__}; git {env['git_sha']}; {env['utc']}", "",
+          f"This codec (format 3) against the codec at {BASELINE} (format 2, loaded from git "
+          "into a temporary folder), in one process, calls interleaved; MB of int16 input "
+          "per CPU-second of one thread (time.thread_time, torch threads 1), best of "
+          f"{args.repeats}; level {codec.DEFAULT_LEVEL}, chunk_tokens "
+          f"{codec.DEFAULT_CHUNK_TOKENS}; decode into a preallocated int16 tensor. Corpus: "
+          "bench/data/dev_qwen3moe_e128_k8_l8.npz (T=32768, L=8, K=8, E=128).", "",
+          "## Targets", "", to_markdown(targets, ["target", "measured", "status"]), "",
+          "## Measurements", "", to_markdown(rows, cols), ""]
+    out = ROOT / "bench" / "results"
+    write_atomic(out / f"{args.out}.md", "\n".join(md))
+    write_atomic(out / f"{args.out}.json", json.dumps(
+        {"env": env, "baseline": BASELINE, "targets": targets, "rows": rows}, indent=1)
+        + "\n")
+    print("\n".join(md))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="fewer levels and chunk sizes")
-    ap.add_argument("--out", default="codec_cpu_2core")
+    ap.add_argument("--hardening", action="store_true",
+                    help=f"only the cost of the format-3 checks against {BASELINE}")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if args.hardening:
+        args.out = args.out or "codec_hardening_cpu_2core"
+        return hardening(args)
+    args.out = args.out or "codec_cpu_2core"
     d = np.load(DATA)
     tok, lens = d["token_ids"], d["seq_lens"]
     env = env_info("cpu")

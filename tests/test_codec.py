@@ -233,20 +233,33 @@ def test_every_flipped_byte_is_refused(order):
 
 
 def test_every_truncation_is_refused():
+    """Format 3: every cut raises, a cut exactly between chunks too (the blob header counts
+    the chunks)."""
     x, t, blob = _small_blob()
-    n_ok = 0
     inf = codec.info(blob)
-    ends = {c.payload_offset + c.payload_len for c in inf.chunks}
+    assert inf.version == 3 and len(inf.chunks) == 2
     for n in range(len(blob)):
-        if n in ends or n == codec.BLOB_HEADER_SIZE:
-            # a cut exactly between chunks is a valid shorter blob: fewer tokens
-            out = codec.decode(blob[:n], token_ids=t[:codec.info(blob[:n]).num_tokens])
-            assert out.shape[0] < 30
-            n_ok += 1
-            continue
         with pytest.raises(CodecError, match=r"offset \d+: (truncated|not a routing)"):
             codec.decode(blob[:n], token_ids=t)
-    assert n_ok == 2
+
+
+def test_older_formats_cut_between_chunks_decode_shorter():
+    """Formats 1 and 2 count nothing in their header: a cut exactly between chunks is a
+    valid shorter blob (fewer tokens; documented), every other cut raises."""
+    f = np.load(FIXTURE_V1)
+    blob, tok = f["keep_tok"].tobytes(), f["token_ids"]
+    inf = codec.info(blob)
+    ends = {c.payload_offset + c.payload_len for c in inf.chunks}
+    for n in range(0, len(blob), 7):
+        if n in ends or n == codec.BLOB_HEADER_SIZE_V2:
+            continue
+        with pytest.raises(CodecError, match=r"offset \d+: (truncated|not a routing)"):
+            codec.decode(blob[:n], token_ids=tok)
+    shorter = [n for n in sorted(ends | {codec.BLOB_HEADER_SIZE_V2}) if n < len(blob)]
+    assert len(shorter) == 2
+    for n in shorter:
+        out = codec.decode(blob[:n], token_ids=tok[:codec.info(blob[:n]).num_tokens])
+        assert out.shape[0] < inf.num_tokens
 
 
 def test_foreign_and_newer_blobs():
@@ -523,10 +536,10 @@ def test_appending_to_a_format_1_blob_stays_format_1(name):
     all_ids = None if ids is None else np.concatenate([ids, more_ids])
     np.testing.assert_array_equal(codec.decode(out, token_ids=all_ids).numpy(),
                                   expected(np.concatenate([r, more]), order))
-    # the same routing encoded now is format 2, and decodes to the same
+    # the same routing encoded now is format 3, and decodes to the same
     new = codec.encode(np.concatenate([r, more]), num_experts=128, order=order,
                        token_ids=all_ids)
-    assert codec.info(new).version == codec.FORMAT_VERSION == 2
+    assert codec.info(new).version == codec.FORMAT_VERSION == 3
     np.testing.assert_array_equal(codec.decode(new, token_ids=all_ids).numpy(),
                                   expected(np.concatenate([r, more]), order))
 
@@ -550,16 +563,11 @@ def _rewrite_payload(blob: bytes, ci: int, raw: bytes) -> bytes:
     made right again (a forged chunk that only the decoder's own checks can refuse)."""
     import zstandard
 
-    inf = codec.info(blob)
-    ch = inf.chunks[ci]
-    z = zstandard.ZstdCompressor(level=3).compress(raw)
-    fields = list(codec._CHUNK.unpack_from(blob, ch.offset))
-    fields[8], fields[11] = len(z), zlib.crc32(z)
-    fixed = codec._CHUNK.pack(*fields)
-    lens_b = np.asarray(ch.seq_lens, dtype="<u4").tobytes()
-    head = fixed + struct.pack("<I", zlib.crc32(fixed + lens_b)) + lens_b
-    end = ch.payload_offset + ch.payload_len
-    return blob[:ch.offset] + head + z + blob[end:]
+    from _codec_forge import reseal, split
+
+    version, head, ext, chunks = split(blob)
+    chunks[ci].payload = zstandard.ZstdCompressor(level=3).compress(raw)
+    return reseal(version, head, ext, chunks)
 
 
 @pytest.mark.parametrize("with_tok", [False, True])
@@ -665,3 +673,296 @@ def test_relabel_table_is_the_same_for_many_experts():
         np.testing.assert_array_equal(codec._relabel_table(y, E), want(y))
     blob = codec.encode(x, num_experts=E, order="keep", chunk_tokens=1 << 20)
     assert not codec.info(blob).chunks[0].layout & codec._LAYOUT_RELABEL  # too few ids
+
+
+# ---------------------------------------------------------------------------- hostile input
+# (format 3: every case here decodes without error, or to wrong routing, on format 2)
+FIXTURE_V2 = __import__("pathlib").Path(__file__).parent / "data" / "codec_v2_blobs.npz"
+
+
+def _turns_blob(order="keep", tok=True, seed=40, E=16):
+    """Three turns of one conversation, appended one by one: a chunk each."""
+    rng = np.random.default_rng(seed)
+    turns = [rng.integers(-1, E, size=(n, 2, 4)) for n in (6, 5, 7)]
+    toks = [rng.integers(0, 9, size=t.shape[0]) for t in turns]
+    ids = (lambda i: toks[i]) if tok else (lambda i: None)
+    blob = codec.encode(turns[0], num_experts=E, order=order, token_ids=ids(0))
+    for i in (1, 2):
+        blob = codec.append(blob, turns[i], token_ids=ids(i), continue_last=True)
+    return turns, toks, blob
+
+
+def _chunk_bytes(blob):
+    inf = codec.info(blob)
+    return [bytes(blob[c.offset:c.payload_offset + c.payload_len]) for c in inf.chunks]
+
+
+@pytest.mark.parametrize("tok", [False, True])
+def test_swapped_and_duplicated_turns_are_refused(tok):
+    turns, toks, blob = _turns_blob(tok=tok)
+    c = _chunk_bytes(blob)
+    head = blob[:codec.BLOB_HEADER_SIZE]
+    ids = np.concatenate(toks) if tok else None
+    np.testing.assert_array_equal(codec.decode(blob, token_ids=ids).numpy(),
+                                  np.concatenate(turns))
+    swapped = head + c[0] + c[2] + c[1]
+    ids_sw = np.concatenate([toks[0], toks[2], toks[1]]) if tok else None
+    with pytest.raises(CodecError, match="chunk header checksum mismatch"):
+        codec.decode(swapped, token_ids=ids_sw)
+    dup = blob + c[2]  # the last append's bytes written twice (a retried write)
+    ids_dup = np.concatenate(toks + [toks[2]]) if tok else None
+    with pytest.raises(CodecError, match="not a chunk header"):
+        codec.decode(dup, token_ids=ids_dup)
+    # a whole appended blob re-sent after the first (its own header included)
+    with pytest.raises(CodecError):
+        codec.decode(blob + blob, token_ids=ids)
+
+
+def test_a_chunk_of_another_blob_is_refused():
+    """Same token ids, same shape, same position: only the binding tells the chunks apart."""
+    rng = np.random.default_rng(41)
+    t = rng.integers(0, 9, size=20)
+    a, b = (rng.integers(0, 16, size=(20, 2, 4)) for _ in range(2))
+    kw = dict(num_experts=16, order="keep", token_ids=t, seq_lens=[10, 10], chunk_tokens=10)
+    ba, bb = codec.encode(a, **kw), codec.encode(b, **kw)
+    ca, cb = _chunk_bytes(ba), _chunk_bytes(bb)
+    for i in range(2):
+        parts = list(ca)
+        parts[i] = cb[i]
+        spliced = ba[:codec.BLOB_HEADER_SIZE] + b"".join(parts)
+        with pytest.raises(CodecError, match="checksum mismatch|does not match its chunks"):
+            codec.decode(spliced, token_ids=t)
+    # blob b's header on blob a's chunks
+    with pytest.raises(CodecError):
+        codec.decode(bb[:codec.BLOB_HEADER_SIZE] + b"".join(ca), token_ids=t)
+
+
+def test_every_cut_of_an_appended_blob_is_refused():
+    turns, toks, blob = _turns_blob()
+    ids = np.concatenate(toks)
+    for n in range(len(blob)):
+        with pytest.raises(CodecError, match=r"offset \d+: (truncated|not a routing)"):
+            codec.decode(blob[:n], token_ids=ids)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "triton"])
+def test_every_decode_path_checks_the_content_checksum(backend):
+    """A forged "keep" chunk (every checksum a sender can recompute made right, another
+    valid permutation code in a row) is refused on the numpy and the Triton path alike."""
+    import zstandard
+
+    rng = np.random.default_rng(42)
+    base = np.stack([rng.permutation(32)[:4] for _ in range(4)])
+    x = base[rng.integers(0, 4, size=64 * 2)].reshape(64, 2, 4)  # compressible: zstd
+    blob = codec.encode(x, num_experts=32, order="keep")
+    ch = codec.info(blob).chunks[0]
+    assert ch.method == 1 and not ch.layout & codec._LAYOUT_RELABEL
+    raw = bytearray(zstandard.ZstdDecompressor().decompress(
+        blob[ch.payload_offset:ch.payload_offset + ch.payload_len]))
+    code_at = x.size  # the code bytes follow the ids (1 byte per row at K = 4)
+    raw[code_at] = (raw[code_at] + 1) % 24  # row 0 in another (valid) slot order
+    forged = _rewrite_payload(blob, 0, bytes(raw))
+    np.testing.assert_array_equal(codec.decode(_rewrite_payload(blob, 0, bytes(
+        zstandard.ZstdDecompressor().decompress(blob[ch.payload_offset:ch.payload_offset
+                                                     + ch.payload_len]))),
+        backend=backend).numpy(), x)
+    with pytest.raises(CodecError, match="content checksum mismatch"):
+        codec.decode(forged, backend=backend)
+    with pytest.raises(CodecError, match="content checksum mismatch"):
+        codec.decode_sequence(forged, 0, backend=backend)
+
+
+def test_out_with_overlapping_elements_is_refused():
+    x, t, blob = _small_blob()
+    for out in (torch.empty(1, 1, 1, dtype=torch.int16).expand(30, 2, 4),
+                torch.empty(30, 1, 4, dtype=torch.int16).expand(30, 2, 4),
+                torch.empty(30 * 2 + 3, dtype=torch.int16).as_strided((30, 2, 4), (2, 1, 1))):
+        with pytest.raises(CodecError, match="overlapping elements"):
+            codec.decode(blob, token_ids=t, out=out)
+    with pytest.raises(CodecError, match="overlapping elements"):
+        codec.decode_sequence(blob, 0, token_ids=t,
+                              out=torch.empty(10, 2, 1, dtype=torch.int32).expand(10, 2, 4))
+    # distinct elements in any order are fine: a transposed and a sliced view
+    out = torch.empty(4, 2, 30, dtype=torch.int32).permute(2, 1, 0)
+    codec.decode(blob, token_ids=t, out=out)
+    np.testing.assert_array_equal(out.numpy(), x)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "triton"])
+def test_token_ids_for_a_blob_without_them_are_refused(backend):
+    x, _, blob = _small_blob(tok=False)
+    t = np.arange(30)
+    for call in (lambda: codec.decode(blob, token_ids=t, backend=backend),
+                 lambda: codec.decode_sequence(blob, 1, token_ids=t, backend=backend),
+                 lambda: codec.append(blob, x[:2], token_ids=t[:2])):
+        with pytest.raises(CodecError, match="encoded without token_ids"):
+            call()
+
+
+def test_header_sizes_are_bounded_before_allocation():
+    from _codec_forge import forge_header
+
+    x, t, blob = _small_blob()
+    for field, value, msg in [("K", 10**6, "top_k=1000000 is above"),
+                              ("L", 10**6, "num_layers=1000000 is above"),
+                              ("num_tokens", 2**50, f"num_tokens={2**50} is above"),
+                              ("num_tokens", 2**34, f"T\\*L\\*K={2**37} is above")]:
+        with pytest.raises(CodecError, match=msg):
+            codec.decode(forge_header(blob, **{field: value}), token_ids=t)
+    # the header's counts must match the chunks: a header that understates the tokens
+    # does not get them past max_tokens
+    with pytest.raises(CodecError, match="does not match its chunks"):
+        codec.decode(forge_header(blob, num_tokens=31), token_ids=t)
+    with pytest.raises(CodecError, match="does not match its chunks"):
+        codec.decode(forge_header(blob, num_tokens=5), token_ids=t, max_tokens=5)
+    with pytest.raises(CodecError, match="does not match its chunks"):
+        codec.decode(forge_header(blob, num_seqs=1), token_ids=t)
+    with pytest.raises(CodecError, match="not a chunk header"):
+        codec.decode(forge_header(blob, num_chunks=1), token_ids=t)
+    with pytest.raises(CodecError, match="top_k=300 is above"):
+        codec.encode(np.zeros((2, 1, 300), np.int16), num_experts=512)
+
+
+@pytest.mark.parametrize("call", ["decode", "decode_sequence", "info", "append"])
+def test_max_tokens_and_max_bytes(call):
+    x, t, blob = _small_blob()  # 30 tokens, [30, 2, 4] int16: 480 bytes
+
+    def run(**kw):
+        if call == "decode":
+            return codec.decode(blob, token_ids=t, **kw)
+        if call == "decode_sequence":
+            return codec.decode_sequence(blob, 1, token_ids=t, **kw)
+        if call == "info":
+            return codec.info(blob, **kw)
+        return codec.append(blob, x[:2], token_ids=t[:2], **kw)
+
+    run(max_tokens=30, max_bytes=480)
+    run(max_tokens=None, max_bytes=None)
+    with pytest.raises(CodecError, match="num_tokens=30 is above max_tokens=29"):
+        run(max_tokens=29)
+    with pytest.raises(CodecError, match="decoded bytes=480 .* is above max_bytes=479"):
+        run(max_bytes=479)
+    for bad in (-1, 1.5, "10", True):
+        with pytest.raises(CodecError, match="max_tokens must be"):
+            run(max_tokens=bad)
+    if call == "decode":  # counted in the output's dtype
+        with pytest.raises(CodecError, match="decoded bytes=960"):
+            codec.decode(blob, token_ids=t, dtype=torch.int32, max_bytes=959)
+
+
+def test_older_formats_honour_the_limits_too():
+    f = np.load(FIXTURE_V2)
+    blob, tok = f["keep_tok"].tobytes(), f["token_ids"]
+    with pytest.raises(CodecError, match="num_tokens=500 is above max_tokens=499"):
+        codec.decode(blob, token_ids=tok, max_tokens=499)
+    with pytest.raises(CodecError, match="is above max_bytes"):
+        codec.info(blob, max_bytes=500 * 64 * 2 - 1)
+
+
+def _zstd_chunk_blob():
+    rng = np.random.default_rng(43)
+    base = np.stack([rng.permutation(32)[:4] for _ in range(4)])
+    x = base[rng.integers(0, 4, size=64 * 2)].reshape(64, 2, 4)
+    blob = codec.encode(x, num_experts=32, order="set")
+    ch = codec.info(blob).chunks[0]
+    assert ch.method == 1
+    return x, blob, ch
+
+
+def test_zstd_frames_are_checked_before_decompressing():
+    import zstandard
+    from _codec_forge import reseal, split
+
+    x, blob, ch = _zstd_chunk_blob()
+    payload = blob[ch.payload_offset:ch.payload_offset + ch.payload_len]
+    raw = zstandard.ZstdDecompressor().decompress(payload)
+    version, head, ext, chunks = split(blob)
+
+    def with_payload(p):
+        chunks[0].payload = p
+        return reseal(version, head, ext, chunks)
+
+    # bytes after the frame, a second frame, a frame that declares more or less, none
+    for p, msg in [(payload + b"\0" * 5, "bytes after the frame"),
+                   (payload + payload, "bytes after the frame"),
+                   (zstandard.ZstdCompressor().compress(raw + b"\0" * 1000), "declares 1512"),
+                   (zstandard.ZstdCompressor().compress(raw[:-1]), "declares 511"),
+                   (zstandard.ZstdCompressor(write_content_size=False).compress(raw),
+                    "declares -1")]:
+        with pytest.raises(CodecError, match=msg):
+            codec.decode(with_payload(p))
+    # a header that claims more than a frame of its size can hold is refused unread
+    chunks[0].payload = payload
+    chunks[0].fields[7] = 10**7  # tokens
+    chunks[0].lens = (10**7,)
+    with pytest.raises(CodecError, match="more than a zstd frame can hold"):
+        codec.info(reseal(version, head, ext, chunks))
+
+
+def test_large_k():
+    # a vectorised sort above K = 20: no sorting network is built for K = 64
+    rng = np.random.default_rng(44)
+    x = np.stack([rng.permutation(200)[:64] for _ in range(30)]).reshape(15, 2, 64)
+    for order in codec.ORDERS:
+        blob = codec.encode(x, num_experts=200, order=order)
+        np.testing.assert_array_equal(codec.decode(blob).numpy(), expected(x, order))
+        # the Triton path decodes "keep" blobs with K > 20 too (on the host, then copied)
+        np.testing.assert_array_equal(codec.decode(blob, backend="triton").numpy(),
+                                      expected(x, order))
+    assert max(codec._NETWORKS, default=0) <= 20
+    # empty routing with K > 20, both orders
+    for order in codec.ORDERS:
+        e = codec.encode(np.zeros((0, 3, 23), np.int16), num_experts=64, order=order)
+        assert tuple(codec.decode(e).shape) == (0, 3, 23)
+        assert tuple(codec.decode(e, backend="triton").shape) == (0, 3, 23)
+
+
+def test_info_and_decode_sequence_are_linear_in_chunks():
+    """20000 one-token sequences, a chunk each: finding the last one parses the headers once
+    (format 2 summed every sequence length again per chunk: quadratic, seconds)."""
+    import time
+
+    def cpu(n):
+        b = codec.encode(np.zeros((n, 1, 2), np.int16), num_experts=8, seq_lens=[1] * n,
+                         chunk_tokens=1)
+        t0 = time.process_time()
+        np.testing.assert_array_equal(codec.decode_sequence(b, n - 1).numpy(), 0)
+        return time.process_time() - t0
+
+    t_small, t_big = cpu(5000), cpu(20000)
+    assert t_big < 1.0, t_big
+    assert t_big < 8 * max(t_small, 0.01), (t_small, t_big)  # quadratic would be 16x
+
+
+# ---------------------------------------------------------------------------- format 2
+@pytest.mark.parametrize("name", ["keep_tok", "keep_notok", "set_tok", "set_notok"])
+def test_format_2_blobs_still_decode_and_append_in_format_2(name):
+    """Blobs of the format-2 encoder (tests/data/codec_v2_blobs.npz, written at 641b54d;
+    record files hold them): they decode exactly, on both paths, and `append` extends
+    them in format 2 (unbound chunks: see docs/router_replay.md)."""
+    f = np.load(FIXTURE_V2)
+    r, tok, lens = f["routing"], f["token_ids"], f["seq_lens"]
+    blob = f[name].tobytes()
+    order = name.split("_")[0]
+    ids = tok if name.endswith("_tok") else None
+    inf = codec.info(blob, verify_payload=True)
+    assert inf.version == 2 and len(inf.chunks) == 2
+    if order == "keep":
+        assert inf.chunks[0].layout & codec._LAYOUT_RELABEL
+    want = expected(r, order)
+    np.testing.assert_array_equal(codec.decode(blob, token_ids=ids).numpy(), want)
+    if name == "keep_notok":  # the Triton path (interpreted here: one chunk)
+        np.testing.assert_array_equal(
+            codec.decode_sequence(blob, 2, token_ids=ids, backend="triton").numpy(),
+            want[450:])
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    for i in range(len(lens)):
+        got = codec.decode_sequence(blob, i, token_ids=ids).numpy()
+        np.testing.assert_array_equal(got, want[cu[i]:cu[i + 1]])
+    more = r[:40]
+    out = codec.append(blob, more, token_ids=None if ids is None else tok[:40],
+                       continue_last=True)
+    assert out[:len(blob)] == blob and codec.info(out).version == 2
+    all_ids = None if ids is None else np.concatenate([tok, tok[:40]])
+    np.testing.assert_array_equal(codec.decode(out, token_ids=all_ids).numpy(),
+                                  expected(np.concatenate([r, more]), order))

@@ -159,7 +159,9 @@ def sort_rows(routing: torch.Tensor, num_experts: int, order: str, sorted_dtype=
     if N == 0 or K == 0:
         return srt, code
     kp = _kp(K)
-    w = _weights(K, routing.device)
+    # the factorial weights of the Lehmer code ("keep" only: K <= 20, 19! < 2^63)
+    w = _weights(K, routing.device) if keep else torch.zeros(kp, dtype=torch.int64,
+                                                             device=routing.device)
     br = _block_rows(kp)
     with device_ctx(routing):
         _codec_sort_kernel[(triton.cdiv(N, br),)](

@@ -58,13 +58,15 @@ device, contiguous or not) of shape [T, L, K].
    planes, then (relabelled chunks) the table's byte planes [L, E], then ("keep") the
    code's byte planes.
 
-## Format (little-endian; FORMAT_VERSION 2; version 1 blobs are read and appended to in
-## their own format)
+## Format (little-endian; FORMAT_VERSION 3; version 1 and 2 blobs are read and appended
+## to in their own format)
 
-    blob header  (BLOB_HEADER_SIZE bytes)
+    blob header  (BLOB_HEADER_SIZE bytes; BLOB_HEADER_SIZE_V2 before version 3)
         magic b"RRCODEC\\0", version u16, order u8 (0 set, 1 keep), flags u8 (bit 0: token
-        ids), num_experts u32, num_layers u32, top_k u32, reserved u32, crc32 of the bytes
-        before it (u32)
+        ids), num_experts u32, num_layers u32, top_k u32, reserved u32 (0),
+        version 3 only: blob_id u64, num_tokens u64, num_chunks u32, num_seqs u32,
+        chain u32 (the last chunk's header checksum),
+        crc32 of the bytes before it (u32)
     chunks, each:
         chunk header  (CHUNK_HEADER_SIZE bytes)
             magic b"RRCK", first_seq u32, num_seqs u32, continues u8 (1: the first sequence
@@ -77,33 +79,50 @@ device, contiguous or not) of shape [T, L, K].
             token order, then for "keep" the permutation code bytes of the blob's version,
             little-endian rows; decoders re-derive them from the routing they return),
             payload_crc u32, crc32 of the chunk header before it and the sequence lengths
-            after it (u32)
+            after it (u32; version 3: seeded with crc32(index u32) continued from the
+            previous chunk's checksum, the first chunk's from the crc32 of the blob
+            header's first 36 bytes, which never change: `_chunk_crc`)
         seq_lens  u32 * num_seqs
         payload   payload_len bytes
 
 Each chunk holds whole sequences (or the next turn of the blob's last sequence, when
 appended with `continue_last=True`), so a sequence decodes from its own chunks alone, and
-appending a turn adds chunks without touching the earlier ones. A corrupt, truncated or
-foreign blob raises `CodecError` naming the byte offset and the reason; a decoded chunk
-whose content crc32 differs is refused, so decoding never returns wrong routing.
+appending a turn adds chunks without touching the earlier ones (version 3: and rewrites
+the blob header). A corrupt, truncated, spliced or foreign blob raises `CodecError` naming
+the byte offset and the reason; a decoded chunk whose content crc32 differs is refused, on
+every decode path (`_check_content`), so decoding never returns wrong routing by accident.
+The checksums are crc32s: they catch accidents, not a sender that recomputes them.
+
+## Bounds
+
+Every size a header claims is checked before anything is allocated (`MAX_TOP_K`,
+`MAX_LAYERS`, `MAX_TOKENS`, `MAX_IDS`, and `ZSTD_MAX_RATIO` decompressed bytes per payload
+byte), and a zstd frame must declare exactly what its chunk header implies, with nothing
+after it; `max_tokens=` and `max_bytes=` bound a blob further. Decoding any input takes
+memory within a small constant factor of the output its validated header allows, plus a
+constant, and time linear in its size (tests/test_fuzz_codec.py).
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import struct
 import threading
+import typing
 import zlib
 from typing import Sequence
 
 import numpy as np
 import torch
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 # Versions this decoder reads (and `append` extends in their own format): 1 stored the
 # Lehmer code of the sorted-id order (p), its bytes least significant first; 2 stores that
-# of the slot order (the inverse permutation q), most significant first.
-READ_VERSIONS = (1, 2)
+# of the slot order (the inverse permutation q), most significant first; 3 is 2 with the
+# chunks bound to their blob and position (a blob id, a chained header checksum) and a blob
+# header that counts the chunks, sequences and tokens (`append` rewrites it).
+READ_VERSIONS = (1, 2, 3)
 MAGIC = b"RRCODEC\x00"
 CHUNK_MAGIC = b"RRCK"
 ORDERS = ("set", "keep")
@@ -115,9 +134,25 @@ DEFAULT_LEVEL = 3
 DEFAULT_CHUNK_TOKENS = 16384
 MAX_LEHMER_K = 20  # 20! < 2**63
 MAX_EXPERTS = 2**31 - 1
+# Sizes a header may claim, checked before anything is allocated: beyond any real model
+# (the largest published MoE models route K <= 16 of <= 512 experts in <= 128 layers).
+MAX_TOP_K = 256
+MAX_LAYERS = 4096
+MAX_TOKENS = 2**40
+MAX_IDS = 2**36            # T * L * K of one blob (128 GiB as int16)
+# A zstd frame cannot expand more than this (a 4-byte RLE block gives 128 KiB): a chunk
+# whose header claims more than this many bytes per payload byte is refused unread.
+ZSTD_MAX_RATIO = 32768
+# Rows are sorted by a sorting network (one numpy call per comparator) up to this K, by
+# np.sort above it.
+_NETWORK_MAX_K = 20
 
-_BLOB = struct.Struct("<8sHBBIIII")       # + crc u32
-BLOB_HEADER_SIZE = _BLOB.size + 4
+_BLOB = struct.Struct("<8sHBBIIII")       # + crc u32 (versions 1 and 2)
+# version 3: + blob_id u64, num_tokens u64, num_chunks u32, num_seqs u32, chain u32, crc u32
+_BLOB3 = struct.Struct("<QQIII")
+BLOB_HEADER_SIZE_V2 = _BLOB.size + 4
+BLOB_HEADER_SIZE = _BLOB.size + _BLOB3.size + 4
+_U32 = struct.Struct("<I")
 _CHUNK = struct.Struct("<4sIIBBBBQQQII")  # + crc u32 (covers this and the seq_lens)
 CHUNK_HEADER_SIZE = _CHUNK.size + 4
 _METHOD_RAW, _METHOD_ZSTD = 0, 1
@@ -128,6 +163,11 @@ _LAYOUT_RELABEL = 2
 # relabel when the table (L*E ids) is at most this fraction of the chunk's ids (T*L*K)
 _RELABEL_MIN_IDS_PER_EXPERT = 16
 _FLAG_TOKENS = 1
+
+
+def header_size(version: int) -> int:
+    """Bytes of the blob header of format `version`."""
+    return BLOB_HEADER_SIZE if version >= 3 else BLOB_HEADER_SIZE_V2
 
 
 class CodecError(ValueError):
@@ -221,6 +261,9 @@ def _sort_columns(cols: list[np.ndarray]) -> list[np.ndarray]:
     """Sort across the K column arrays, element by element (each row ascending). The arrays
     must be the caller's own: they are overwritten."""
     k = len(cols)
+    if k > _NETWORK_MAX_K:  # a vectorised sort: a network costs one call per comparator
+        m = np.sort(np.stack(cols, axis=1), axis=1)
+        return [m[:, j] for j in range(k)]
     if k not in _NETWORKS:
         _NETWORKS[k] = _network(k)
     cols = list(cols)
@@ -306,7 +349,8 @@ def _perm_encode(perm: list[np.ndarray], k: int) -> np.ndarray:
     """perm[j][r] = the original slot of row r's j-th smallest key -> [N, width] bytes."""
     n = perm[0].shape[0]
     if k > MAX_LEHMER_K:
-        return np.ascontiguousarray(np.stack(perm, axis=1)).view(np.uint8).reshape(n, -1)
+        p = np.ascontiguousarray(np.stack(perm, axis=1))
+        return p.view(np.uint8).reshape(n, k * p.itemsize)
     return _lehmer_bytes(perm, k)
 
 
@@ -426,6 +470,12 @@ class BlobInfo:
     num_tokens: int
     seq_lens: tuple[int, ...]
     chunks: tuple["ChunkInfo", ...]
+    blob_id: int = 0       # format 3 (0 before)
+    chain: int = 0         # the last chunk's header checksum (format 3: the chain's end)
+
+    @property
+    def first_seqs(self) -> list[int]:
+        return [c.first_seq for c in self.chunks]
 
     @property
     def num_sequences(self) -> int:
@@ -436,8 +486,9 @@ class BlobInfo:
         return np.concatenate([[0], np.cumsum(self.seq_lens, dtype=np.int64)])
 
 
-@dataclasses.dataclass(frozen=True)
-class ChunkInfo:
+class ChunkInfo(typing.NamedTuple):
+    """What a chunk's header says (a named tuple: `info` builds one per chunk)."""
+
     offset: int            # of the chunk header
     first_seq: int
     seq_lens: tuple[int, ...]
@@ -455,9 +506,15 @@ class ChunkInfo:
 
 
 def _blob_header(order: str, E: int, L: int, K: int, has_tokens: bool,
-                 version: int = FORMAT_VERSION) -> bytes:
+                 version: int = FORMAT_VERSION, blob_id: int = 0, num_tokens: int = 0,
+                 num_chunks: int = 0, num_seqs: int = 0, chain: int = 0) -> bytes:
     head = _BLOB.pack(MAGIC, version, ORDERS.index(order),
                       _FLAG_TOKENS if has_tokens else 0, E, L, K, 0)
+    if version >= 3:
+        if num_chunks > 0xFFFFFFFF or num_seqs > 0xFFFFFFFF:
+            raise CodecError(f"a blob holds at most {0xFFFFFFFF} chunks and sequences, got "
+                             f"{num_chunks} chunks, {num_seqs} sequences")
+        head += _BLOB3.pack(blob_id, num_tokens, num_chunks, num_seqs, chain)
     return head + struct.pack("<I", zlib.crc32(head))
 
 
@@ -591,8 +648,51 @@ def _encode_chunk(canon: np.ndarray | None, tok: np.ndarray | None, order: str, 
     th = _token_hash(tok) if tok is not None else 0
     fixed = _CHUNK.pack(CHUNK_MAGIC, first_seq, len(lens), int(continues), method, layout, w,
                         T, len(payload), th, content_crc, zlib.crc32(payload))
-    lens_b = np.asarray(lens, dtype="<u4").tobytes()
-    return fixed + struct.pack("<I", zlib.crc32(fixed + lens_b)) + lens_b + payload
+    return _Chunk(fixed, np.asarray(lens, dtype="<u4").tobytes(), payload, T, len(lens))
+
+
+@dataclasses.dataclass
+class _Chunk:
+    """An encoded chunk before its header checksum (which, from format 3 on, depends on the
+    chunks before it)."""
+
+    fixed: bytes
+    lens_b: bytes
+    payload: bytes
+    num_tokens: int
+    num_seqs: int
+
+
+def _chain_start(head: bytes) -> int:
+    """Format 3: the chain's start value, the crc32 of the blob header's fields that never
+    change (magic, version, order, flags, E, L, K, reserved, blob id)."""
+    return zlib.crc32(head[:_BLOB.size + 8])
+
+
+def _chunk_crc(version: int, fixed, lens_b, index: int, chain: int) -> int:
+    """The checksum in a chunk header: crc32 of the header (`fixed`) and the sequence
+    lengths; from format 3 on, seeded with the chunk's index and the previous chunk's
+    checksum (the chain start for chunk 0), which binds the chunk to its blob and its
+    position. Encoder and parser both compute it here."""
+    seed = 0 if version < 3 else zlib.crc32(_U32.pack(index), chain)
+    return zlib.crc32(lens_b, zlib.crc32(fixed, seed))
+
+
+def _link(parts: list, version: int, index: int, chain: int) -> tuple[list, int]:
+    """Chunk bytes for `parts` (chunks index, index+1, ...), and the chain value after them."""
+    out = []
+    for i, c in enumerate(parts):
+        chain = _chunk_crc(version, c.fixed, c.lens_b, index + i, chain)
+        out.append(c.fixed + struct.pack("<I", chain) + c.lens_b + c.payload)
+    return out, chain
+
+
+def _blob_id(parts: list) -> int:
+    """Format 3's blob id: 64 bits derived from the first encode's chunk headers (which hold
+    the checksums of their payload, content and token ids), so the same input gives the same
+    blob, and blobs of different routing get different ids."""
+    b = b"".join(c.fixed + c.lens_b for c in parts)
+    return ((zlib.crc32(b) << 32) | zlib.adler32(b)) or 1
 
 
 def _group_order(tok: np.ndarray) -> np.ndarray:
@@ -665,6 +765,19 @@ def _chunk_plan(lens: list[int], chunk_tokens: int) -> list[tuple[int, int]]:
     return plan
 
 
+def _check_shape(T: int, L: int, K: int, who: str, offset: int | None = None) -> None:
+    """The bounds every blob's shape keeps (`MAX_TOP_K`, `MAX_LAYERS`, `MAX_TOKENS`,
+    `MAX_IDS`): checked when encoding, and on every header before anything is allocated."""
+    for name, v, top in (("top_k", K, MAX_TOP_K), ("num_layers", L, MAX_LAYERS),
+                         ("num_tokens", T, MAX_TOKENS), ("T*L*K", T * L * K, MAX_IDS)):
+        if v > top:
+            msg = (f"{who}: {name}={v} is above the codec's bound {top} (no real model "
+                   f"routes that much)")
+            if offset is None:
+                raise CodecError(msg)
+            _fail(offset, msg)
+
+
 def _check_order(order):
     if order not in ORDERS:
         raise CodecError(f"order must be 'keep' or 'set', got {order!r}")
@@ -712,15 +825,18 @@ def encode(routing, *, num_experts: int, order: str = "keep", level: int = DEFAU
     else:
         canon = _canonical(routing, E)
     T, L, K = canon.shape
-    if K > 0xFFFF or L > 0xFFFFFFFF:
-        raise CodecError(f"routing shape {canon.shape} is too large (K <= 65535)")
+    _check_shape(T, L, K, "routing")
     tok = None if token_ids is None else _token_array(token_ids, T, "token_ids")
     lens = _seq_lens(seq_lens, T)
     if chunk_tokens < 1:
         raise CodecError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    head = _blob_header(order, E, L, K, tok is not None)
-    return b"".join([head] + _chunks_bytes(canon, tok, order, E, level, lens, chunk_tokens,
-                                           0, False))
+    parts = _chunks_bytes(canon, tok, order, E, level, lens, chunk_tokens, 0, False)
+    bid = _blob_id(parts)
+    chain0 = _chain_start(_blob_header(order, E, L, K, tok is not None, blob_id=bid))
+    body, chain = _link(parts, FORMAT_VERSION, 0, chain0)
+    head = _blob_header(order, E, L, K, tok is not None, blob_id=bid, num_tokens=T,
+                        num_chunks=len(parts), num_seqs=len(lens), chain=chain)
+    return b"".join([head] + body)
 
 
 # ---------------------------------------------------------------------------- Triton path
@@ -815,8 +931,9 @@ def _decode_into_device(buf, ch, inf, tok, dst: torch.Tensor) -> None:
     nd = _device_narrow(E)
     srt_d = torch.from_numpy(np.array(srt.reshape(T * L, K), dtype=(
         np.int32 if nd == torch.int32 else np.int16 if nd == torch.int16 else np.uint8))).to(dev)
-    code_d = digits_d = None
-    if inf.order == "keep" and K > 1:
+    digits_d = None
+    keep_code = inf.order == "keep" and K > 1
+    if keep_code:
         pw = pc.shape[1]
         code = np.ascontiguousarray(pc).view(f"<u{pw}").reshape(-1).astype(np.int64) \
             if pw else np.zeros(T * L, np.int64)
@@ -824,18 +941,27 @@ def _decode_into_device(buf, ch, inf, tok, dst: torch.Tensor) -> None:
             digits = lehmer_digits(code, K)
         except CodecError as e:
             _fail(ch.payload_offset, str(e))
-        code_d = torch.from_numpy(code).to(dev)
         digits_d = torch.from_numpy(digits).to(dev)
     flat = dst.view(T * L, K) if _viewable(dst) else torch.empty(T * L, K, dtype=dst.dtype,
                                                                  device=dev)
     inverse = _inverse_code(inf.version, K)
     tk.unsort_rows(srt_d, digits_d, E, flat, inverse=inverse)
-    # check what was written: its canonical form must be what the checksum covered
-    again, code2 = tk.sort_rows(flat, E, "keep" if code_d is not None else "set", nd,
+    # check what was written: its canonical form, re-derived on the device, must hash to the
+    # content checksum (the same check as the numpy path's)
+    again, code2 = tk.sort_rows(flat, E, "keep" if keep_code else "set", nd,
                                 inverse=inverse)
-    if not torch.equal(again, srt_d) or (code_d is not None and not torch.equal(code2, code_d)):
-        _fail(ch.offset, "the routing written on the device does not match the decoded "
-                         "chunk (device transform check failed)")
+    w = id_width(E)
+    srt_h = again.cpu().numpy().astype(_NARROW[w], copy=False)
+    pc_h = None
+    if inf.order == "keep":
+        pw = lehmer_width(K)
+        if code2 is None or not pw:
+            pc_h = np.zeros((T * L, pw), np.uint8)
+        else:
+            pc_h = np.ascontiguousarray(code2.cpu().numpy().astype(f"<u{pw}")).view(
+                np.uint8).reshape(T * L, pw)
+    _check_content(ch, srt_h, pc_h, " (device transform check failed: the routing written "
+                                    "on the device)")
     if flat.data_ptr() != dst.data_ptr() or not _viewable(dst):
         dst.copy_(flat.view(T, L, K))
 
@@ -849,13 +975,19 @@ def _viewable(t: torch.Tensor) -> bool:
 
 
 def append(blob: bytes, routing, *, token_ids=None, seq_lens=None, continue_last=False,
-           level: int = DEFAULT_LEVEL, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> bytes:
+           level: int = DEFAULT_LEVEL, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+           max_tokens: int | None = None, max_bytes: int | None = None) -> bytes:
     """A new blob: `blob` followed by more routing with the blob's mode and shape. New
     sequences by default; with `continue_last=True` the first of them continues the blob's
     last sequence (the next turn of a conversation: its new rows only). The existing chunks
-    are verified (headers and payload checksums) and copied unchanged."""
+    are verified (headers and payload checksums) and copied unchanged; a format-3 blob's
+    header is rewritten (chunk, sequence and token counts, the chain's end), and the new
+    chunks continue its chain. A blob of an older format is extended in that format (its
+    chunks bound to nothing: see the module's docstring). `max_tokens`/`max_bytes` bound the
+    existing blob, as for `info`."""
     _check_level(level)
-    info_ = info(blob, verify_payload=True)
+    buf = memoryview(blob).cast("B")
+    info_ = info(buf, verify_payload=True, max_tokens=max_tokens, max_bytes=max_bytes)
     if (token_ids is not None) == info_.has_token_ids:
         pass
     elif info_.has_token_ids:
@@ -869,14 +1001,24 @@ def append(blob: bytes, routing, *, token_ids=None, seq_lens=None, continue_last
     if (L, K) != (info_.num_layers, info_.top_k):
         raise CodecError(f"append: routing is [T, L={L}, K={K}] but the blob holds L="
                          f"{info_.num_layers}, K={info_.top_k}")
+    _check_shape(info_.num_tokens + T, L, K, "append")
     tok = None if token_ids is None else _token_array(token_ids, T, "token_ids")
     lens = _seq_lens(seq_lens, T)
     if continue_last and info_.num_sequences == 0:
         raise CodecError("append: continue_last=True but the blob holds no sequence")
     first = info_.num_sequences - 1 if continue_last else info_.num_sequences
+    v = info_.version
     parts = _chunks_bytes(canon, tok, info_.order, info_.num_experts, level, lens,
-                          chunk_tokens, first, continue_last, info_.version)
-    return bytes(blob) + b"".join(parts)
+                          chunk_tokens, first, continue_last, v)
+    body, chain = _link(parts, v, len(info_.chunks), info_.chain)
+    hs = header_size(v)
+    if v < 3:
+        return bytes(buf) + b"".join(body)
+    head = _blob_header(info_.order, info_.num_experts, L, K, info_.has_token_ids, v,
+                        blob_id=info_.blob_id, num_tokens=info_.num_tokens + T,
+                        num_chunks=len(info_.chunks) + len(parts),
+                        num_seqs=first + len(lens), chain=chain)
+    return b"".join([head, bytes(buf[hs:])] + body)
 
 
 # ---------------------------------------------------------------------------- parsing
@@ -887,29 +1029,74 @@ def _fail(offset: int, reason: str):
 def _parse_header(buf: memoryview):
     if len(buf) < len(MAGIC) or bytes(buf[:len(MAGIC)]) != MAGIC:
         _fail(0, f"not a routing codec blob (magic {bytes(buf[:8])!r}, expected {MAGIC!r})")
-    if len(buf) < BLOB_HEADER_SIZE:
+    if len(buf) < _BLOB.size:
         _fail(len(buf), f"truncated: {len(buf)} bytes, the blob header needs "
-                        f"{BLOB_HEADER_SIZE}")
-    magic, version, order, flags, E, L, K, _ = _BLOB.unpack_from(buf, 0)
+                        f"{BLOB_HEADER_SIZE_V2} or more")
+    magic, version, order, flags, E, L, K, reserved = _BLOB.unpack_from(buf, 0)
     if version not in READ_VERSIONS:
         _fail(8, f"format version {version} is not supported (this decoder reads versions "
                  f"{', '.join(map(str, READ_VERSIONS))})")
-    (crc,) = struct.unpack_from("<I", buf, _BLOB.size)
-    if crc != zlib.crc32(buf[:_BLOB.size]):
-        _fail(_BLOB.size, "blob header checksum mismatch (corrupt header)")
-    if order >= len(ORDERS) or flags & ~_FLAG_TOKENS or not 1 <= E <= MAX_EXPERTS:
+    hs = header_size(version)
+    if len(buf) < hs:
+        _fail(len(buf), f"truncated: {len(buf)} bytes, the blob header needs {hs}")
+    (crc,) = struct.unpack_from("<I", buf, hs - 4)
+    if crc != zlib.crc32(buf[:hs - 4]):
+        _fail(hs - 4, "blob header checksum mismatch (corrupt header)")
+    if order >= len(ORDERS) or flags & ~_FLAG_TOKENS or not 1 <= E <= MAX_EXPERTS or \
+            (version >= 3 and reserved):
         _fail(10, f"corrupt blob header (order={order}, flags={flags}, num_experts={E})")
-    return ORDERS[order], bool(flags & _FLAG_TOKENS), E, L, K, version
+    _check_shape(0, L, K, "blob header", 16)
+    ext = _BLOB3.unpack_from(buf, _BLOB.size) if version >= 3 else None
+    return ORDERS[order], bool(flags & _FLAG_TOKENS), E, L, K, version, ext
 
 
-def info(blob, *, verify_payload: bool = False) -> BlobInfo:
+def _check_limit_args(max_tokens, max_bytes) -> None:
+    for name, v in (("max_tokens", max_tokens), ("max_bytes", max_bytes)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))
+                              or v < 0):
+            raise CodecError(f"{name} must be a non-negative int or None, got {v!r}")
+
+
+def _check_limits(T: int, L: int, K: int, itemsize: int, max_tokens, max_bytes,
+                  offset: int) -> None:
+    """The caller's bounds: the blob's tokens (`max_tokens`) and the bytes of the routing it
+    decodes to (`max_bytes`, T * L * K * itemsize of the output dtype)."""
+    if max_tokens is not None and T > max_tokens:
+        _fail(offset, f"num_tokens={T} is above max_tokens={max_tokens}")
+    if max_bytes is not None and T * L * K * itemsize > max_bytes:
+        _fail(offset, f"decoded bytes={T * L * K * itemsize} ([{T}, {L}, {K}] x {itemsize}) "
+                      f"is above max_bytes={max_bytes}")
+
+
+def info(blob, *, verify_payload: bool = False, max_tokens: int | None = None,
+         max_bytes: int | None = None) -> BlobInfo:
     """Parse and check every header of a blob (and, with `verify_payload`, every payload's
-    crc32) without decoding. Raises CodecError naming the offset of the first problem."""
+    crc32) without decoding. Raises CodecError naming the offset of the first problem.
+    `max_tokens`: the most tokens the blob may hold; `max_bytes`: the most bytes its routing
+    may take decoded in the default dtype (int16 when num_experts <= 32767, else int32).
+    Either is checked against the format-3 header before the chunks are read."""
+    _check_limit_args(max_tokens, max_bytes)
     buf = memoryview(blob).cast("B") if not isinstance(blob, memoryview) else blob.cast("B")
-    order, has_tok, E, L, K, version = _parse_header(buf)
-    chunks, seqs, off = [], [], BLOB_HEADER_SIZE
-    while off < len(buf):
+    order, has_tok, E, L, K, version, ext = _parse_header(buf)
+    itemsize = _default_dtype(E).itemsize
+    hs = header_size(version)
+    if ext is not None:
+        blob_id, h_tokens, h_chunks, h_seqs, h_chain = ext
+        _check_shape(h_tokens, L, K, "blob header", _BLOB.size + 8)
+        _check_limits(h_tokens, L, K, itemsize, max_tokens, max_bytes, _BLOB.size + 8)
+        chain = _chain_start(bytes(buf[:hs]))
+    else:
+        blob_id = chain = 0
+        h_chunks = None
+    w_id = id_width(E)
+    max_t = min(MAX_TOKENS, MAX_IDS // max(1, L * K))
+    pw = lehmer_width(K) if (order == "keep" and K > 1) else 0
+    chunks, seqs, off, total = [], [], hs, 0
+    while off < len(buf) if h_chunks is None else len(chunks) < h_chunks:
         if len(buf) - off < CHUNK_HEADER_SIZE:
+            if off == len(buf):
+                _fail(off, f"truncated: the blob ends after {len(chunks)} of the "
+                           f"{h_chunks} chunks its header counts")
             _fail(off, f"truncated: {len(buf) - off} bytes left, a chunk header needs "
                        f"{CHUNK_HEADER_SIZE}")
         (magic, first, nseq, cont, method, layout, w, T, plen, th, ccrc,
@@ -921,20 +1108,39 @@ def info(blob, *, verify_payload: bool = False) -> BlobInfo:
             _fail(off, f"truncated: the chunk's {nseq} sequence lengths run past the end")
         (hcrc,) = struct.unpack_from("<I", buf, off + _CHUNK.size)
         lens_b = buf[lens_off:lens_off + 4 * nseq]
-        if hcrc != zlib.crc32(lens_b, zlib.crc32(buf[off:off + _CHUNK.size])):
-            _fail(off, "chunk header checksum mismatch (corrupt chunk header)")
-        lens = tuple(int(v) for v in np.frombuffer(lens_b, dtype="<u4"))
+        if hcrc != _chunk_crc(version, buf[off:off + _CHUNK.size], lens_b, len(chunks), chain):
+            _fail(off, "chunk header checksum mismatch (corrupt chunk header"
+                       + (", or a chunk of another blob or position)" if ext else ")"))
+        chain = hcrc
+        if nseq <= 64:
+            lens = struct.unpack_from(f"<{nseq}I", lens_b)
+            lsum = sum(lens)
+        else:
+            lens_a = np.frombuffer(lens_b, dtype="<u4")
+            lsum = int(lens_a.sum(dtype=np.int64))
+            lens = tuple(lens_a.tolist())
         want_first = len(seqs) - 1 if cont else len(seqs)
         relabel = (layout & _LAYOUT_RELABEL) != 0
         if (first != want_first or method > 1 or (layout & ~_LAYOUT_RELABEL) > 1
                 or (relabel and (version < 2 or order != "keep" or method != _METHOD_ZSTD
-                                 or not _inverse_code(version, K)))
-                or w != id_width(E)
-                or sum(lens) != T or cont > 1 or (cont and nseq == 0)
+                                 or not _relabels(version, order, T, K, E)))
+                or w != w_id
+                or lsum != T or cont > 1 or (cont and nseq == 0)
                 or (th != 0) != has_tok):
             _fail(off, f"corrupt chunk header (first_seq={first}, expected {want_first}; "
                        f"method={method}, layout={layout}, width={w}, tokens={T}, "
-                       f"sum(seq_lens)={sum(lens)})")
+                       f"sum(seq_lens)={lsum})")
+        if total + T > max_t:
+            _check_shape(total + T, L, K, "chunk header", off)
+        n_ids = T * L * K
+        if method == _METHOD_RAW:
+            if plen != n_ids * w:
+                _fail(off, f"raw payload has {plen} bytes, expected {n_ids * w}")
+        else:
+            want = n_ids * w + (L * E * w if relabel else 0) + T * L * pw
+            if want > ZSTD_MAX_RATIO * plen:
+                _fail(off, f"the chunk claims {want} decompressed bytes from a "
+                           f"{plen}-byte zstd payload (more than a zstd frame can hold)")
         poff = lens_off + 4 * nseq
         if len(buf) < poff + plen:
             _fail(poff, f"truncated: the chunk payload needs {plen} bytes, {len(buf) - poff} "
@@ -947,19 +1153,33 @@ def info(blob, *, verify_payload: bool = False) -> BlobInfo:
         else:
             seqs.extend(lens)
         chunks.append(ChunkInfo(off, first, lens, bool(cont), method, layout, w, T, poff,
-                                plen, th, ccrc, pcrc, int(sum(seqs)) - T))
+                                plen, th, ccrc, pcrc, total))
+        total += T
         off = poff + plen
-    return BlobInfo(version, order, E, L, K, has_tok, int(sum(seqs)), tuple(seqs),
-                    tuple(chunks))
+    if ext is not None:
+        if off != len(buf):
+            _fail(off, f"not a chunk header: {len(buf) - off} bytes follow the last of the "
+                       f"{h_chunks} chunks the blob header counts")
+        if (total, len(seqs), chain) != (h_tokens, h_seqs, h_chain):
+            _fail(_BLOB.size + 8, f"the blob header does not match its chunks ({h_tokens} "
+                                  f"tokens, {h_seqs} sequences counted, the chunks hold "
+                                  f"{total} tokens, {len(seqs)} sequences; chain end "
+                                  f"{h_chain:#x}, chunks' {chain:#x}): a truncated, "
+                                  f"spliced or corrupt blob")
+    else:
+        _check_limits(total, L, K, itemsize, max_tokens, max_bytes, hs)
+    return BlobInfo(version, order, E, L, K, has_tok, total, tuple(seqs), tuple(chunks),
+                    blob_id, chain)
 
 
 # ---------------------------------------------------------------------------- decoding
 def _decode_chunk(buf: memoryview, ch: ChunkInfo, order: str, E: int, L: int, K: int,
                   tok: np.ndarray | None, device: bool = False,
                   version: int = FORMAT_VERSION):
-    """The chunk's rows [T, L, K] (narrow, -1 as the sentinel E), verified. With `device`
-    and order "keep", the verified canonical (sorted [T, L, K], code bytes [T*L, w]) instead,
-    for the Triton path to unsort and check on the device."""
+    """The chunk's rows [T, L, K] (narrow, -1 as the sentinel E), verified (`_check_content`).
+    With `device`, nothing is checked here: the Triton path checks what it writes, and for
+    order "keep" this returns the canonical (sorted [T, L, K], code bytes [T*L, w]) for it
+    to unsort on the device (the rows for raw and relabelled chunks)."""
     T, w = ch.num_tokens, ch.width
     nd = np.dtype(_NARROW[w]).newbyteorder("<")
     payload = buf[ch.payload_offset:ch.payload_offset + ch.payload_len]
@@ -983,6 +1203,8 @@ def _decode_chunk(buf: memoryview, ch: ChunkInfo, order: str, E: int, L: int, K:
         out = out.astype(_NARROW[w]) if w > 1 else out
         if out.size and out.max() > E:
             _fail(ch.payload_offset, "raw payload holds ids above num_experts (corrupt)")
+        if device_out:
+            return out
         if order == "set":
             srt, pc = out, None
         else:  # the checksum covers the canonical form: derive it from what is returned
@@ -993,8 +1215,12 @@ def _decode_chunk(buf: memoryview, ch: ChunkInfo, order: str, E: int, L: int, K:
     relabel = bool(ch.layout & _LAYOUT_RELABEL)
     n_tab = L * E if relabel else 0
     want = n_ids * w + n_tab * w + T * L * pw
+    _check_frame(payload, want, ch.payload_offset)
     try:
         raw = _decompressor().decompress(payload, max_output_size=want)
+    except MemoryError:
+        raise CodecError(f"routing blob, offset {ch.payload_offset}: cannot allocate the "
+                         f"{want} bytes the chunk decompresses to") from None
     except Exception as e:  # zstd.ZstdError
         _fail(ch.payload_offset, f"corrupt zstd payload: {e}")
     if len(raw) != want:
@@ -1026,7 +1252,8 @@ def _decode_chunk(buf: memoryview, ch: ChunkInfo, order: str, E: int, L: int, K:
     if srt.size and srt.max() > E:
         _fail(ch.payload_offset, "decoded ids above num_experts (corrupt)")
     if order == "set":
-        _check_content(ch, srt, None)
+        if not device_out:
+            _check_content(ch, srt, None)
         return srt
     if device_out and inv is None:  # the Triton path decodes (and checks) on the device
         return srt, (pc if pc is not None else np.zeros((T * L, 0), np.uint8))
@@ -1038,14 +1265,58 @@ def _decode_chunk(buf: memoryview, ch: ChunkInfo, order: str, E: int, L: int, K:
         out = _apply_labels(out, inv, E)
     # the decoded routing itself is checked: its canonical form must hash as encoded
     srt2, pc2 = sort_rows(out.reshape(T * L, K), "keep", E, version)
-    _check_content(ch, srt2, pc2)
+    if not device_out:
+        _check_content(ch, srt2, pc2)
     return out
 
 
-def _check_content(ch: ChunkInfo, srt: np.ndarray, pc) -> None:
+def _zstd_frame_end(b: memoryview, offset: int) -> int:
+    """The end of the zstd frame at the start of `b` (its header, blocks and checksum),
+    read from the block headers alone."""
+    zstd = _zstd()
+    try:
+        pos = zstd.frame_header_size(b)
+        params = zstd.get_frame_parameters(b)
+    except Exception as e:  # zstd.ZstdError
+        _fail(offset, f"corrupt zstd payload: {e}")
+    n = len(b)
+    while True:
+        if pos + 3 > n:
+            _fail(offset, "corrupt zstd payload: the frame is cut inside a block header")
+        h = b[pos] | (b[pos + 1] << 8) | (b[pos + 2] << 16)
+        last, btype, size = h & 1, (h >> 1) & 3, h >> 3
+        if btype == 3:
+            _fail(offset, "corrupt zstd payload: reserved block type")
+        pos += 3 + (1 if btype == 1 else size)
+        if last:
+            break
+    return pos + (4 if params.has_checksum else 0)
+
+
+def _check_frame(payload: memoryview, want: int, offset: int) -> None:
+    """Before decompressing: the payload is one zstd frame that declares exactly the size
+    the chunk header implies, and nothing follows it (no decompression bomb, no smuggled
+    bytes)."""
+    try:
+        size = _zstd().frame_content_size(payload)
+    except Exception as e:  # zstd.ZstdError
+        _fail(offset, f"corrupt zstd payload: {e}")
+    if size != want:
+        _fail(offset, f"the zstd frame declares {size} bytes, the chunk header implies {want}"
+                      f" (-1: not declared)")
+    end = _zstd_frame_end(payload, offset)
+    if end != len(payload):
+        _fail(offset, f"the zstd frame ends at byte {end} of the {len(payload)}-byte payload "
+                      f"(bytes after the frame, or a frame cut short)")
+
+
+def _check_content(ch: ChunkInfo, srt: np.ndarray, pc, path: str = "") -> None:
+    """THE check of a decoded chunk, on every decode path: the canonical form (sorted narrow
+    ids, and for "keep" the permutation code bytes) re-derived from the routing the decoder
+    returns must hash to the content crc32 the encoder stored."""
     if _content_crc(srt, pc) != ch.content_crc:
         _fail(ch.offset, "decoded content checksum mismatch: the chunk does not decode to "
-                         "the routing that was encoded (corrupt blob or a decoder bug)")
+                         "the routing that was encoded (corrupt blob or a decoder bug)" + path)
 
 
 def _unsort_np(srt: np.ndarray, pc, K: int, version: int = FORMAT_VERSION) -> np.ndarray:
@@ -1095,81 +1366,140 @@ def _widen_into(canon: np.ndarray, E: int, dst: torch.Tensor) -> None:
     dst.copy_(torch.from_numpy(a).to(dst.dtype))
 
 
-def _output(shape, E: int, device, dtype, out) -> torch.Tensor:
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether two elements of `t` may share memory (an expanded, stride-0 tensor, or
+    strides that interleave): the dims of more than one element, by stride, must each step
+    past everything the smaller ones span. A conservative test, like torch's own."""
+    span = 0
+    dims = sorted(((abs(st), sz) for sz, st in zip(t.shape, t.stride()) if sz > 1))
+    for stride, size in dims:
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
+
+
+def _output(shape, E: int, device, dtype, out, max_bytes=None,
+            offset: int = 0) -> torch.Tensor:
     if out is not None:
         if not isinstance(out, torch.Tensor):
             raise CodecError(f"out must be a torch tensor, got {type(out).__name__}")
         if tuple(out.shape) != tuple(shape):
             raise CodecError(f"out has shape {tuple(out.shape)}, the blob decodes to "
                              f"{tuple(shape)}")
+        if out.numel() and _overlaps(out):
+            raise CodecError(f"out has overlapping elements (shape {tuple(out.shape)}, "
+                             f"strides {tuple(out.stride())}: an expanded tensor?); decode "
+                             f"into a tensor whose elements are distinct")
         dtype = out.dtype
     dtype = dtype or _default_dtype(E)
     if dtype.is_floating_point or dtype == torch.bool or dtype.is_complex or \
             not dtype.is_signed or torch.iinfo(dtype).max < E - 1:
         raise CodecError(f"decode: dtype {dtype} cannot hold ids -1..{E - 1}; use a signed "
                          f"integer dtype at least as wide as {_default_dtype(E)}")
+    T, L, K = shape
+    _check_limits(T, L, K, dtype.itemsize, None, max_bytes, offset)
     if out is None:
-        out = torch.empty(shape, dtype=dtype, device=device or "cpu")
+        try:
+            out = torch.empty(shape, dtype=dtype, device=device or "cpu")
+        except (RuntimeError, MemoryError) as e:
+            raise CodecError(f"decode: cannot allocate the output {tuple(shape)} {dtype}: "
+                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") \
+                from None
     return out
 
 
 def _chunk_into(buf, ch: ChunkInfo, inf: BlobInfo, tok, dst: torch.Tensor, a: int, b: int,
                 on_device: bool) -> None:
     """Rows a:b of chunk `ch`, decoded and verified, into dst."""
-    if on_device:
-        if (a, b) == (0, ch.num_tokens):
-            _decode_into_device(buf, ch, inf, tok, dst)
-        else:
-            tmp = torch.empty((ch.num_tokens,) + tuple(dst.shape[1:]), dtype=dst.dtype,
-                              device=dst.device)
-            _decode_into_device(buf, ch, inf, tok, tmp)
-            dst.copy_(tmp[a:b])
-        return
-    c = _decode_chunk(buf, ch, inf.order, inf.num_experts, inf.num_layers, inf.top_k, tok,
-                      version=inf.version)
-    _widen_into(c[a:b], inf.num_experts, dst)
+    try:
+        if on_device:
+            if (a, b) == (0, ch.num_tokens):
+                _decode_into_device(buf, ch, inf, tok, dst)
+            else:
+                tmp = _output((ch.num_tokens,) + tuple(dst.shape[1:]), inf.num_experts,
+                              dst.device, dst.dtype, None)
+                _decode_into_device(buf, ch, inf, tok, tmp)
+                dst.copy_(tmp[a:b])
+            return
+        c = _decode_chunk(buf, ch, inf.order, inf.num_experts, inf.num_layers, inf.top_k, tok,
+                          version=inf.version)
+        _widen_into(c[a:b], inf.num_experts, dst)
+    except MemoryError:
+        raise CodecError(f"routing blob, offset {ch.offset}: out of memory decoding a chunk "
+                         f"of {ch.num_tokens} tokens") from None
+
+
+def _on_device(backend: str, res: torch.Tensor, inf: BlobInfo, who: str) -> bool:
+    # "keep" with K > 20 stores slot numbers, not a Lehmer code: decoded on the host (and
+    # checked there), then copied
+    return _use_triton(backend, res, inf.order, who) and not (
+        inf.order == "keep" and inf.top_k > MAX_LEHMER_K)
+
+
+def _no_tokens(inf: BlobInfo, token_ids, who: str) -> None:
+    if token_ids is not None and not inf.has_token_ids:
+        raise CodecError(f"{who}: the blob was encoded without token_ids; decoding with them "
+                         f"is not possible (they would not be checked)")
 
 
 def decode(blob, *, token_ids=None, device=None, dtype: torch.dtype | None = None,
-           out: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+           out: torch.Tensor | None = None, backend: str = "auto",
+           max_tokens: int | None = None, max_bytes: int | None = None) -> torch.Tensor:
     """Decode a whole blob into `[T, L, K]` (int16 when num_experts <= 32767, else int32;
     -1 = empty slot). `token_ids` [T]: required, and must be the same ids, when the blob was
-    encoded with them. `device`/`dtype` choose the new tensor's; `out` is filled instead.
-    `backend`: "auto" (Triton when the output is on a GPU: the permutation is undone and
-    scattered there, straight into the tensor), "triton" or "numpy"."""
+    encoded with them (refused when it was not). `device`/`dtype` choose the new tensor's;
+    `out` is filled instead (its elements distinct). `backend`: "auto" (Triton when the
+    output is on a GPU: the permutation is undone and scattered there, straight into the
+    tensor), "triton" or "numpy". `max_tokens`: the most tokens the blob may hold;
+    `max_bytes`: the most bytes the decoded routing may take (in the output's dtype); both
+    checked before anything is allocated."""
+    _check_limit_args(max_tokens, max_bytes)
     buf = memoryview(blob).cast("B")
-    inf = info(buf)
+    inf = info(buf, max_tokens=max_tokens)
     T = inf.num_tokens
     tok = None
+    _no_tokens(inf, token_ids, "decode")
     if inf.has_token_ids:
         if token_ids is None:
             raise CodecError("decode: the blob was encoded with token_ids; pass the same "
                              "token ids")
         tok = _token_array(token_ids, T, "token_ids")
-    res = _output((T, inf.num_layers, inf.top_k), inf.num_experts, device, dtype, out)
-    on_device = _use_triton(backend, res, inf.order, "decode")
-    a = 0
+    res = _output((T, inf.num_layers, inf.top_k), inf.num_experts, device, dtype, out,
+                  max_bytes)
+    on_device = _on_device(backend, res, inf, "decode")
     for ch in inf.chunks:
-        b = a + ch.num_tokens
+        a, b = ch.token_start, ch.token_start + ch.num_tokens
         _chunk_into(buf, ch, inf, None if tok is None else tok[a:b], res[a:b], 0,
                     ch.num_tokens, on_device)
-        a = b
     return res
 
 
 def decode_sequence(blob, index: int, *, token_ids=None, device=None,
                     dtype: torch.dtype | None = None,
-                    out: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+                    out: torch.Tensor | None = None, backend: str = "auto",
+                    max_tokens: int | None = None,
+                    max_bytes: int | None = None) -> torch.Tensor:
     """Decode sequence `index` alone (only the chunks that hold it are decompressed).
     `token_ids`, when the blob has them: the whole blob's token ids, or that sequence's own
-    (all of its turns) when none of its chunks holds another sequence (chunk_tokens=1)."""
+    (all of its turns) when none of its chunks holds another sequence (chunk_tokens=1).
+    `max_tokens`/`max_bytes` bound the whole blob, as for `decode`."""
+    _check_limit_args(max_tokens, max_bytes)
     buf = memoryview(blob).cast("B")
-    inf = info(buf)
+    inf = info(buf, max_tokens=max_tokens)
     if not 0 <= index < inf.num_sequences:
         raise IndexError(f"decode_sequence: sequence {index} is outside 0.."
                          f"{inf.num_sequences - 1}")
+    _no_tokens(inf, token_ids, "decode_sequence")
     n = inf.seq_lens[index]
-    mine = [ch for ch in inf.chunks if ch.first_seq <= index < ch.first_seq + len(ch.seq_lens)]
+    # the chunks that hold the sequence: those from the last one starting at or before it
+    # (a continued sequence spans consecutive chunks)
+    j = bisect.bisect_right(inf.first_seqs, index) - 1
+    mine = []
+    while j >= 0 and inf.chunks[j].first_seq + len(inf.chunks[j].seq_lens) > index:
+        mine.append(inf.chunks[j])
+        j -= 1
+    mine.reverse()
     tok, whole = None, False
     if inf.has_token_ids:
         if token_ids is None:
@@ -1187,8 +1517,13 @@ def decode_sequence(blob, index: int, *, token_ids=None, device=None,
                     f"pass the whole blob's token_ids (or encode with chunk_tokens=1)")
         else:
             tok = t.astype(np.int64, copy=False)
+    if max_bytes is not None:
+        dt = out.dtype if isinstance(out, torch.Tensor) else (
+            dtype if isinstance(dtype, torch.dtype) else _default_dtype(inf.num_experts))
+        _check_limits(inf.num_tokens, inf.num_layers, inf.top_k, dt.itemsize, None,
+                      max_bytes, 0)
     res = _output((n, inf.num_layers, inf.top_k), inf.num_experts, device, dtype, out)
-    on_device = _use_triton(backend, res, inf.order, "decode_sequence")
+    on_device = _on_device(backend, res, inf, "decode_sequence")
     done = 0
     for ch in mine:
         cu = np.concatenate([[0], np.cumsum(ch.seq_lens)])

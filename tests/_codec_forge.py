@@ -1,0 +1,92 @@
+"""A forger's tools for routing codec blobs (tests only): take a blob apart without checking
+it, and put chunks back together with every checksum a sender can recompute made right
+(payload crc32s, the chained chunk header checksums, a format-3 blob header's counts and
+chain end). What such a blob still cannot fake is what the decoder re-derives itself: the
+content checksum of the routing it returns and the token ids' hash."""
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from replay_ops.router_replay import codec
+
+
+@dataclass
+class Chunk:
+    fields: list          # codec._CHUNK fields
+    lens: tuple
+    payload: bytes
+
+    @property
+    def num_tokens(self) -> int:
+        return self.fields[7]
+
+
+def split(blob: bytes):
+    """(version, header fields (_BLOB then, format 3, _BLOB3), [Chunk]) of a well-formed
+    blob, read without any check."""
+    head = list(codec._BLOB.unpack_from(blob, 0))
+    version = head[1]
+    ext = list(codec._BLOB3.unpack_from(blob, codec._BLOB.size)) if version >= 3 else None
+    off = codec.header_size(version)
+    chunks = []
+    while off < len(blob):
+        f = list(codec._CHUNK.unpack_from(blob, off))
+        nseq, plen = f[2], f[8]
+        lo = off + codec.CHUNK_HEADER_SIZE
+        lens = tuple(np.frombuffer(blob[lo:lo + 4 * nseq], "<u4").tolist())
+        po = lo + 4 * nseq
+        chunks.append(Chunk(f, lens, bytes(blob[po:po + plen])))
+        off = po + plen
+    return version, head, ext, chunks
+
+
+def reseal(version: int, head: list, ext, chunks, *, fix_first_seq: bool = True,
+           fix_counts: bool = True) -> bytes:
+    """A blob of `chunks` under `head`, every recomputable checksum right: payload crc32s,
+    chunk header checksums (chained from format 3 on), and a format-3 header's token, chunk
+    and sequence counts and chain end (`fix_counts`). `fix_first_seq`: renumber the chunks'
+    first sequences as a decoder expects them."""
+    hb = codec._BLOB.pack(*head)
+    if version >= 3:
+        bid = ext[0]
+        chain = codec._chain_start(hb + codec._BLOB3.pack(bid, 0, 0, 0, 0))
+    else:
+        chain = 0
+    out, nseq = [], 0
+    for i, c in enumerate(chunks):
+        f = list(c.fields)
+        if fix_first_seq:
+            f[1] = nseq - 1 if f[3] else nseq
+        nseq = f[1] + len(c.lens)
+        f[2], f[8], f[11] = len(c.lens), len(c.payload), zlib.crc32(c.payload)
+        fixed = codec._CHUNK.pack(*f)
+        lens_b = np.asarray(c.lens, dtype="<u4").tobytes()
+        chain = codec._chunk_crc(version, fixed, lens_b, i, chain)
+        out.append(fixed + struct.pack("<I", chain) + lens_b + c.payload)
+    if version >= 3:
+        e = list(ext)
+        if fix_counts:
+            e[1:] = [sum(c.fields[7] for c in chunks), len(chunks), nseq, chain]
+        hb += codec._BLOB3.pack(*e)
+    return hb + struct.pack("<I", zlib.crc32(hb)) + b"".join(out)
+
+
+def forge_header(blob: bytes, **changes) -> bytes:
+    """`blob` with format-3 blob header fields changed (E, L, K, order, flags, version,
+    blob_id, num_tokens, num_chunks, num_seqs, chain) and its crc32 made right."""
+    names = ["magic", "version", "order", "flags", "E", "L", "K", "reserved"]
+    head = list(codec._BLOB.unpack_from(blob, 0))
+    version = head[1]
+    ext = list(codec._BLOB3.unpack_from(blob, codec._BLOB.size)) if version >= 3 else []
+    names3 = ["blob_id", "num_tokens", "num_chunks", "num_seqs", "chain"]
+    for k, v in changes.items():
+        if k in names:
+            head[names.index(k)] = v
+        else:
+            ext[names3.index(k)] = v
+    hb = codec._BLOB.pack(*head) + (codec._BLOB3.pack(*ext) if ext else b"")
+    return hb + struct.pack("<I", zlib.crc32(hb)) + blob[codec.header_size(version):]
