@@ -1,6 +1,6 @@
 """Sizes that routing arriving from another process (record files, `ReplayBatch` bytes,
-engine payloads) may claim, and the one call site that hands a decoder's own limits to the
-codec.
+engine payloads) may claim: one
+set of bounds for the codec and the decoders around it.
 
 The bounds are far beyond any real model (the largest MoE models have fewer than 100
 layers and top-k below 32) and keep a crafted header from asking for a Python list of a
@@ -10,12 +10,11 @@ sequence boundaries) or from the caller's `max_tokens=` / `max_bytes=`.
 """
 from __future__ import annotations
 
-import functools
-import inspect
-
 MAX_LAYERS = 1024  # L, num_hidden_layers
-MAX_TOP_K = 1024  # K
+MAX_TOP_K = 256  # K
 MAX_LAYER_SLOTS = 1 << 16  # L * K of one token
+MAX_TOKENS = 2**40  # tokens of one codec blob
+MAX_IDS = 2**36  # T * L * K of one codec blob (128 GiB as int16)
 
 
 def check_limits(who: str, num_tokens: int, row_bytes: int, max_tokens, max_bytes,
@@ -29,19 +28,3 @@ def check_limits(who: str, num_tokens: int, row_bytes: int, max_tokens, max_byte
     if max_bytes is not None and num_tokens * row_bytes > max_bytes:
         raise error(f"{who}: {field}={num_tokens} tokens decode to {num_tokens * row_bytes} "
                     f"bytes, more than max_bytes={max_bytes}")
-
-
-@functools.lru_cache(maxsize=None)
-def _takes_limits(fn) -> bool:
-    params = inspect.signature(fn).parameters
-    return "max_tokens" in params and "max_bytes" in params
-
-
-def codec_call(fn, *args, max_tokens: int | None = None, max_bytes: int | None = None,
-               **kwargs):
-    """`fn(*args, **kwargs)` for a `codec` entry point (decode, decode_sequence, info,
-    append), with the limits the caller derived from its own metadata."""
-    # the codec's max_tokens=/max_bytes= are passed only where its signature has them
-    if _takes_limits(fn):
-        kwargs.update(max_tokens=max_tokens, max_bytes=max_bytes)
-    return fn(*args, **kwargs)

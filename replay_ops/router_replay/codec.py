@@ -116,6 +116,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ._bounds import MAX_IDS, MAX_LAYERS, MAX_TOKENS, MAX_TOP_K
+
 FORMAT_VERSION = 3
 # Versions this decoder reads (and `append` extends in their own format): 1 stored the
 # Lehmer code of the sorted-id order (p), its bytes least significant first; 2 stores that
@@ -136,10 +138,7 @@ MAX_LEHMER_K = 20  # 20! < 2**63
 MAX_EXPERTS = 2**31 - 1
 # Sizes a header may claim, checked before anything is allocated: beyond any real model
 # (the largest published MoE models route K <= 16 of <= 512 experts in <= 128 layers).
-MAX_TOP_K = 256
-MAX_LAYERS = 4096
-MAX_TOKENS = 2**40
-MAX_IDS = 2**36            # T * L * K of one blob (128 GiB as int16)
+# (MAX_TOP_K, MAX_LAYERS, MAX_TOKENS, MAX_IDS: router_replay/_bounds.py)
 # A zstd frame cannot expand more than this (a 4-byte RLE block gives 128 KiB): a chunk
 # whose header claims more than this many bytes per payload byte is refused unread.
 ZSTD_MAX_RATIO = 32768

@@ -72,7 +72,7 @@ import numpy as np
 import torch
 
 from .._atomic import atomic_target
-from ._bounds import MAX_LAYERS, MAX_TOP_K, codec_call
+from ._bounds import MAX_LAYERS, MAX_TOP_K
 from .shape import ModelShape, first_bad_route
 
 FORMAT = "replay_ops.router_replay"
@@ -397,9 +397,9 @@ def append_routing(path, indices: torch.Tensor, meta: RecordMeta, *, cu_seqlens=
         if encoding == "codec" and old.encoding == "codec":
             from . import codec
 
-            blob = codec_call(codec.append, bytes(old.raw_np), _signed(arr),
-                              seq_lens=np.diff(cu_new), level=level,
-                              **old._limits(int(cu[-1])))
+            blob = codec.append(bytes(old.raw_np), _signed(arr),
+                                seq_lens=np.diff(cu_new), level=level,
+                                **old._limits(int(cu[-1])))
             _write(path, old.meta, cu, [], meta.num_layers, codec_blob=blob)
         elif encoding == "codec":
             ids = np.concatenate([old.indices().numpy(), _signed(arr)])
@@ -694,8 +694,8 @@ class RoutingFile:
         if self._decoded is None:
             out = self._empty(self.num_tokens)
             try:
-                self._decoded = codec_call(codec.decode, memoryview(self.raw_np), out=out,
-                                           **self._limits(self.num_tokens))
+                self._decoded = codec.decode(memoryview(self.raw_np), out=out,
+                                             **self._limits(self.num_tokens))
             except codec.CodecError as e:
                 raise self._codec_error(e) from None
         return self._decoded
@@ -725,9 +725,9 @@ class RoutingFile:
 
             n = int(cu[i + 1] - cu[i])
             out = self._empty(n)
-            try:  # only the chunks that hold sequence i
-                return codec_call(codec.decode_sequence, memoryview(self.raw_np), i, out=out,
-                                  **self._limits(n))
+            try:  # only the chunks that hold sequence i (the limits are the whole blob's)
+                return codec.decode_sequence(memoryview(self.raw_np), i, out=out,
+                                             **self._limits(self.num_tokens))
             except codec.CodecError as e:
                 raise self._codec_error(e) from None
         return self.indices(int(cu[i]), int(cu[i + 1]))
@@ -778,7 +778,7 @@ class RoutingFile:
         from . import codec
 
         try:
-            inf = codec_call(codec.info, memoryview(self.raw_np), verify_payload=True,
+            inf = codec.info(memoryview(self.raw_np), verify_payload=True,
                              **self._limits(self.num_tokens))
         except codec.CodecError as e:
             raise self._codec_error(e) from None

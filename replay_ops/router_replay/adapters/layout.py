@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..._validate import int16_routing, signed_routing, unsigned_note
-from .._bounds import MAX_LAYER_SLOTS, MAX_LAYERS, MAX_TOP_K, check_limits, codec_call
+from .._bounds import MAX_LAYER_SLOTS, MAX_LAYERS, MAX_TOP_K, check_limits
 from ..shape import ModelShape, describe_bad_route, first_bad_route
 
 INDEX_DTYPE = torch.int16
@@ -334,7 +334,7 @@ class ReplayBatch:
                      "indices_shape tokens")
         blob = buf[end:]
         try:
-            inf = codec_call(codec.info, blob, max_tokens=n, max_bytes=out_bytes)
+            inf = codec.info(blob, max_tokens=n)  # bytes: checked by decode, in its dtype
         except codec.CodecError as e:
             raise RoutingMismatchError(f"{who}: {e}") from None
         got = (inf.order, inf.num_layers, inf.top_k, inf.num_tokens, list(inf.seq_lens),
@@ -351,7 +351,7 @@ class ReplayBatch:
             raise RoutingMismatchError(f"{who}: indices_shape {shape} ({n * row_bytes} "
                                        f"bytes) cannot be allocated: {e}") from None
         try:
-            codec_call(codec.decode, blob, out=flat, max_tokens=n, max_bytes=out_bytes)
+            codec.decode(blob, out=flat, max_tokens=n, max_bytes=out_bytes)
         except codec.CodecError as e:
             raise RoutingMismatchError(f"{who}: {e}") from None
         if decode_dtype != dtype:  # an unsigned batch: every id fits, no -1 was encoded
