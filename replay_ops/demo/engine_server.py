@@ -61,7 +61,8 @@ def install_venv(venv: str, *, label: str, specs: Sequence[str], check_code: str
     if os.path.exists(venv):
         log(f"{label}: removing the unfinished environment {venv}")
         shutil.rmtree(venv)
-    log(f"{label}: installing {' '.join(specs)} into {venv} (once{'; ' + size_note if size_note else ''})")
+    note = f"; {size_note}" if size_note else ""
+    log(f"{label}: installing {' '.join(specs)} into {venv} (once{note})")
     os.makedirs(os.path.dirname(venv), exist_ok=True)
     subprocess.run([sys.executable, "-m", "venv", venv], check=True)
     py = venv_python(venv)

@@ -128,10 +128,10 @@ def encode_sglang(routing, dtype: str = "int32") -> str:
 def payload_layers(n_values: int, rows: int, layout: ModelShape, who: str,
                    num_layers: int | None = None, dtype_name: str = "int32") -> int:
     """The layer count L of a flat payload of `n_values` values (of `dtype_name`, for the
-    messages) that must hold `rows`
-    token rows: `num_layers` when the caller knows it, else the one layer count of the
-    model (MoE or all hidden layers) that divides the payload. A payload that fits both is
-    ambiguous and refused; a payload whose rows differ from `rows` is refused."""
+    messages) that must hold `rows` token rows: `num_layers` when the caller knows it, else
+    the one layer count of the model (MoE or all hidden layers) that divides the payload. A
+    payload that fits both is ambiguous and refused; a payload whose rows differ from `rows`
+    is refused."""
     K = layout.top_k
     counts = sorted({layout.num_moe_layers, layout.num_hidden_layers})
     if n_values == 0 and rows == 0:  # an empty payload for an empty range of tokens
@@ -146,8 +146,9 @@ def payload_layers(n_values: int, rows: int, layout: ModelShape, who: str,
         readings = [L for L in counts if n_values % (L * K) == 0]
         if len(readings) > 1:
             raise RoutingMismatchError(
-                f"{who}: {n_values} {dtype_name} values fit both {n_values // (counts[0] * K)} token "
-                f"rows x L={counts[0]} and {n_values // (counts[1] * K)} rows x L={counts[1]} "
+                f"{who}: {n_values} {dtype_name} values fit both "
+                f"{n_values // (counts[0] * K)} token rows x L={counts[0]} and "
+                f"{n_values // (counts[1] * K)} rows x L={counts[1]} "
                 f"(x K={K}); the payload alone cannot tell which. Pass the engine's layer "
                 f"count as num_layers={layout.num_moe_layers} (MoE layers) or "
                 f"num_layers={layout.num_hidden_layers} (all hidden layers)"
@@ -155,8 +156,8 @@ def payload_layers(n_values: int, rows: int, layout: ModelShape, who: str,
     if not readings or n_values // (readings[0] * K) != rows:
         options = [num_layers] if num_layers is not None else counts
         raise RoutingMismatchError(
-            f"{who}: {n_values} {dtype_name} values do not fit the expected {rows} token rows x K={K} "
-            f"x L in {options} ({n_values / max(rows * K, 1):g} layers per row); the request "
+            f"{who}: {n_values} {dtype_name} values do not fit the expected {rows} token rows x "
+            f"K={K} x L in {options} ({n_values / max(rows * K, 1):g} layers per row); the request "
             f"and its routing do not line up"
         )
     return readings[0]
