@@ -25,15 +25,15 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from .engine_server import (  # noqa: F401  (HOST, free_port, save_checkpoint: this module's API)
+from .engine_server import (  # HOST, READY_MARK, free_port, save_checkpoint: this module's API
     HOST,
-    READY_MARK,
+    READY_MARK,  # noqa: F401
     EngineServer,
     EngineUnavailable,
     build_venv,
     free_port,
     install_venv,
-    save_checkpoint,
+    save_checkpoint,  # noqa: F401
     venv_python,
     venv_ready,
 )
