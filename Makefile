@@ -12,7 +12,7 @@ TORCH_MIN ?= 2.13
 CUDA_TORCH ?= torch==2.14.1
 PIP = $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install-torch install install-test install-vllm test test-vllm test-gpu gpu-check demo bench clean check-cuda score-header mutate test-cuda-build
+.PHONY: install-torch install install-test install-vllm install-sglang test test-vllm test-sglang test-gpu gpu-check demo bench clean check-cuda score-header mutate test-cuda-build
 
 install-torch:
 	@$(PY) -c "import sys, torch; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(0 if v >= tuple(int(x) for x in '$(TORCH_MIN)'.split('.')) else 1)" 2>/dev/null \
@@ -54,6 +54,16 @@ VLLM_VENV ?= build/vllm-venv
 install-vllm: install
 	REPLAY_OPS_VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m replay_ops.demo.vllm_engine install
 
+# SGLang for tests/test_sglang_engine.py and `python -m replay_ops demo --engine sglang` on a
+# CPU machine: sglang (pinned; it pins the CUDA build of torch 2.14.1, which its CPU engine
+# runs on) in its own virtual environment (SGLANG_VENV; 11 GB, 214 packages, 1,753 s measured
+# on the loaded shared 2-core machine), never in $(PY)'s environment; once: a finished one is
+# kept (a ready mark after its import check). On a machine with a CUDA device nothing
+# is installed: the sglang installed beside replay_ops is used.
+SGLANG_VENV ?= build/sglang-venv
+install-sglang: install
+	REPLAY_OPS_SGLANG_VENV=$(abspath $(SGLANG_VENV)) $(PY) -m replay_ops.demo.sglang_engine install
+
 # Compile every csrc/cuda/*.cu with nvcc for sm_80 and sm_90a, warnings as errors, 0 spill
 # stores (no GPU needed; prints SKIP when nvcc is missing). Cached in build/cuda_check/.
 check-cuda:
@@ -76,14 +86,19 @@ CLIENT_TESTS = tests/test_megatron_router.py tests/test_megatron_layers.py \
 VLLM_TESTS = tests/test_vllm_engine.py
 VLLM_PYTEST = REPLAY_OPS_REQUIRE_CLIENTS=1 REPLAY_OPS_VLLM_VENV=$(abspath $(VLLM_VENV)) \
 	$(PY) -m pytest -q $(VLLM_TESTS)
+SGLANG_TESTS = tests/test_sglang_engine.py
+SGLANG_PYTEST = REPLAY_OPS_REQUIRE_CLIENTS=1 REPLAY_OPS_SGLANG_VENV=$(abspath $(SGLANG_VENV)) \
+	$(PY) -m pytest -q $(SGLANG_TESTS)
 CUDA_JOB_ENV = PY=$(PY) CUDA_TORCH="$(CUDA_TORCH)"
 CUDA_JOB = $(CUDA_JOB_ENV) .ci/cuda_build_job.sh
-test: install-test install-vllm check-cuda check-triton
+test: install-test install-vllm install-sglang check-cuda check-triton
 	@mkdir -p build/cuda-job && rm -f build/cuda-job/build-phase.rc build/cuda-job/build-phase.log
 	@( $(CUDA_JOB_ENV) nice -n 10 .ci/cuda_build_job.sh build > build/cuda-job/build-phase.log 2>&1; echo $$? > build/cuda-job/build-phase.rc ) & \
 		echo "cuda-job: building the CUDA wheel in the background (build/cuda-job/build-phase.log)"
-	REPLAY_OPS_REQUIRE_CLIENTS=1 $(PY) -m pytest -q tests --ignore=$(VLLM_TESTS)
+	REPLAY_OPS_REQUIRE_CLIENTS=1 $(PY) -m pytest -q tests --ignore=$(VLLM_TESTS) \
+		--ignore=$(SGLANG_TESTS)
 	$(VLLM_PYTEST)
+	$(SGLANG_PYTEST)
 	REPLAY_OPS_REQUIRE_CLIENTS=1 REPLAY_OPS_EXPECT_MCORE=$(MCORE_NEW) \
 		PYTHONPATH=$(CURDIR)/$(MCORE_NEW_DIR)$${PYTHONPATH:+:$$PYTHONPATH} \
 		$(PY) -m pytest -q $(CLIENT_TESTS)
@@ -103,6 +118,11 @@ test-cuda-build:
 # process, started at once (about 2 minutes on 2 cores).
 test-vllm: install-test install-vllm
 	$(VLLM_PYTEST)
+
+# R3 against a real SGLang: one small checkpoint behind SGLang's server, every test against it
+# (350 s measured on the loaded shared 2-core machine, 252 s of it the server's start).
+test-sglang: install-test install-sglang
+	$(SGLANG_PYTEST)
 
 # On a GPU machine: the CUDA-only tests, and the rest of the suite on CUDA tensors. Nothing
 # is installed or downloaded (GPU machines may have no network): build the extension first

@@ -236,8 +236,9 @@ def test_sglang_multi_turn_gap_and_missing_key_are_errors():
     t0 = rows(4, 3, seed=20)
     t1 = rows(2, 3, seed=21)
     metas = [[{"routed_experts": b64_int32(t0)}, {"routed_experts": b64_int32(t1)}]]
-    with pytest.raises(RoutingMismatchError, match=r"request 0 turn 1: routing starts at token 6 "
-                                                   r"but the earlier turns cover only 4 tokens"):
+    with pytest.raises(RoutingMismatchError, match=r"request 0 turn 1: SGLang returned no routing "
+                                                   r"for tokens 4\.\.5 \(routed_experts_start_len"
+                                                   r"=6\) and no earlier turn covers them"):
         sglang_sequences(metas, [[5, 9]], LAYOUT, starts=[[0, 6]])
     metas = [{"routed_experts": b64_int32(t0)}, {"text": "hi", "prompt_tokens": 3}]
     with pytest.raises(RoutingMismatchError, match=r"request 1 turn 0: meta_info has no "

@@ -74,7 +74,7 @@ def test_cli_help_and_errors(tmp_path):
     assert h.returncode == 0 and "--device" in h.stdout and "--arch" in h.stdout
     bad = run("demo", "--arch", "llama")
     assert bad.returncode != 0 and "invalid choice: 'llama'" in bad.stderr
-    assert "--engine" in h.stdout and "vllm" in h.stdout
+    assert "--engine" in h.stdout and "vllm" in h.stdout and "sglang" in h.stdout
     tiny_vllm = run("demo", "--engine", "vllm", "--size", "tiny", "--out", str(tmp_path / "v"))
     assert tiny_vllm.returncode != 0 and "head_dim=8" in tiny_vllm.stderr  # before any install
     unknown = run("nonsense")

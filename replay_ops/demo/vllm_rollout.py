@@ -55,10 +55,13 @@ def check_config(cfg: DemoConfig) -> None:
                          f"(use --size small or medium)")
 
 
-def build_checkpoint(cfg: DemoConfig, path: str) -> str:
+def build_checkpoint(cfg: DemoConfig, path: str, *, vllm: bool = True) -> str:
+    """The demo's model saved as a checkpoint folder (`vllm`: refuse sizes vLLM's CPU
+    attention cannot run)."""
     from ..testing import tiny
 
-    check_config(cfg)
+    if vllm:
+        check_config(cfg)
     model = tiny.tiny_model(cfg.arch, seed=cfg.seed, dtype=torch.float32,
                             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                             num_layers=cfg.num_layers, num_experts=cfg.num_experts,
@@ -117,24 +120,9 @@ def run(cfg: DemoConfig, device: torch.device, timing: dict, *, runtime: VllmRun
                                f"and {resp_lens[i]}")
         seqs[i] = torch.tensor(c.prompt_ids + c.token_ids)
         infer_lp[i] = torch.tensor(c.logprobs, dtype=torch.float32)
-    eng = TrainingEngine(cfg, model_dir, device)
-    t0 = time.perf_counter()
-    infer_routing, infer_mask, batch = routing_from_completions(completions, prompt_lens,
-                                                                resp_lens, eng.layout)
-    timing["adapter_s"] = time.perf_counter() - t0
-    order = sorted(range(cfg.num_seqs), key=lambda i: (-len(seqs[i]), i))
-    train_batches = workload.batches(order, cfg.train_batch)
-    t0 = time.perf_counter()
-    train_routing, train_lp = workload.training_passes(cfg, eng, seqs, prompt_lens, infer_routing,
-                                                       train_batches, device,
-                                                       infer_mask=infer_mask)
-    timing["training_passes_s"] = time.perf_counter() - t0
-    results = metrics.compare(train_routing, train_lp, infer_routing, infer_lp,
-                              list(range(cfg.num_seqs)), infer_mask=infer_mask)
-    t0 = time.perf_counter()
-    r2 = workload.r2_round_trip(cfg, eng.train_model, eng.train_patch, seqs, prompt_lens,
-                                train_batches[0], eng.pad_id, device)
-    timing["r2_round_trip_s"] = time.perf_counter() - t0
+    eng, results, r2, batch = train_and_compare(
+        cfg, device, timing, model_dir, seqs, prompt_lens, infer_lp,
+        lambda layout: routing_from_completions(completions, prompt_lens, resp_lens, layout))
     from ..router_replay.adapters import decode_vllm
 
     first = decode_vllm(completions[0].routed_experts)
@@ -152,6 +140,33 @@ def run(cfg: DemoConfig, device: torch.device, timing: dict, *, runtime: VllmRun
         "generation_s": round(timing["vllm_generation_s"], 1),
     }
     return eng, results, r2, facts
+
+
+def train_and_compare(cfg: DemoConfig, device: torch.device, timing: dict, model_dir: str,
+                      seqs: dict, prompt_lens: dict, infer_lp: dict, adapt):
+    """The training side of a real engine's run: the checkpoint in fp32 (`TrainingEngine`),
+    the engine's routing through its adapter (`adapt(layout)` -> (routing, mask, batch)),
+    the response log-probs with native routing and with the routing replayed (R3), the
+    comparison with the engine's own log-probs `infer_lp`, and the R2 round trip. Returns
+    (engine, results, r2, batch)."""
+    eng = TrainingEngine(cfg, model_dir, device)
+    t0 = time.perf_counter()
+    infer_routing, infer_mask, batch = adapt(eng.layout)
+    timing["adapter_s"] = time.perf_counter() - t0
+    order = sorted(range(cfg.num_seqs), key=lambda i: (-len(seqs[i]), i))
+    train_batches = workload.batches(order, cfg.train_batch)
+    t0 = time.perf_counter()
+    train_routing, train_lp = workload.training_passes(cfg, eng, seqs, prompt_lens, infer_routing,
+                                                       train_batches, device,
+                                                       infer_mask=infer_mask)
+    timing["training_passes_s"] = time.perf_counter() - t0
+    results = metrics.compare(train_routing, train_lp, infer_routing, infer_lp,
+                              list(range(cfg.num_seqs)), infer_mask=infer_mask)
+    t0 = time.perf_counter()
+    r2 = workload.r2_round_trip(cfg, eng.train_model, eng.train_patch, seqs, prompt_lens,
+                                train_batches[0], eng.pad_id, device)
+    timing["r2_round_trip_s"] = time.perf_counter() - t0
+    return eng, results, r2, batch
 
 
 def _vllm_version(runtime: VllmRuntime) -> str:

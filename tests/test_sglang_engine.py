@@ -1,0 +1,316 @@
+"""R3 against a real SGLang: the routing an SGLang server returns, replayed through replay_ops.
+
+SGLang (sglang 0.5.23 in build/sglang-venv on a CPU machine, its CPU engine behind the hook
+in replay_ops/demo/sglang_cpu, `make install-sglang`; the installed sglang on a GPU machine)
+serves one small Qwen3-MoE built here with random weights (3 MoE layers, 16 experts, top-2),
+in bf16, on 127.0.0.1: one server for the module, every test against it. The training side
+is the same checkpoint in fp32 through transformers, patched with
+`replay_ops.integrations.hf`.
+
+Expected values come from SGLang's payload decoded here with numpy (not by the adapter),
+and are compared with the routing the patched model actually used. With
+REPLAY_OPS_REQUIRE_CLIENTS=1 (`make test`) an SGLang that is missing or does not start
+fails these tests; otherwise they skip.
+"""
+from __future__ import annotations
+
+import base64
+import os
+import types
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from replay_ops.demo import (  # noqa: E402
+    metrics,
+    sglang_engine,
+    sglang_rollout,
+    vllm_rollout,
+    workload,
+)
+from replay_ops.demo.engine_server import HttpError  # noqa: E402
+from replay_ops.router_replay.adapters import (  # noqa: E402
+    ModelLayout,
+    RoutingMismatchError,
+    sglang_batch,
+    sglang_sequences,
+)
+from replay_ops.router_replay.adapters.sglang import openai_meta_infos  # noqa: E402
+from replay_ops.testing import tiny  # noqa: E402
+
+REQUIRE = os.environ.get("REPLAY_OPS_REQUIRE_CLIENTS") == "1"
+L, E, K = 3, 16, 2
+MODEL = dict(vocab_size=256, hidden_size=64, num_heads=2, top_k=K, expert_size=32,
+             initializer_range=0.06, num_layers=L, num_experts=E)
+GEN = 8
+PROMPT_LENS = [5, 9, 12, 16, 7, 20]
+
+
+def _unavailable(msg: str):
+    if REQUIRE:
+        pytest.fail(f"SGLang is required here (REPLAY_OPS_REQUIRE_CLIENTS=1): {msg}")
+    pytest.skip(msg)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One SGLang server for the module (a start takes 70-240 s on 2 shared cores)."""
+    try:
+        runtime = sglang_engine.find_sglang(install=False)
+    except sglang_engine.SglangUnavailable as e:
+        _unavailable(str(e))
+    root = tmp_path_factory.mktemp("sglang_models")
+    model = tiny.tiny_model("qwen3_moe", seed=0, **MODEL)
+    path = sglang_engine.save_checkpoint(model, str(root / "qwen3_moe"))
+    srv = sglang_engine.SglangServer(path, runtime, dtype="bfloat16", context_length=512,
+                                     start_timeout=600)
+    try:
+        srv.start()
+    except sglang_engine.SglangUnavailable as e:
+        _unavailable(str(e))
+    print(f"sglang server: started in {srv.start_s:.1f} s ({runtime.source})")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def trainer(server):
+    cfg = types.SimpleNamespace(vocab_size=MODEL["vocab_size"], progress=False)
+    eng = vllm_rollout.TrainingEngine(cfg, server.model_dir, torch.device("cpu"))
+    yield eng
+    eng.remove()
+
+
+def decode(payload: str) -> np.ndarray:
+    """SGLang's field decoded as its own helper does (little-endian int32), [rows, L, K]."""
+    return np.frombuffer(base64.b64decode(payload), dtype="<i4").reshape(-1, L, K)
+
+
+def prompts(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, MODEL["vocab_size"] - 1, (n,), generator=g).tolist()
+            for n in PROMPT_LENS]
+
+
+def replay(eng, seqs: dict, prompt_lens: dict, routing: dict, mask: dict):
+    cfg = types.SimpleNamespace(progress=False)
+    order = sorted(seqs, key=lambda i: (-len(seqs[i]), i))
+    return workload.training_passes(cfg, eng, seqs, prompt_lens, routing,
+                                    workload.batches(order, 4), torch.device("cpu"),
+                                    infer_mask=mask)
+
+
+def set_mismatch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[n, L] bool: the expert sets differ."""
+    return (a.long().sort(-1).values != b.long().sort(-1).values).any(-1)
+
+
+def layout(eng) -> ModelLayout:
+    return ModelLayout.of(eng.layout)
+
+
+def test_generate_routing_replays_with_zero_mismatch(server, trainer):
+    """A batched /generate (start 0): the payloads through the adapter with the requests that
+    were sent, replayed by the fp32 training engine: 0.00% mismatch on every MoE layer,
+    the same ids in the same order; the native routing agrees with SGLang's rows, not with
+    them shifted by one token."""
+    gens = server.generate_batch(prompts(1), [GEN] * len(PROMPT_LENS),
+                                 seeds=list(range(len(PROMPT_LENS))))
+    lay = layout(trainer)
+    assert lay.moe_layer_ids == (0, 1, 2) and lay.num_hidden_layers == L
+    raw = {}
+    for i, g in enumerate(gens):
+        assert len(g.prompt_ids) == PROMPT_LENS[i] and len(g.token_ids) == GEN
+        assert len(g.logprobs) == GEN
+        # form 1: the start is never echoed; form 6: 0.5.23 names no dtype (int32)
+        assert "routed_experts_start_len" not in g.meta_info
+        assert "routed_experts_dtype" not in g.meta_info
+        a = decode(g.meta_info["routed_experts"])
+        assert a.shape == (PROMPT_LENS[i] + GEN - 1, L, K)
+        assert ((a >= 0) & (a < E)).all() and (a[..., 0] != a[..., 1]).all()
+        raw[i] = a
+    ids = list(range(len(gens)))
+    P = {i: PROMPT_LENS[i] for i in ids}
+    routing, mask, batch = sglang_rollout.routing_from_generations(dict(zip(ids, gens)),
+                                                                   trainer.layout)
+    assert batch.mappings == ["moe"] * len(ids)  # L = every hidden layer = the MoE layers
+    seqs = {i: torch.tensor(gens[i].prompt_ids + gens[i].token_ids) for i in ids}
+    used, lp = replay(trainer, seqs, P, routing, mask)
+    per_layer_r3 = torch.zeros(L)
+    per_layer_native = torch.zeros(L)
+    shifted = torch.zeros(L)
+    rows = 0
+    for i in ids:
+        n = len(seqs[i]) - 1
+        ref = torch.from_numpy(raw[i].astype(np.int64))
+        r3 = used["R3"][i][:n].long()
+        assert torch.equal(r3, ref), f"request {i}: replayed routing differs from SGLang's"
+        per_layer_r3 += set_mismatch(r3, ref).sum(0)
+        nat = used["native"][i][:n]
+        per_layer_native += set_mismatch(nat, ref).sum(0)
+        shifted += set_mismatch(nat[1:], ref[:-1]).sum(0)
+        rows += n
+    r3_pct = (100 * per_layer_r3 / rows).tolist()
+    native_pct = (100 * per_layer_native / rows).tolist()
+    print(f"{rows} routed tokens; per MoE layer: native vs SGLang "
+          f"{[f'{v:.2f}%' for v in native_pct]}, R3 {[f'{v:.2f}%' for v in r3_pct]}")
+    assert r3_pct == [0.0] * L
+    assert per_layer_native.sum() < 0.3 * rows * L
+    assert per_layer_native.sum() * 2 < shifted.sum()
+    sg_lp = {i: torch.tensor(gens[i].logprobs) for i in ids}
+    res = metrics.compare(used, lp, routing, sg_lp, ids, infer_mask=mask)
+    print(f"k3 KL native {res['native']['kl_k3_mean']:.3e}, R3 {res['R3']['kl_k3_mean']:.3e}")
+    assert res["R3"]["routing_mismatch"] == 0.0
+    if res["native"]["routing_mismatch"] > 0:
+        assert res["R3"]["kl_k3_mean"] < res["native"]["kl_k3_mean"]
+    assert res["R3"]["abs_dlogprob_max"] < 0.1  # bf16 vs fp32, same routing
+
+
+def test_multi_turn_start_is_previous_length_minus_one(server, trainer):
+    """Form 2: turn 2 sends the whole conversation with routed_experts_start_len = turn 1's
+    length - 1: the two payloads cover every token once and replay with 0.00% mismatch.
+    With start = turn 1's full length, turn 1's last token is routed in neither turn: the
+    adapter refuses it, takes a supplied row for it, or masks it under omitted='mask'."""
+    lay = layout(trainer)
+    p1 = prompts(2)[2]  # 12 tokens
+    t1 = server.generate(p1, 6, seed=11)
+    n1 = t1.seq_len
+    p2 = t1.prompt_ids + t1.token_ids + [7, 8, 9, 10]  # 22 tokens
+    t2 = server.generate(p2, 5, seed=12, start=n1 - 1)
+    n2 = t2.seq_len
+    a1, a2 = decode(t1.meta_info["routed_experts"]), decode(t2.meta_info["routed_experts"])
+    assert a1.shape[0] == n1 - 1 and a2.shape[0] == n2 - 1 - (n1 - 1)  # only the new rows
+    # the same prompt without a start: its rows from n1 - 1 on (prompt rows) are the same
+    full = server.generate(p2, 5, seed=12)
+    af = decode(full.meta_info["routed_experts"])
+    assert np.array_equal(af[:n1 - 1], a1)  # the prefix's rows come from turn 1's run
+    assert np.array_equal(af[n1 - 1:len(p2) - 1], a2[:len(p2) - n1])
+    conv = [[t1.meta_info, t2.meta_info]]
+    seq = sglang_sequences(conv, [[n1, n2]], lay, requests=[[t1.request, t2.request]])[0]
+    ref = np.concatenate([a1, a2])
+    assert np.array_equal(seq.indices[:n2 - 1].numpy(), ref) and seq.mask[:n2 - 1].all()
+    tokens = torch.tensor(t2.prompt_ids + t2.token_ids)
+    used, _ = replay(trainer, {0: tokens}, {0: len(p2)}, {0: seq.indices}, {0: seq.mask})
+    assert torch.equal(used["R3"][0][:n2 - 1].long(), torch.from_numpy(ref.astype(np.int64)))
+    # without the requests the turn-2 payload is read with start 0 and refused, with a hint
+    with pytest.raises(RoutingMismatchError, match=rf"was it sent with routed_experts_start_len"
+                                                   rf"={n1 - 1}\?"):
+        sglang_sequences(conv, [[n1, n2]], lay)
+    # start = turn 1's full length: token n1 - 1 is routed in neither turn
+    t3 = server.generate(p2, 5, seed=12, start=n1)
+    a3 = decode(t3.meta_info["routed_experts"])
+    assert a3.shape[0] == n2 - 1 - n1
+    conv3 = [[t1.meta_info, t3.meta_info]]
+    with pytest.raises(RoutingMismatchError,
+                       match=rf"request 0 turn 1: SGLang returned no routing for tokens "
+                             rf"{n1 - 1}\.\.{n1 - 1} \(routed_experts_start_len={n1}\).*send "
+                             rf"routed_experts_start_len = the previous turn's length - 1 = "
+                             rf"{n1 - 1}"):
+        sglang_sequences(conv3, [[n1, n2]], lay, starts=[[0, n1]])
+    row = af[n1 - 1:n1].copy()  # that token's row, from a request that routed it
+    s3 = sglang_sequences(conv3, [[n1, n2]], lay, starts=[[0, n1]],
+                          prefix_routing=[{1: row}])[0]
+    assert np.array_equal(s3.indices[:n2 - 1].numpy(), np.concatenate([a1, row, a3]))
+    b = sglang_batch(conv3, [[n1, n2]], [len(p2)], lay, starts=[[0, n1]], omitted="mask",
+                     layout_kind="thd")
+    assert b.replay_mask.tolist() == [True] * (n1 - 1) + [False] + [True] * (n2 - 1 - n1) \
+        + [False]
+
+
+def test_batched_generate_takes_one_int_start(server, trainer):
+    """Form 4: a batched /generate takes a single int routed_experts_start_len (a list is
+    answered with HTTP 400); the adapter takes that one int, or the batched body itself."""
+    lay = layout(trainer)
+    ps = [prompts(3)[0], prompts(3)[3]]  # 5 and 16 tokens
+    body = {"input_ids": ps, "sampling_params": server.sampling(4, 1.0, None),
+            "return_routed_experts": True, "routed_experts_start_len": [1, 2]}
+    with pytest.raises(HttpError, match=r"routed_experts_start_len.*valid integer") as e:
+        server.post("/generate", body)
+    assert e.value.status == 400
+    body["routed_experts_start_len"] = 3
+    outs = server.post("/generate", body)
+    metas = [o["meta_info"] for o in outs]
+    lens = [len(p) + len(o["output_ids"]) for p, o in zip(ps, outs)]
+    rows = [decode(m["routed_experts"]) for m in metas]
+    assert [r.shape[0] for r in rows] == [n - 1 - 3 for n in lens]
+    a = sglang_sequences(metas, lens, lay, starts=3, omitted="mask")
+    b = sglang_sequences(metas, lens, lay, requests=body, omitted="mask")
+    for s, t, r in zip(a, b, rows):
+        assert torch.equal(s.indices, t.indices) and torch.equal(s.mask, t.mask)
+        assert np.array_equal(s.indices[3:-1].numpy(), r) and not s.mask[:3].any()
+    with pytest.raises(RoutingMismatchError, match=r"SGLang returned no routing for tokens "
+                                                   r"0\.\.2 \(routed_experts_start_len=3\)"):
+        sglang_sequences(metas, lens, lay, requests=body)
+    # the demo's client: one batch per distinct start, results in request order
+    gens = server.generate_batch(ps, [4, 4], starts=[0, 3])
+    assert [g.request["routed_experts_start_len"] for g in gens] == [0, 3]
+    assert [decode(g.meta_info["routed_experts"]).shape[0] for g in gens] == \
+        [gens[0].seq_len - 1, gens[1].seq_len - 4]
+
+
+def test_openai_completions_payload_and_choices(server, trainer):
+    """Form 3: /v1/completions carries the payload in the response's sglext.routed_experts,
+    for the first choice only: with 2 prompts and n=2, 4 choices and one payload; the
+    adapter refuses the other choices by name. One prompt with n=1 replays exactly, and a
+    second turn sent with routed_experts_start_len through the endpoint joins it."""
+    lay = layout(trainer)
+    p = prompts(4)
+    resp = server.completions([p[0], p[2]], 3, n=2)
+    assert len(resp["choices"]) == 4 and "routed_experts" in resp["sglext"]
+    assert all("sglext" not in c for c in resp["choices"])
+    with pytest.raises(RoutingMismatchError, match=r"choices \[1, 2, 3\] \(of 4\) have no "
+                                                   r"routing payload"):
+        openai_meta_infos(resp)
+    metas = openai_meta_infos(resp, allow_missing=True)
+    assert metas[1:] == [None, None, None]
+    c0 = resp["choices"][0]
+    n0 = len(c0["prompt_token_ids"]) + len(c0["token_ids"])
+    assert decode(metas[0]["routed_experts"]).shape[0] == n0 - 1
+    one = server.completions(p[3], GEN, seed=3)
+    (c,) = one["choices"]
+    n1 = len(c["prompt_token_ids"]) + len(c["token_ids"])
+    seq1 = sglang_sequences(openai_meta_infos(one), [n1], lay)[0]
+    ref1 = decode(one["sglext"]["routed_experts"])
+    assert np.array_equal(seq1.indices[:-1].numpy(), ref1)
+    tokens = c["prompt_token_ids"] + c["token_ids"]
+    used, _ = replay(trainer, {0: torch.tensor(tokens)}, {0: len(c["prompt_token_ids"])},
+                     {0: seq1.indices}, {0: seq1.mask})
+    assert torch.equal(used["R3"][0][:-1].long(), torch.from_numpy(ref1.astype(np.int64)))
+    # turn 2 through the same endpoint, start = turn 1's length - 1
+    two = server.completions(tokens + [5, 6], 4, start=n1 - 1)
+    (c2,) = two["choices"]
+    n2 = len(c2["prompt_token_ids"]) + len(c2["token_ids"])
+    conv = [openai_meta_infos(one) + openai_meta_infos(two)]
+    seq = sglang_sequences(conv, [[n1, n2]], lay, starts=[[0, n1 - 1]])[0]
+    assert np.array_equal(seq.indices[:n2 - 1].numpy(),
+                          np.concatenate([ref1, decode(two["sglext"]["routed_experts"])]))
+
+
+def test_field_missing_says_the_engine_flag(server, trainer):
+    """Form 5: without routing SGLang omits the field silently; the adapter names the flag
+    (here the request did not ask; a server without the flag omits it the same way)."""
+    lay = layout(trainer)
+    g = server.generate(prompts(5)[0], 3, return_routed_experts=False)
+    assert "routed_experts" not in g.meta_info
+    with pytest.raises(RoutingMismatchError,
+                       match=r"request 0 turn 0: meta_info has no 'routed_experts' .*the engine "
+                             r"was not started with --enable-return-routed-experts.*or the "
+                             r"request was sent without return_routed_experts=True"):
+        sglang_sequences([g.meta_info], [g.seq_len], lay, requests=[g.request])
+
+
+def test_payload_refused_for_another_model(server, trainer):
+    """The real payload given to layouts it does not belong to: a dense layer where SGLang
+    routed (what SGLang's Qwen3-MoE, which ignores mlp_only_layers, sends for a checkpoint
+    with a dense layer), and another top_k; both refused by name."""
+    g = server.generate(prompts(6)[1], 4)
+    dense1 = ModelLayout(E, K, (0, 2), L)
+    with pytest.raises(RoutingMismatchError, match=r"request 0 turn 0: token 0, layer 1 routes "
+                                                   r"to experts .* but the model's layer 1 is "
+                                                   r"dense"):
+        sglang_sequences([g.meta_info], [g.seq_len], dense1, num_layers=L)
+    with pytest.raises(RoutingMismatchError, match=r"do not fit the expected"):
+        sglang_sequences([g.meta_info], [g.seq_len], ModelLayout(E, 4, (0, 1, 2), L))
