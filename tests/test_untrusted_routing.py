@@ -502,7 +502,7 @@ def test_sglang_payload_longer_than_the_request_is_refused_before_decoding():
     assert torch.equal(ok[0].indices[:4], torch.from_numpy(r).to(torch.int16))
     huge = "AAAA" * 10000
     with pytest.raises(RoutingMismatchError, match=r"request 0 turn 0: routed_experts is 40000 "
-                                                   r"base64 characters, more than the"):
+                                                   r"base64 characters, far more than the"):
         sglang_sequences([{"routed_experts": huge}], [5], LAYOUT, num_layers=3)
 
 

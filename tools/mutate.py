@@ -348,7 +348,7 @@ MUTANTS = [
       ("tests/test_untrusted_routing.py", "-k", "vllm_npy"),
       "vLLM: an .npy header's rows not bounded by the request's tokens"),
     M("U12", "replay_ops/router_replay/adapters/sglang.py",
-      "        if _b64_size(payload) > most:",
+      "        if _b64_size(payload) > 2 * need + 4096:",
       "        if _b64_size(payload) > 2**62:",
       ("tests/test_untrusted_routing.py", "-k", "sglang"),
       "SGLang: a payload longer than the request decoded before it is refused"),
