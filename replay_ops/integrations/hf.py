@@ -356,7 +356,9 @@ class ReplayPatch:
         self.layout = layout
         self.replay = replay
         self.auto_recompute = auto_recompute
-        self._last: dict[int, torch.Tensor] = {}
+        # every key present from the start: a compiled forward then only replaces values
+        # (a new key would change the dict's keys, which torch.compile guards on)
+        self._last: dict[int, torch.Tensor | None] = dict.fromkeys(layout.moe_layer_ids)
         self.active = False
 
     @property
@@ -366,7 +368,7 @@ class ReplayPatch:
     def last_routing(self) -> torch.Tensor:
         """int32 [T, L_moe, K]: the indices every MoE layer used in its latest routed
         forward (RECORD or REPLAY_FORWARD; recomputes are not counted)."""
-        missing = [lid for lid in self.layout.moe_layer_ids if lid not in self._last]
+        missing = [lid for lid in self.layout.moe_layer_ids if self._last[lid] is None]
         if missing:
             raise RuntimeError(
                 f"ReplayPatch.last_routing: MoE layers {missing} have not routed through "

@@ -90,8 +90,22 @@ class RouterReplay:
         return self._action
 
     def set_action(self, action: ReplayAction | str | None) -> None:
-        """Set what the next `route` calls do by default; None means native routing."""
+        """Set what the next `route` calls do by default; None means native routing.
+
+        R2: REPLAY_FORWARD after RECORD forwards takes the recording as the routing to
+        replay here, before the layers run (where a recording cannot be used, e.g. layers
+        recorded unevenly, the first layer that replays raises). The layers then only read
+        tensors, so a compiled model has no graph break for it."""
         self._action = self._enabled_action(action, "set_action")
+        if (self._action is ReplayAction.RECORD and self.mode is ReplayMode.R2
+                and self._replayed):
+            self._start_new_recording()  # (as the first RECORD route would)
+        if (self._action is ReplayAction.REPLAY_FORWARD and self.mode is ReplayMode.R2
+                and self._routing is None and self._has_records()):
+            try:
+                self._use_recorded()
+            except RouterReplayError:
+                pass  # raised again, with the layer, by the first REPLAY_FORWARD route
 
     def _enabled_action(self, action, where: str) -> ReplayAction | None:
         action = ReplayAction.parse(action)
@@ -340,7 +354,8 @@ class RouterReplay:
             plan = self._route_replay_backward(layer_id, logits, opts)
         else:  # pragma: no cover - ReplayAction.parse only returns these
             raise RouterReplayError(f"RouterReplay.route: unknown action {action!r}")
-        self._calls[layer_id] += 1
+        if not _compiling():
+            self._calls[layer_id] += 1
         return plan
 
     @staticmethod
@@ -362,6 +377,10 @@ class RouterReplay:
             # next step, whose routing replaces it (a forgotten clear() must not replay the
             # old step).
             self._start_new_recording()
+        elif self.routing_source == "recorded":
+            # taken from the recording by set_action(REPLAY_FORWARD) but not replayed yet:
+            # the recording goes on, and the routing is taken again from all of it
+            self._forget_routing()
         with torch.no_grad():
             idx = self._check_native(layer_id, topk_fn(logits.detach()), logits.shape[0])
         self._records[layer_id].append(idx.detach())
@@ -402,7 +421,7 @@ class RouterReplay:
             idx = torch.where(mask[:, None], idx.to(torch.int32), native.to(torch.int32))
             mask = None
         plan = self._gate(logits, idx, replay_mask=mask, **opts)
-        if self.config.recompute and torch.is_grad_enabled():
+        if self.config.recompute and torch.is_grad_enabled() and not _compiling():
             q = self._queues[layer_id]
             _drop_dead(q)
             if len(q) >= self.config.max_queue:
@@ -569,6 +588,14 @@ class RouterReplay:
             f"top_k={self.top_k}, moe_layer_ids={self.moe_layer_ids}, "
             f"num_hidden_layers={self.num_hidden_layers}, layer_mapping={self.layer_mapping})"
         )
+
+
+def _compiling() -> bool:
+    """Inside a torch.compile trace: the per-call Python bookkeeping (the `calls` counts,
+    the recompute queue) is left out, since an int read there would be a guard that
+    recompiles on every call. A compiled forward's recompute runs in the compiled backward
+    (AOTAutograd), from the graph's own inputs, and never calls `route` again."""
+    return torch.compiler.is_compiling()
 
 
 def _describe_source(source: str | None) -> str:
