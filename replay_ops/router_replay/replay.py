@@ -147,7 +147,9 @@ class RouterReplay:
 
     def calls(self, layer_id: int) -> int:
         """How many times `route` served this layer with replay or record since the
-        last `reset_calls()` (to assert that no layer bypassed the replay)."""
+        last `reset_calls()` (to assert that no layer bypassed the replay). Eager calls
+        only: a torch.compile'd forward does not count (an int read there would be a
+        guard that recompiles every call); check a model eagerly once."""
         return self._calls[layer_id]
 
     def reset_calls(self) -> None:
