@@ -82,7 +82,7 @@ check-triton:
 # with the newest megatron-core. A client that does not import fails the run (no skip).
 CLIENT_TESTS = tests/test_megatron_router.py tests/test_megatron_layers.py \
 	tests/test_megatron_data.py tests/test_megatron_dist.py tests/test_megatron_clients.py \
-	tests/test_verl_clients.py
+	tests/test_megatron_compile.py tests/test_verl_clients.py
 VLLM_TESTS = tests/test_vllm_engine.py
 VLLM_PYTEST = REPLAY_OPS_REQUIRE_CLIENTS=1 REPLAY_OPS_VLLM_VENV=$(abspath $(VLLM_VENV)) \
 	$(PY) -m pytest -q $(VLLM_TESTS)

@@ -28,10 +28,20 @@ token; gradients of every parameter):
 
 Targets (replayed fwd+bwd against native grouped_mm fwd+bwd, same run): launches <= 0.6x,
 host syncs == 0 with validate=False, time <= 1.0x (bfloat16).
+
+`--compiled`: the same two models, each under `torch.compile` (Inductor), replayed
+(`fullgraph=True`) against native grouped_mm, whole model and one MoE block, forward +
+backward. A dispatch mode cannot watch compiled code, so launches are counted for both in
+the code Inductor generates, in the same way: each call statement of the forward's and the
+backward's `call()` (a fused kernel Inductor generated, an extern kernel such as a GEMM, or
+an op it left as a call: a custom op, replay_ops' and transformers' grouped_mm fallback
+alike, counts one). Targets: <= 1.0x for the whole model, <= 0.6x for a MoE block.
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import re
 import sys
 from pathlib import Path
 
@@ -237,6 +247,107 @@ def run(args):
     return rows, summary
 
 
+# ----------------------------------------------------------------------------- compiled
+COMPILED_MODEL_RATIO = 1.0
+COMPILED_BLOCK_RATIO = 0.6
+_CALL = re.compile(r"^\s+(?:[\w, ]+ = )?(cpp_fused_\w+|triton_\w+\.run|extern_kernels\.\w+|"
+                   r"torch\.ops\.\w+\.\w+(?:\.\w+)?|aten\.\w+(?:\.\w+)?)\(", re.M)
+
+
+def inductor_calls(code: str) -> collections.Counter:
+    """The call statements of the `call()` function of one module Inductor generated."""
+    body = code[code.index("def call("):]
+    end = re.search(r"\n\S", body)  # the next top-level statement
+    body = body[:end.start()] if end else body
+    kinds = collections.Counter()
+    for name in _CALL.findall(body):
+        kind = ("generated kernel" if name.startswith(("cpp_fused", "triton_")) else
+                "extern kernel" if name.startswith("extern_kernels") else name)
+        kinds[kind] += 1
+    return kinds
+
+
+def compiled_counts(fn) -> dict:
+    """Launches of `fn` (compiled fwd+bwd) in Inductor's code: compiled on the first call."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    _, codes = run_and_get_code(fn)
+    total = collections.Counter()
+    for code in codes:
+        if "def call(" in code:
+            total.update(inductor_calls(code))
+    return {"launches": sum(total.values()), "graphs": len(codes), "ops": dict(total)}
+
+
+def run_compiled(args):
+    from replay_ops.integrations import hf
+    from replay_ops.router_replay import ReplayAction, RouterReplayConfig
+
+    device = args.device
+    env = harness.env_info(device)
+    rows, summary, targets = [], [], []
+    for case_name in args.cases:
+        case = CASES[case_name]
+        for dtype_name in args.dtype:
+            dtype = DTYPES[dtype_name]
+            g = torch.Generator().manual_seed(0)
+            ids = torch.randint(0, 256, (case["batch"], case["seq"]), generator=g).to(device)
+            native = build(case, dtype, device, "grouped_mm")
+            routing = native_routing(native, ids)
+            replayed = build(case, dtype, device, "grouped_mm")
+            patch = hf.patch_model(replayed, RouterReplayConfig(mode="R3", validate=False))
+            patch.replay.set_routing(routing)
+            patch.replay.set_action(ReplayAction.REPLAY_FORWARD)
+            h = torch.randn(case["batch"], case["seq"], case["hidden_size"],
+                            generator=g).to(device, dtype)
+            cnt = {}
+            for name, model, full in (("native grouped_mm", native, False),
+                                      ("replay_ops R3", replayed, True)):
+                cmodel = torch.compile(model, fullgraph=full)
+                block = hf.moe_layout(model).blocks[hf.moe_layout(model).moe_layer_ids[0]]
+                cblock = torch.compile(block, fullgraph=full)
+
+                def model_step(cmodel=cmodel, model=model):
+                    model.zero_grad(set_to_none=True)
+                    cmodel(input_ids=ids, labels=ids).loss.backward()
+
+                def block_step(cblock=cblock):
+                    x = h.detach().requires_grad_(True)
+                    cblock(x).float().sum().backward()
+
+                cnt[name] = (compiled_counts(model_step), compiled_counts(block_step))
+            for i, what in enumerate(("whole model", "MoE block")):
+                r3, nat = cnt["replay_ops R3"][i], cnt["native grouped_mm"][i]
+                for n in cnt:
+                    c = cnt[n][i]
+                    rows.append({"case": case_name, "dtype": dtype_name, "what": what,
+                                 "provider": f"{n} (compiled)", "launches": c["launches"],
+                                 "inductor_modules": c["graphs"],
+                                 "launches_vs_native": c["launches"] / nat["launches"],
+                                 "calls": ops_str(c["ops"], 12)})
+                bound = COMPILED_MODEL_RATIO if i == 0 else COMPILED_BLOCK_RATIO
+                ratio = r3["launches"] / nat["launches"]
+                targets.append({
+                    "case": f"{case_name} {dtype_name}",
+                    "target": f"compiled R3 {what} fwd+bwd launches / compiled native "
+                              f"grouped_mm", "value": round(ratio, 3), "bound": f"<= {bound}",
+                    "met": bool(ratio <= bound),
+                    "detail": f"{r3['launches']} vs {nat['launches']}; R3: "
+                              f"{ops_str(r3['ops'], 12)}; native: {ops_str(nat['ops'], 12)}"})
+            summary.append(
+                f"{case_name} {dtype_name} compiled: whole model R3 "
+                f"{cnt['replay_ops R3'][0]['launches']} vs native "
+                f"{cnt['native grouped_mm'][0]['launches']} launches; MoE block R3 "
+                f"{cnt['replay_ops R3'][1]['launches']} vs native "
+                f"{cnt['native grouped_mm'][1]['launches']}")
+    args.env, args.copy_bw, args.targets = env, harness.copy_bandwidth(device), targets
+    return rows, summary
+
+
+COMPILED_COLS = ["case", "dtype", "what", "provider", "launches", "inductor_modules",
+                 "launches_vs_native", "calls"]
+
 COLS = ["case", "dtype", "provider", "launches", "syncs", "bytes", "model_us", "ms_median",
         "ms_p20", "ms_p80", "time_vs_native_grouped_mm", "launches_vs_native_grouped_mm"]
 TARGET_COLS = ["case", "target", "value", "bound", "met", "detail"]
@@ -251,11 +362,17 @@ def parser():
                     help="how to describe the machine in the results (e.g. '2-core shared CPU')")
     ap.add_argument("--eager-reps", type=int, default=1,
                     help="timed calls of the (slow) native eager provider, not interleaved")
+    ap.add_argument("--compiled", action="store_true",
+                    help="the torch.compile case instead (launches in Inductor's code)")
     harness.add_run_args(ap, reps=5, warmup=1, runs=2)
     return ap
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--compiled" in argv:
+        return harness.cli_main(parser, run_compiled, COMPILED_COLS, argv,
+                                target_cols=TARGET_COLS, machine=True)
     return harness.cli_main(parser, run, COLS, argv, target_cols=TARGET_COLS, machine=True)
 
 

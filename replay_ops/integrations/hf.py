@@ -63,6 +63,24 @@ rule sends the grouped GEMM to its fallback op (`transformers::grouped_mm_fallba
 op reads the offsets once per GEMM, as it does unpatched; "eager" reads what its loop
 needs, as unpatched. The routing's values are checked once, when it is set, loaded or
 recorded (`RouterReplayConfig.validate`: one read there), not in the layers.
+
+torch.compile: `torch.compile(model, fullgraph=True)` traces a patched model (every
+architecture above, the "grouped_mm" experts) in R3 replay, R2 RECORD and R2 replay with
+no graph break, and a new routing set between steps does not recompile (the routing is a
+graph input). What the trace reads of the replay object is Python state guarded by Dynamo
+(the action, the mode): changing the action compiles once per action. Three things are
+left out of a compiled forward, since an int read there would recompile every call:
+`RouterReplay.calls` (it counts eager `route` calls), the recompute queue, and the
+recompute check itself. A compiled forward's activation recompute is part of the
+compiled backward (AOTAutograd's saved or recomputed graph, from the forward's own
+inputs), which never calls `route` again; so compile the checkpointed layer (or the
+model), not a region inside a checkpoint. R2: `set_action(REPLAY_FORWARD)` takes the
+recording as the routing before the layers run, and `set_action(RECORD)` after a replay
+starts the next recording, so the layers only read tensors.
+
+CUDA graphs: `patch.replay.use_static_buffer(max_tokens, device)` keeps the routing in
+preallocated buffers that `set_routing` copies into, so a graph captured around a
+replayed forward reads each step's routing (see `RouterReplay.use_static_buffer`).
 """
 from __future__ import annotations
 
@@ -356,7 +374,9 @@ class ReplayPatch:
         self.layout = layout
         self.replay = replay
         self.auto_recompute = auto_recompute
-        self._last: dict[int, torch.Tensor] = {}
+        # every key present from the start: a compiled forward then only replaces values
+        # (a new key would change the dict's keys, which torch.compile guards on)
+        self._last: dict[int, torch.Tensor | None] = dict.fromkeys(layout.moe_layer_ids)
         self.active = False
 
     @property
@@ -366,7 +386,7 @@ class ReplayPatch:
     def last_routing(self) -> torch.Tensor:
         """int32 [T, L_moe, K]: the indices every MoE layer used in its latest routed
         forward (RECORD or REPLAY_FORWARD; recomputes are not counted)."""
-        missing = [lid for lid in self.layout.moe_layer_ids if lid not in self._last]
+        missing = [lid for lid in self.layout.moe_layer_ids if self._last[lid] is None]
         if missing:
             raise RuntimeError(
                 f"ReplayPatch.last_routing: MoE layers {missing} have not routed through "

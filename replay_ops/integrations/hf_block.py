@@ -66,6 +66,8 @@ GROUPED_MM = "grouped_mm"
 
 
 def _in_backward() -> bool:
+    if torch.compiler.is_compiling():
+        return False
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
 

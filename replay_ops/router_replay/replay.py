@@ -67,6 +67,7 @@ class RouterReplay:
                 raise ValueError(f"RouterReplay: {e}") from None
         self.shape = shape
         self._ordinal = {lid: n for n, lid in enumerate(shape.moe_layer_ids)}
+        self._static: tuple[torch.Tensor, torch.Tensor] | None = None  # use_static_buffer
         self._action: ReplayAction | None = None
         self.step = 0  # recordings started (R2): a new RECORD after a replay starts the next
         self.clear()
@@ -90,8 +91,22 @@ class RouterReplay:
         return self._action
 
     def set_action(self, action: ReplayAction | str | None) -> None:
-        """Set what the next `route` calls do by default; None means native routing."""
+        """Set what the next `route` calls do by default; None means native routing.
+
+        R2: REPLAY_FORWARD after RECORD forwards takes the recording as the routing to
+        replay here, before the layers run (where a recording cannot be used, e.g. layers
+        recorded unevenly, the first layer that replays raises). The layers then only read
+        tensors, so a compiled model has no graph break for it."""
         self._action = self._enabled_action(action, "set_action")
+        if (self._action is ReplayAction.RECORD and self.mode is ReplayMode.R2
+                and self._replayed):
+            self._start_new_recording()  # (as the first RECORD route would)
+        if (self._action is ReplayAction.REPLAY_FORWARD and self.mode is ReplayMode.R2
+                and self._routing is None and self._has_records()):
+            try:
+                self._use_recorded()
+            except RouterReplayError:
+                pass  # raised again, with the layer, by the first REPLAY_FORWARD route
 
     def _enabled_action(self, action, where: str) -> ReplayAction | None:
         action = ReplayAction.parse(action)
@@ -132,7 +147,9 @@ class RouterReplay:
 
     def calls(self, layer_id: int) -> int:
         """How many times `route` served this layer with replay or record since the
-        last `reset_calls()` (to assert that no layer bypassed the replay)."""
+        last `reset_calls()` (to assert that no layer bypassed the replay). Eager calls
+        only: a torch.compile'd forward does not count (an int read there would be a
+        guard that recompiles every call); check a model eagerly once."""
         return self._calls[layer_id]
 
     def reset_calls(self) -> None:
@@ -224,10 +241,60 @@ class RouterReplay:
         # stand-in for an empty slot (often the type's maximum) would otherwise pass
         self._check_values(indices[:, self.shape.columns(mapping), :], replay_mask, source,
                            dtype, force=dtype in UNSIGNED)
+        if self._static is not None:
+            self._copy_static(indices[:, self.shape.columns(mapping), :], replay_mask, source)
+            return
         self._routing = indices
         self._routing_cols = cols
         self._replay_mask = replay_mask
         self.layer_mapping = mapping
+        self.routing_source = source
+
+    # ------------------------------------------------------------------ static buffers
+    def use_static_buffer(self, max_tokens: int, device: torch.device | str | None = None
+                          ) -> None:
+        """Keep the routing to replay in preallocated buffers from now on: int32
+        [max_tokens, L_moe, K] indices and a bool [max_tokens] replay mask, on `device`
+        (the model's; default CPU). `set_routing`, `load` and R2's recording then copy into
+        them instead of rebinding a tensor, so the layers read the same addresses every
+        step and a CUDA graph captured around a replayed forward sees each step's routing.
+        The mask is always passed to the gate (True where a row has a route), so the
+        replayed forward runs the same kernels, with the same shapes, whatever the routing:
+        no host read and no allocation that depends on it. A routing with more than
+        `max_tokens` tokens is refused; one with fewer uses the first rows."""
+        max_tokens = int(max_tokens)
+        if max_tokens <= 0:
+            raise ValueError(f"RouterReplay.use_static_buffer: max_tokens must be > 0, got "
+                             f"{max_tokens}")
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        L, K = self.num_moe_layers, self.top_k
+        self._static = (torch.full((max_tokens, L, K), -1, dtype=torch.int32, device=device),
+                        torch.zeros(max_tokens, dtype=torch.bool, device=device))
+        self._forget_routing()
+
+    @property
+    def static_capacity(self) -> int | None:
+        """max_tokens of `use_static_buffer`, or None (the routing tensor is rebound)."""
+        return None if self._static is None else self._static[0].shape[0]
+
+    def _copy_static(self, moe_routing: torch.Tensor, mask: torch.Tensor | None,
+                     source: str) -> None:
+        buf, mbuf = self._static
+        T = moe_routing.shape[0]
+        if T > buf.shape[0]:
+            raise RouterReplayError(
+                f"RouterReplay.set_routing: indices have T={T} tokens but the static buffer "
+                f"holds max_tokens={buf.shape[0]} (use_static_buffer); allocate a larger "
+                f"one or split the batch")
+        buf[:T].copy_(moe_routing)
+        if mask is None:
+            mbuf[:T].fill_(True)
+        else:
+            mbuf[:T].copy_(mask)
+        self._routing = buf[:T]
+        self._routing_cols = dict(zip(self.moe_layer_ids, range(self.num_moe_layers)))
+        self._replay_mask = mbuf[:T]
+        self.layer_mapping = "moe"
         self.routing_source = source
 
     def _check_values(self, moe_routing: torch.Tensor, mask, source: str,
@@ -340,7 +407,8 @@ class RouterReplay:
             plan = self._route_replay_backward(layer_id, logits, opts)
         else:  # pragma: no cover - ReplayAction.parse only returns these
             raise RouterReplayError(f"RouterReplay.route: unknown action {action!r}")
-        self._calls[layer_id] += 1
+        if not _compiling():
+            self._calls[layer_id] += 1
         return plan
 
     @staticmethod
@@ -362,6 +430,10 @@ class RouterReplay:
             # next step, whose routing replaces it (a forgotten clear() must not replay the
             # old step).
             self._start_new_recording()
+        elif self.routing_source == "recorded":
+            # taken from the recording by set_action(REPLAY_FORWARD) but not replayed yet:
+            # the recording goes on, and the routing is taken again from all of it
+            self._forget_routing()
         with torch.no_grad():
             idx = self._check_native(layer_id, topk_fn(logits.detach()), logits.shape[0])
         self._records[layer_id].append(idx.detach())
@@ -382,6 +454,11 @@ class RouterReplay:
         if self._routing is None and self.mode is ReplayMode.R2 and self._has_records():
             self._use_recorded()
         if self._routing is not None and self._routing.device != logits.device:
+            if self._static is not None:
+                raise RouterReplayError(
+                    f"RouterReplay.route: layer {layer_id}: the static routing buffer is on "
+                    f"{self._routing.device} but the logits are on {logits.device}; pass the "
+                    f"model's device to use_static_buffer")
             self._move_routing(logits.device)  # once per routing, not once per layer
         idx = self.routing_for(layer_id)
         if idx.shape[0] != T:
@@ -402,7 +479,7 @@ class RouterReplay:
             idx = torch.where(mask[:, None], idx.to(torch.int32), native.to(torch.int32))
             mask = None
         plan = self._gate(logits, idx, replay_mask=mask, **opts)
-        if self.config.recompute and torch.is_grad_enabled():
+        if self.config.recompute and torch.is_grad_enabled() and not _compiling():
             q = self._queues[layer_id]
             _drop_dead(q)
             if len(q) >= self.config.max_queue:
@@ -487,6 +564,9 @@ class RouterReplay:
     def _use_recorded(self) -> None:
         """R2: replay what RECORD stored, if no routing was set explicitly."""
         rec = self.recorded()
+        if self._static is not None:
+            self._copy_static(rec, None, "recorded")
+            return
         self._routing = rec
         self._routing_cols = dict(zip(self.moe_layer_ids, range(self.num_moe_layers)))
         self._replay_mask = None
@@ -569,6 +649,14 @@ class RouterReplay:
             f"top_k={self.top_k}, moe_layer_ids={self.moe_layer_ids}, "
             f"num_hidden_layers={self.num_hidden_layers}, layer_mapping={self.layer_mapping})"
         )
+
+
+def _compiling() -> bool:
+    """Inside a torch.compile trace: the per-call Python bookkeeping (the `calls` counts,
+    the recompute queue) is left out, since an int read there would be a guard that
+    recompiles on every call. A compiled forward's recompute runs in the compiled backward
+    (AOTAutograd), from the graph's own inputs, and never calls `route` again."""
+    return torch.compiler.is_compiling()
 
 
 def _describe_source(source: str | None) -> str:
