@@ -46,6 +46,18 @@ def _swift(count_preprocess: bool = True):
     return m, calls
 
 
+def get_mcore_model_with_replay(get_mcore_model, *args, **kwargs):
+    """The wrapper docs/megatron.md gives ms-swift users around
+    `swift.megatron.model.get_mcore_model(args, hf_config)` (it returns the model chunks, one
+    per virtual pipeline stage): every router becomes a replay router. Here it wraps a
+    builder of the same GPT model (ms-swift's own builder needs TransformerEngine)."""
+    from replay_ops.integrations import megatron as rom
+
+    models = get_mcore_model(*args, **kwargs)
+    rom.install(models)
+    return models
+
+
 def _config(k=2, **kw):
     return env.moe_config(num_layers=len(PATTERN), moe_layer_freq=list(PATTERN),
                           moe_router_topk=k, moe_router_pre_softmax=k == 1, **kw)
@@ -154,8 +166,9 @@ def core(rank, world, k: int):
     env.mp_init()
     cfg = _config(k)
     ref = _gpt(cfg, replay=False)
-    ours = _gpt(cfg, replay=True)
+    ours = _gpt(cfg, replay=False)
     ours.load_state_dict(ref.state_dict())
+    ours = get_mcore_model_with_replay(lambda: [ours])[0]
     T = sum(LENS)
     ids = _ids(T)
     res = {"preprocess_calls": {}}
@@ -237,3 +250,78 @@ def zero_rows(rank, world, k: int, padding: str):
     rows = got[ends]
     assert all(len(set(x.tolist())) == k for x in rows), rows  # K distinct experts
     return {"error": None, "ends": ends.tolist(), "pad_rows": rows.tolist()}
+
+
+def pp2_vpp2(rank, world):
+    """Item 6: PP=2 with 2 virtual stages per rank (8 MoE layers; rank 0 holds layers 1-2
+    and 5-6, rank 1 layers 3-4 and 7-8). ms-swift's R3 path (`get_local_topk_idx_for_current_rank`,
+    then `set_router_replay_data(..., vp_rank=None)` as its trainers call it) gives targets
+    to the first chunk's routers only; a router of the second chunk then refuses to run,
+    naming its chunk, instead of routing natively. Returns, per router that got a target,
+    the global layer whose rollout column it holds, and the second chunk's error."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    m, _ = _swift(count_preprocess=False)
+    env.mp_init(pp=2, vpp=2)
+    k, n_layers = 2, 8
+    cfg = env.moe_config(num_layers=n_layers, moe_router_topk=k, pipeline_model_parallel_size=2,
+                         virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+    chunks = [_gpt(cfg, replay=True, vp_stage=vp, pre=ps.is_pipeline_first_stage(False, vp),
+                   post=ps.is_pipeline_last_stage(False, vp)) for vp in range(2)]
+    _use(*chunks)
+    T = 6
+    g = _routes(T, k, seed=4, layers=n_layers)
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    local = m.rr.get_local_topk_idx_for_current_rank(g, cfg, None)
+    m.rr.set_router_replay_data(local, cfg)
+    held, errors = {}, {}
+    hidden = torch.randn(T, 1, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    for vp, chunk in enumerate(chunks):
+        for r in _routers(chunk):
+            tgt = r.router_replay.target_topk_idx
+            if tgt is not None:
+                cols = [c for c in range(n_layers) if torch.equal(tgt.long(), g[0, :, c].long())]
+                held[r.layer_number] = cols[0] + 1 if cols else None
+            try:
+                r(hidden)
+            except Exception as e:  # noqa: BLE001
+                errors[r.layer_number] = f"{type(e).__name__}: {e}"
+    return {"held": held, "errors": errors}
+
+
+def cp2(rank, world):
+    """CP=2: ms-swift's R3 path splits the rollout's rows with mcore-bridge's
+    `split_cp_inputs` (zigzag: rank r keeps chunks r and 2*CP-1-r of every packed sequence),
+    and each rank's routers replay exactly its share. The routers are called on hidden
+    states of the rank's tokens (Megatron's local attention has no CP path on the CPU)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    m, _ = _swift(count_preprocess=False)
+    env.mp_init(cp=2)
+    k = 2
+    # the model's config leaves CP at 1 (Megatron's local attention refuses CP); ms-swift
+    # reads the CP size and rank from the parallel state, which has CP=2
+    cfg = _config(k)
+    ours = get_mcore_model_with_replay(lambda: [_gpt(cfg, replay=False)])[0]
+    _use(ours)
+    lens = [8, 12]  # padded to a multiple of 2*CP, as ms-swift pads for CP
+    cu = torch.tensor([0, 8, 20], dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    T = sum(lens)
+    g = _routes(T, k, seed=6)
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    local = m.rr.get_local_topk_idx_for_current_rank(g, cfg, psp)
+    m.rr.set_router_replay_data(local, cfg)
+    # the rank's rows, computed here: chunks rank and 3 - rank of each sequence
+    rows = []
+    for s0, n in zip([0, 8], lens):
+        c = n // 4
+        rows += list(range(s0 + rank * c, s0 + (rank + 1) * c))
+        rows += list(range(s0 + (3 - rank) * c, s0 + (4 - rank) * c))
+    hidden = torch.randn(len(rows), 1, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    for j, r in enumerate(_routers(ours)):
+        r(hidden)
+        assert torch.equal(r.last_plan.expert_indices.long(), g[0, rows, MOE_LAYERS[j]].long()), j
+    return {"rows": rows}

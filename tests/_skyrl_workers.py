@@ -61,10 +61,22 @@ def _gpt(cfg, replay: bool, options=None, pre=True, post=True, vp_stage=None):
                     post_process=post, **kw)
 
 
-def _pair(cfg, options=None):
+def replay_ops_pre_wrap_hook(model):
+    """The hook docs/megatron.md gives SkyRL users (its Megatron worker registers hooks with
+    `self.provider.register_pre_wrap_hook(...)`; they get the model chunks before DDP wraps
+    them): every router becomes a replay router, SkyRL's replay code unchanged."""
+    from replay_ops.integrations import megatron as rom
+
+    rom.install(model)
+    return model
+
+
+def _pair(cfg):
+    """Megatron's model, and the same model (same weights) through the pre-wrap hook."""
     ref = _gpt(cfg, replay=False)
-    ours = _gpt(cfg, replay=True, options=options)
+    ours = _gpt(cfg, replay=False)
     ours.load_state_dict(ref.state_dict())
+    replay_ops_pre_wrap_hook([ours])
     return ref, ours
 
 
@@ -209,6 +221,28 @@ def chain(rank, world, k: int, variant: str):
     assert ids.shape == (1, sum(layout.padded_sequence_lengths))
     res = {"N": int(ids.shape[1])}
 
+    if variant == "spread":
+        # item 5: the rows SkyRL's padding mask marks become padding rows spread over the
+        # experts (padding="spread", masked_rows="padding"); the real rows replay as before
+        from replay_ops import reference
+        from replay_ops.integrations.megatron import ReplayOptions
+
+        opts = ReplayOptions(padding="spread", masked_rows="padding")
+        spread = _gpt(cfg, replay=True, options=opts)
+        spread.load_state_dict(ours.state_dict())
+        _, model_mask = _replay_step(s, spread, cfg, rei, pmask, amask, layout, ids)
+        masked = model_mask.reshape(-1)
+        assert int(masked.sum()) == 2
+        for j, r in enumerate(_routers(spread)):
+            got = r.last_plan.expert_indices.long()
+            want = expected_rows(per_token, layout, k, MOE_LAYERS[j])
+            assert torch.equal(got[~masked], want[~masked]), f"router {j}: real rows"
+            for t in masked.nonzero().flatten().tolist():  # the oracle of the spread rows
+                row = [reference.spread_expert(t, c, k, E, 1, (r.layer_number - 1) * k)
+                       for c in range(k)]
+                assert got[t].tolist() == row, (j, t, got[t].tolist(), row)
+                assert want[t].tolist() == list(range(k))  # SkyRL's placeholder, not read
+        return res
     if variant == "bias":
         # Megatron's own router under SkyRL's mask: _apply_expert_bias gets the flattened
         # [T] mask against the [T, E] routing map

@@ -42,3 +42,21 @@ def test_msswift_zero_filled_rows_padding_error_names_them():
 def test_msswift_zero_filled_rows_padding_policy(padding):
     out = env.spawn(workers.zero_rows, 1, 2, padding, timeout=300)[0]
     assert out["error"] is None, out
+
+
+def test_msswift_pp2_vpp2_second_chunk_refused():
+    """Item 6: ms-swift's helpers under virtual pipeline stages set targets on the first
+    chunk's routers only; our routers of the other chunk refuse, naming the chunk."""
+    out = env.spawn(workers.pp2_vpp2, 2, timeout=300)
+    for rank, second in ((0, [5, 6]), (1, [7, 8])):
+        errs = out[rank]["errors"]
+        assert sorted(errs) == second, out[rank]
+        for e in errs.values():
+            assert "ReplayRoutingError" in e and "virtual pipeline chunk 1 of 2" in e, e
+    # the first chunk's routers hold their own layers' rollout columns
+    assert out[0]["held"] == {1: 1, 2: 2} and out[1]["held"] == {3: 3, 4: 4}, out
+
+
+def test_msswift_cp2_zigzag_split_cp_inputs():
+    out = env.spawn(workers.cp2, 2, timeout=300)
+    assert out[0]["rows"][:2] == [0, 1] and out[1]["rows"][:2] == [2, 3]

@@ -50,6 +50,8 @@ def test_skyrl_unpacked_batch_first_warns_once():
     assert out["error"] is None
     assert len(out["warnings"]) == 1 and "sequence-first" in out["warnings"][0]
     assert out["misrouted"] > out["real"] // 2, out  # what the warning is about
+    print(f"unpacked B=2: {out['misrouted']} of {out['real']} real tokens replayed another "
+          f"token's route")
 
 
 def test_skyrl_unpacked_batch_first_strict_raises():
@@ -128,3 +130,10 @@ def test_skyrl_truncated_response_keeps_one_more_row():
     # an untruncated response keeps its usual rule
     with pytest.raises(RoutingMismatchError, match="truncated"):
         vllm_sequences([kept[:-1]], [P], [max_tokens], _layout(8), truncated=[True])
+
+
+def test_skyrl_masked_rows_as_spread_padding():
+    """Item 5: opt-in, the rows SkyRL marks in its padding mask (uncaptured tokens, routed
+    0..K-1 by SkyRL) become padding rows spread over the experts (ReplayOptions(
+    padding="spread", masked_rows="padding")); the real rows are untouched."""
+    assert env.spawn(workers.chain, 1, 2, "spread", timeout=300)[0]["N"] == 19

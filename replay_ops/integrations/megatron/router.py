@@ -483,6 +483,23 @@ class ReplayTopKRouter(TopKRouter):
             raise ReplayRoutingError(str(e)) from None
         raise AssertionError("an out-of-range id was flagged but not found")  # unreachable
 
+    def _chunk_note(self) -> str:
+        """With virtual pipeline stages: which of this pipeline rank's model chunks holds the
+        router (for the missing-target errors: a client that sets targets for one chunk
+        only leaves the others without)."""
+        vpp = getattr(self.config, "virtual_pipeline_model_parallel_size", None)
+        if not vpp or self.layer_number is None or self.is_mtp_layer:
+            return ""
+        from megatron.core.transformer.transformer_block import get_num_layers_to_build
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        for vp in range(vpp):
+            off = get_transformer_layer_offset(self.config, vp_stage=vp)
+            if off < self.layer_number <= off + get_num_layers_to_build(self.config, vp_stage=vp):
+                return (f" (virtual pipeline chunk {vp} of {vpp} on this pipeline rank: every "
+                        f"chunk's routers need their own targets, set for that chunk's layers)")
+        return f" (virtual pipeline size {vpp})"
+
     def _replay_target(self, rr, action):
         """(target indices, verl's replay mask or None) for a replay action, taken from
         Megatron's or verl's RouterReplay with its FIFO discipline; None when this router
@@ -494,9 +511,9 @@ class ReplayTopKRouter(TopKRouter):
                 if self.is_mtp_layer:
                     return None
                 raise ReplayRoutingError(
-                    f"{self._where()}: REPLAY_FORWARD but no target indices were set "
-                    f"(router_replay.set_target_indices / set_replay_routing); replay would "
-                    f"silently run on native routing")
+                    f"{self._where()}{self._chunk_note()}: REPLAY_FORWARD but no target "
+                    f"indices were set (router_replay.set_target_indices / "
+                    f"set_replay_routing); replay would silently run on native routing")
             return rr.target_topk_idx, getattr(rr, "target_replay_mask", None)
         if masks is not None and len(masks) != len(rr.replay_backward_list):
             raise ReplayRoutingError(
@@ -508,8 +525,8 @@ class ReplayTopKRouter(TopKRouter):
             if self.is_mtp_layer:
                 return None
             raise ReplayRoutingError(
-                f"{self._where()}: REPLAY_BACKWARD but the backward replay list is empty: "
-                f"the recompute has no matching set_target_indices")
+                f"{self._where()}{self._chunk_note()}: REPLAY_BACKWARD but the backward "
+                f"replay list is empty: the recompute has no matching set_target_indices")
         target = rr.replay_backward_list.pop(0)
         return target, (masks.pop(0) if masks is not None else None)
 
