@@ -334,3 +334,52 @@ def unpacked(rank, world, k: int, order: str):
                 bad += not torch.equal(got[t, b], torch.as_tensor(row[MOE_LAYERS[0]]).long())
         res["misrouted"], res["real"] = bad, total
     return res
+
+
+def dist(rank, world, kind: str):
+    """SkyRL's own CP and TP/SP splits of the replay rows ("cp2": CP=2, its front/back
+    chunks of every padded sequence; "tp2sp": TP=2 with sequence parallelism, its slice of
+    the packed rows), set by `setup_per_microbatch_replay_forward` on this rank's routers.
+    Each router is called on hidden states of the rank's tokens (Megatron's local attention
+    has no CP path on the CPU) and must route exactly the rank's share of the rollout's
+    rows, computed here from the packed layout."""
+    s = _skyrl()
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    tm = s.token_metadata
+    k = 2
+    if kind == "cp2":
+        env.mp_init(cp=2)
+        cfg = _config(k)  # the model's attention stays CP=1; SkyRL reads CP from mpu
+    else:
+        # SkyRL slices the rows over TP whenever TP > 1 (sequence parallelism, which MoE
+        # with TP > 1 needs); the model's config leaves sequence_parallel off because
+        # Megatron's torch LayerNorm refuses it (TransformerEngine's norm has it)
+        env.mp_init(tp=2)
+        cfg = _config(k, tensor_model_parallel_size=2)
+    ours = _gpt(cfg, replay=False)
+    replay_ops_pre_wrap_hook([ours])
+    _use(ours)
+    prompts, responses, routes, per_token = rollout(s, k)
+    seqs, amask, rei, pmask = _collate(s, prompts, responses, routes)
+    layout = tm.build_token_metadata_layout(amask, torch.device("cpu"), packed=True,
+                                            fp8_enabled=False)
+    s.replay_utils.clear_router_replay()
+    s.replay_utils.setup_per_microbatch_replay_forward(rei, pmask, amask, ours, cfg, layout,
+                                                       remove_microbatch_padding=True)
+    rows, start = [], 0
+    for n in layout.padded_sequence_lengths:
+        if kind == "cp2":  # zigzag: chunks rank and 3 - rank of the sequence's 4 chunks
+            c = n // 4
+            rows += list(range(start + rank * c, start + (rank + 1) * c))
+            rows += list(range(start + (3 - rank) * c, start + (4 - rank) * c))
+        start += n
+    if kind == "tp2sp":
+        rows = list(range(rank * start // 2, (rank + 1) * start // 2))
+    hidden = torch.randn(len(rows), 1, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    for j, r in enumerate(_routers(ours)):
+        r(hidden)
+        want = expected_rows(per_token, layout, k, MOE_LAYERS[j])[rows]
+        assert torch.equal(r.last_plan.expert_indices.long(), want), (kind, rank, j)
+    RouterReplay.clear_global_router_replay_instances()
+    return {"rows": rows, "padded": list(layout.padded_sequence_lengths)}

@@ -137,3 +137,10 @@ def test_skyrl_masked_rows_as_spread_padding():
     0..K-1 by SkyRL) become padding rows spread over the experts (ReplayOptions(
     padding="spread", masked_rows="padding")); the real rows are untouched."""
     assert env.spawn(workers.chain, 1, 2, "spread", timeout=300)[0]["N"] == 19
+
+
+@pytest.mark.parametrize("kind", ["cp2", "tp2sp"])
+def test_skyrl_cp2_and_tp2_sp_splits(kind):
+    out = env.spawn(workers.dist, 2, kind, timeout=300)
+    n = sum(out[0]["padded"])
+    assert sorted(out[0]["rows"] + out[1]["rows"]) == list(range(n))  # a partition
