@@ -38,7 +38,7 @@ MCORE_NEW_DIR = build/mcore-$(MCORE_NEW)
 VERL_PIN ?= 0.9.1
 # * SkyRL 0.4.0 (tests/test_skyrl_clients.py) and ms-swift 4.6.0 with mcore-bridge 1.6.5
 #   (tests/test_msswift_clients.py): --no-deps, each in its own folder under build/ that the
-#   tests put on sys.path (about 7 s each, once: a finished folder is kept). SkyRL declares
+#   tests put on sys.path (6-26 s each measured, once: a finished folder is kept). SkyRL declares
 #   Requires-Python >= 3.12 (one typing.TypedDict in its pydantic models; the test aliases it
 #   on 3.11) and needs five light packages beside pydantic and orjson for its replay
 #   modules. ms-swift's and mcore-bridge's package imports need TransformerEngine and the
