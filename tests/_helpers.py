@@ -289,15 +289,17 @@ class HostSyncCounter:
 
 
 # ------------------------------------------------------------------------- real clients
-def require_client(module: str, package: str) -> None:
+def require_client(module: str, package: str, load=None) -> None:
     """Import `module` of a real client (megatron-core, verl) or skip the calling test
     module. `make test` installs the clients and sets REPLAY_OPS_REQUIRE_CLIENTS=1: then a
-    client that does not import is an error, never a skip that reads as a pass."""
+    client that does not import is an error, never a skip that reads as a pass. `load`, if
+    given, imports the client instead (a client loaded from its files, e.g. SkyRL or
+    ms-swift: tests/_client_loaders.py)."""
     import importlib
     import os
 
     try:
-        importlib.import_module(module)
+        load() if load is not None else importlib.import_module(module)
     except ImportError as e:
         if os.environ.get("REPLAY_OPS_REQUIRE_CLIENTS") == "1":
             raise RuntimeError(f"{package} is required here (REPLAY_OPS_REQUIRE_CLIENTS=1) but "

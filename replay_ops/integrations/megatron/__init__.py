@@ -43,6 +43,7 @@ _LAZY = {
     "PADDING_POLICIES": "router",
     "ReplayOptions": "router",
     "ReplayRoutingError": "router",
+    "ReplayTokenOrderWarning": "router",
     "ReplayTopKRouter": "router",
     "UnsupportedConfigError": "router",
     "check_config": "router",

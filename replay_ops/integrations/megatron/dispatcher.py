@@ -75,16 +75,18 @@ def check_plan_dispatch_config(config, *, where: str = "enable_plan_dispatch") -
 
 class _PlanCounts:
     """What Megatron's dropless `preprocess(routing_map)` reads of the routing map, from the
-    plan: the tokens per expert (`routing_map.sum(dim=0)`, here the gate kernel's counts) and
-    the row count. Megatron's split and sync-point logic then runs unchanged."""
+    plan: the tokens per expert (`routing_map.sum(dim=0)`, here the gate kernel's counts),
+    the routed total (`routing_map.sum()`, which a patched `preprocess` may read, e.g.
+    ms-swift's `num_out_tokens` fix under router replay) and the row count. Megatron's split
+    and sync-point logic then runs unchanged."""
 
     def __init__(self, routing_map: torch.Tensor, counts: torch.Tensor):
         self._map, self._counts = routing_map, counts
 
     def sum(self, dim=None, *a, **k):
-        if dim != 0 or a or k:
-            raise AttributeError("_PlanCounts serves routing_map.sum(dim=0) only")
-        return self._counts
+        if a or k or dim not in (None, 0):
+            raise AttributeError("_PlanCounts serves routing_map.sum(dim=0) and .sum() only")
+        return self._counts if dim == 0 else self._counts.sum()
 
     def size(self, dim=None):
         return self._map.size() if dim is None else self._map.size(dim)

@@ -192,7 +192,7 @@ def set_replay_routing(model, routing: torch.Tensor, *, layer_index: str = "auto
     if validate or dtype in UNSIGNED:  # unsigned cannot hold -1: always checked
         check_expert_range(routing, config.num_moe_experts, who=who, arrived_as=dtype)
     report = []
-    from .router import ReplayTopKRouter
+    from .router import SEQUENCE_FIRST_MARK, ReplayTopKRouter
 
     for s in slots:
         rr = s.router.router_replay
@@ -203,6 +203,8 @@ def set_replay_routing(model, routing: torch.Tensor, *, layer_index: str = "auto
         idx = routing[:, col, :]
         if not isinstance(s.router, ReplayTopKRouter):
             idx = idx.long()  # Megatron's own replay path gathers with int64 only
+        # in the routers' token order (4-D input was reordered above): no token-order warning
+        setattr(idx, SEQUENCE_FIRST_MARK, True)
         rr.set_target_indices(idx)
         report.append((s.name, s.layer_number, col))
     return report

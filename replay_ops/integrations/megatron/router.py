@@ -65,6 +65,7 @@ import dataclasses
 import enum
 import functools
 import inspect
+import warnings
 from typing import Optional
 
 import torch
@@ -88,6 +89,7 @@ __all__ = [
     "PADDING_POLICIES",
     "ReplayOptions",
     "ReplayRoutingError",
+    "ReplayTokenOrderWarning",
     "ReplayTopKRouter",
     "UnsupportedConfigError",
     "check_config",
@@ -98,6 +100,11 @@ __all__ = [
 ]
 
 PADDING_POLICIES = ("topk", "spread", "error")
+TOKEN_ORDERS = ("warn", "error", "sequence_first")
+MASKED_ROWS = ("replay", "padding")
+# Set on a target tensor whose rows are known to be in the router's token order
+# (set_replay_routing marks the [T, K] views it passes to set_target_indices).
+SEQUENCE_FIRST_MARK = "_replay_ops_sequence_first"
 # megatron-core >= 0.17 builds routers with `is_mtp_layer=`; 0.16 does not know it.
 _BASE_TAKES_MTP = "is_mtp_layer" in inspect.signature(TopKRouter.__init__).parameters
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
@@ -109,6 +116,14 @@ class UnsupportedConfigError(ValueError):
 
 class ReplayRoutingError(RuntimeError):
     """Replay data that cannot be used as given (missing, mis-shaped, a bad row)."""
+
+
+class ReplayTokenOrderWarning(UserWarning):
+    """Replay rows for an unpacked micro-batch (B > 1) whose token order cannot be checked:
+    Megatron's router reads tokens sequence-first ([S, B] flattened)."""
+
+
+_ORDER_WARNED = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,17 +145,38 @@ class ReplayOptions:
         the router's plan (`PlanAlltoAllTokenDispatcher`) wherever that applies (the
         all-to-all dispatcher, dropless; see dispatcher.py); False keeps Megatron's
         dispatcher everywhere.
+    token_order: an unpacked micro-batch (B > 1) replays rows whose order cannot be read
+        from them: Megatron's router flattens its tokens [S, B] sequence-first (row
+        s*B + b), and rows flattened [B, S] batch-first replay other tokens' routes.
+        "warn" (default) = a `ReplayTokenOrderWarning` once per process, naming the order;
+        "error" = raise `ReplayRoutingError` (strict); "sequence_first" = the caller states
+        that its rows are sequence-first (no warning). Rows given by `set_replay_routing`
+        (which reorders `batch_first` input itself) are never warned about.
+    masked_rows: what the rows that Megatron's `padding_mask` marks (True = padding) do:
+        "replay" (default) = replay their recorded route like any other row; "padding" =
+        treat them as padding rows, routed by the `padding` policy whatever their recorded
+        values (with padding="spread": K distinct experts spread over the EP ranks, instead
+        of a client's placeholder route such as SkyRL's 0..K-1 or ms-swift's zeros, which
+        all land on the first experts of one rank).
     """
 
     padding: str = "topk"
     validate: bool = True
     backend: Optional[str] = None
     plan_dispatch: bool = True
+    token_order: str = "warn"
+    masked_rows: str = "replay"
 
     def __post_init__(self):
         if self.padding not in PADDING_POLICIES:
             raise ValueError(f"ReplayOptions: unknown padding={self.padding!r}; expected one of "
                              f"{PADDING_POLICIES}")
+        if self.token_order not in TOKEN_ORDERS:
+            raise ValueError(f"ReplayOptions: unknown token_order={self.token_order!r}; "
+                             f"expected one of {TOKEN_ORDERS}")
+        if self.masked_rows not in MASKED_ROWS:
+            raise ValueError(f"ReplayOptions: unknown masked_rows={self.masked_rows!r}; "
+                             f"expected one of {MASKED_ROWS}")
 
 
 # ----------------------------------------------------------------------------- config
@@ -364,7 +400,29 @@ class ReplayTopKRouter(TopKRouter):
             ep_size=self.ep_size, spread_offset=((self.layer_number or 1) - 1) * self.topk,
             underflow_guard=True, validate=False, backend=self.replay_options.backend, **sem)
 
-    def _replay(self, target, logits: torch.Tensor, action, mask=None) -> DenseRouting:
+    def _check_token_order(self, target, seq_length: int, bsz: int, action) -> None:
+        """An unpacked micro-batch (B > 1): the rows' order cannot be read from them; warn
+        once or raise (token_order), naming Megatron's order."""
+        global _ORDER_WARNED
+        order = self.replay_options.token_order
+        if bsz <= 1 or order == "sequence_first" or getattr(target, SEQUENCE_FIRST_MARK, False):
+            return
+        msg = (f"{self._where()}: {action.name}: token order: the target indices route an "
+               f"unpacked micro-batch of B={bsz} sequences of S={seq_length} tokens. "
+               f"Megatron's router reads its tokens sequence-first ([S, B] flattened, row "
+               f"s*B + b); rows flattened batch-first ([B, S], row b*S + s) replay other "
+               f"tokens' routes with no error. Give sequence-first rows (set_replay_routing("
+               f"..., batch_first=True) reorders a [B, S, L, K] tensor), or pack the "
+               f"micro-batch (B = 1), and say ReplayOptions(token_order='sequence_first') "
+               f"when the rows are sequence-first")
+        if order == "error":
+            raise ReplayRoutingError(msg)
+        if not _ORDER_WARNED:
+            _ORDER_WARNED = True
+            warnings.warn(msg, ReplayTokenOrderWarning, stacklevel=3)
+
+    def _replay(self, target, logits: torch.Tensor, action, mask=None,
+                pad_rows=None) -> DenseRouting:
         """The dense routing of recorded [T, K] ids: rows the replay mask excludes take
         Megatron's native selection (verl's semantics; their recorded values are not read),
         rows without a usable route follow the padding policy, every row K distinct experts.
@@ -377,6 +435,10 @@ class ReplayTopKRouter(TopKRouter):
         idx = self._check_target(target, T, K, action).to(device=logits.device)
         keep = self._replay_mask(mask, T, action, logits.device)
         opts = self.replay_options
+        if pad_rows is not None and opts.masked_rows == "padding":
+            # the rows padding_mask marks become padding rows (a -1 slot): the padding policy
+            # routes them, their recorded placeholder is not read
+            idx = torch.where(pad_rows.to(idx.device)[:, None], idx.new_full((), -1), idx)
         read = opts.validate or opts.padding == "error"
         fallback = None
         if keep is not None or (opts.padding == "topk" and not read):
@@ -421,6 +483,23 @@ class ReplayTopKRouter(TopKRouter):
             raise ReplayRoutingError(str(e)) from None
         raise AssertionError("an out-of-range id was flagged but not found")  # unreachable
 
+    def _chunk_note(self) -> str:
+        """With virtual pipeline stages: which of this pipeline rank's model chunks holds the
+        router (for the missing-target errors: a client that sets targets for one chunk
+        only leaves the others without)."""
+        vpp = getattr(self.config, "virtual_pipeline_model_parallel_size", None)
+        if not vpp or self.layer_number is None or self.is_mtp_layer:
+            return ""
+        from megatron.core.transformer.transformer_block import get_num_layers_to_build
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        for vp in range(vpp):
+            off = get_transformer_layer_offset(self.config, vp_stage=vp)
+            if off < self.layer_number <= off + get_num_layers_to_build(self.config, vp_stage=vp):
+                return (f" (virtual pipeline chunk {vp} of {vpp} on this pipeline rank: every "
+                        f"chunk's routers need their own targets, set for that chunk's layers)")
+        return f" (virtual pipeline size {vpp})"
+
     def _replay_target(self, rr, action):
         """(target indices, verl's replay mask or None) for a replay action, taken from
         Megatron's or verl's RouterReplay with its FIFO discipline; None when this router
@@ -432,9 +511,9 @@ class ReplayTopKRouter(TopKRouter):
                 if self.is_mtp_layer:
                     return None
                 raise ReplayRoutingError(
-                    f"{self._where()}: REPLAY_FORWARD but no target indices were set "
-                    f"(router_replay.set_target_indices / set_replay_routing); replay would "
-                    f"silently run on native routing")
+                    f"{self._where()}{self._chunk_note()}: REPLAY_FORWARD but no target "
+                    f"indices were set (router_replay.set_target_indices / "
+                    f"set_replay_routing); replay would silently run on native routing")
             return rr.target_topk_idx, getattr(rr, "target_replay_mask", None)
         if masks is not None and len(masks) != len(rr.replay_backward_list):
             raise ReplayRoutingError(
@@ -446,12 +525,13 @@ class ReplayTopKRouter(TopKRouter):
             if self.is_mtp_layer:
                 return None
             raise ReplayRoutingError(
-                f"{self._where()}: REPLAY_BACKWARD but the backward replay list is empty: "
-                f"the recompute has no matching set_target_indices")
+                f"{self._where()}{self._chunk_note()}: REPLAY_BACKWARD but the backward "
+                f"replay list is empty: the recompute has no matching set_target_indices")
         target = rr.replay_backward_list.pop(0)
         return target, (masks.pop(0) if masks is not None else None)
 
-    def _route(self, logits: torch.Tensor, action) -> DenseRouting:
+    def _route(self, logits: torch.Tensor, action, pad_rows=None,
+               shape=(0, 1)) -> DenseRouting:
         rr = self.router_replay
         replay = None
         if action == RouterReplayAction.RECORD:
@@ -462,7 +542,8 @@ class ReplayTopKRouter(TopKRouter):
         if action is not None:
             replay = self._replay_target(rr, action)
         if replay is not None:
-            return self._replay(replay[0], logits, action, mask=replay[1])
+            self._check_token_order(replay[0], shape[0], shape[1], action)
+            return self._replay(replay[0], logits, action, mask=replay[1], pad_rows=pad_rows)
         # moe_router_fusion=True without a replay action, or an MTP router given no target:
         # Megatron's own selection, through the fused gate
         with torch.no_grad():
@@ -489,7 +570,7 @@ class ReplayTopKRouter(TopKRouter):
         # underflowed to exactly 0 (fp16, or a far-off logit) would be lost by the flex
         # dispatcher's torch.topk over probs: the kernel raises it to the smallest normal
         # value of the dtype (its gradient passes through, as Megatron's would).
-        dense = self._route(logits, action)
+        dense = self._route(logits, action, pad_rows=padding_mask, shape=(seq_length, bsz))
         probs, routing_map, plan = dense.probs, dense.routing_map, dense.plan
 
         dropped = False
@@ -518,7 +599,11 @@ class ReplayTopKRouter(TopKRouter):
                                                 routing_map_for_aux_loss,
                                                 with_padding_mask=padding_mask is not None)
 
-        self._apply_expert_bias(routing_map, padding_mask=padding_mask)
+        # Megatron-Core's own routing passes the flattened [T] mask here, which does not
+        # broadcast against the [T, E] map (and masks the wrong entries when T == E): the
+        # mask of each token is its row, [T, 1].
+        self._apply_expert_bias(
+            routing_map, padding_mask=None if padding_mask is None else padding_mask[:, None])
 
         # The plan dispatcher may use the plan only while it describes this routing map.
         self.last_plan = None if dropped else plan

@@ -48,6 +48,18 @@ Refused (`RoutingMismatchError` naming the request, the turn and the row or laye
 * uint16 routing for a model with <= 256 experts (vLLM sends uint8 there: the routing
   comes from another model, or was widened on the way), uint8 for one with more;
 * an L that is neither the hidden nor the MoE layer count, a K other than top_k.
+
+Accepted only when the caller says so (a sender that re-encodes vLLM's routing, e.g.
+SkyRL 0.4.0's generate endpoint and its batched generator):
+
+* `narrowed=True`: the routing was narrowed losslessly by its largest id (SkyRL compacts
+  routes to uint8, int16 or int32 by the largest id seen), so uint8 for a model with more
+  than 256 experts is accepted; every id is still checked against num_experts. Without it,
+  uint8 above 256 experts stays refused (ids that overflowed uint8 read as valid ids).
+* `truncated[i]=True`: request i's response was cut after generation (SkyRL keeps
+  `prompt_len + len(response)` rows of a truncated response): its last kept token was
+  forwarded, so its routing has one more row, `prompt_len + response_len - start`, and the
+  last token replays that row instead of having none.
 """
 from __future__ import annotations
 
@@ -164,10 +176,11 @@ def encode_vllm(routing) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _as_routing(x, layout: ModelShape, who: str, max_rows: int | None = None) -> torch.Tensor:
+def _as_routing(x, layout: ModelShape, who: str, max_rows: int | None = None,
+                narrowed: bool = False) -> torch.Tensor:
     """One payload (array, tensor, list, or the server's base64 text) as a tensor, with
-    vLLM's dtype rule checked; a base64 payload declaring more than `max_rows` rows is
-    refused before it is decoded."""
+    vLLM's dtype rule checked (uint8 above 256 experts passes when `narrowed`); a base64
+    payload declaring more than `max_rows` rows is refused before it is decoded."""
     if isinstance(x, (str, bytes, bytearray, memoryview)):
         x = decode_vllm(x, who=who, max_rows=max_rows)
     t = as_tensor(x, who)
@@ -178,11 +191,12 @@ def _as_routing(x, layout: ModelShape, who: str, max_rows: int | None = None) ->
             f"256 experts and this model has num_experts={E}; the routing comes from a model "
             f"with more experts, or was widened on the way (pass it as it came, or convert it "
             f"to a signed type)")
-    if t.dtype == torch.uint8 and E > 256:
+    if t.dtype == torch.uint8 and E > 256 and not narrowed:
         raise RoutingMismatchError(
             f"{who}: routing arrived as uint8, which cannot hold the expert ids of a model "
             f"with num_experts={E} (vLLM sends uint16 above 256 experts); it was narrowed on "
-            f"the way or comes from another model")
+            f"the way or comes from another model (pass narrowed=True if the sender narrowed "
+            f"it losslessly by its largest id, as SkyRL does)")
     return t
 
 
@@ -237,6 +251,8 @@ def vllm_sequences(
     prefix_routing: Sequence[Any | None] | None = None,
     omitted: str = "error",
     allow_missing: bool = False,
+    narrowed: bool = False,
+    truncated: Sequence[bool] | None = None,
 ) -> list[SequenceRouting]:
     """Per-request routing from vLLM (forms and refusals: the module docstring).
 
@@ -248,6 +264,7 @@ def vllm_sequences(
     has it (an earlier request over the same prefix, sliced to those rows), in any form of
     a single payload. `omitted`: what to do with omitted rows nobody supplied: "error"
     (default) or "mask" (-1, replay_mask False: those tokens keep native top-k).
+    `narrowed`, `truncated[i]`: payloads re-encoded by the sender (module docstring).
     """
     who = "vllm routed_experts"
     if omitted not in OMITTED:
@@ -257,7 +274,8 @@ def vllm_sequences(
         raise RoutingMismatchError(f"{who}: {len(prompt_lens)} prompt lengths but "
                                    f"{len(response_lens)} response lengths")
     check_batch(routed_experts, B, who, allow_missing)
-    for name, opt in (("prompt_starts", prompt_starts), ("prefix_routing", prefix_routing)):
+    for name, opt in (("prompt_starts", prompt_starts), ("prefix_routing", prefix_routing),
+                      ("truncated", truncated)):
         if opt is not None and len(opt) != B:
             raise RoutingMismatchError(f"{who}: {name} has {len(opt)} entries but the batch "
                                        f"has {B} requests")
@@ -284,13 +302,16 @@ def vllm_sequences(
                                            f"the request is a single payload")
             # vLLM clamps the start to the prompt length (aux_output_connector/connector.py)
             turns = [(r, P + G, min(int(st or 0), P))]
+        cut = truncated is not None and bool(truncated[i])
         for j, (payload, seq_len, start) in enumerate(turns):
             tw = f"request {i} turn {j}"
-            t = _as_routing(payload, layout, tw, max_rows=max(seq_len, 0))
-            want = seq_len - 1 - start
+            t = _as_routing(payload, layout, tw, max_rows=max(seq_len, 0), narrowed=narrowed)
+            last = cut and j == len(turns) - 1  # a truncated response: one more row
+            want = seq_len - 1 - start + last
             if t.dim() == 3 and t.shape[0] != want:
                 what = ("prompt_len + response_len - 1" if len(turns) == 1
-                        else "seq_len - 1") + (" - prompt_start" if start else "")
+                        else "seq_len - 1") + (" - prompt_start" if start else "") + (
+                        " + 1 (truncated)" if last else "")
                 lens = (f"prompt_len={P}, response_len={G}" if len(turns) == 1
                         else f"seq_len={seq_len}")
                 raise RoutingMismatchError(
@@ -303,7 +324,7 @@ def vllm_sequences(
                 gap = (acc.rows, start)
                 if j == 0 and pre is not None:
                     pw = f"request {i} prefix_routing"
-                    p = _as_routing(pre, layout, pw, max_rows=max(start, 0))
+                    p = _as_routing(pre, layout, pw, max_rows=max(start, 0), narrowed=narrowed)
                     if p.dim() == 3 and p.shape[0] != start - acc.rows:
                         raise RoutingMismatchError(
                             f"{pw}: has {p.shape[0]} token rows but the request omitted rows "
@@ -324,8 +345,12 @@ def vllm_sequences(
                         f"Supply them (prefix_routing[{i}], or the earlier turn as a multi-turn "
                         f"entry), or pass omitted='mask' to run those tokens with native top-k"
                         f"; they are never zero-filled")
-            acc.add_turn(t, seq_len, start)
-        out.append(acc.sequence(P + G))
+            acc.add_turn(t, seq_len + last, start)
+        if cut:  # every token has a route: no final row without one
+            seq = acc.sequence(P + G + 1)
+            out.append(SequenceRouting(seq.indices[:-1], seq.mask[:-1], seq.mapping))
+        else:
+            out.append(acc.sequence(P + G))
     return out
 
 
@@ -353,9 +378,11 @@ def _turns(r: list, st, i: int) -> list[tuple[Any, int, int]]:
 
 def vllm_batch(routed_experts, prompt_lens, response_lens, layout, *, layout_kind="padded",
                max_prompt_len=None, max_response_len=None, prompt_starts=None,
-               prefix_routing=None, omitted="error", allow_missing=False) -> ReplayBatch:
+               prefix_routing=None, omitted="error", allow_missing=False, narrowed=False,
+               truncated=None) -> ReplayBatch:
     """`vllm_sequences` then `pack_padded` (layout_kind="padded") or `pack_thd` ("thd")."""
     seqs = vllm_sequences(routed_experts, prompt_lens, response_lens, layout,
                           prompt_starts=prompt_starts, prefix_routing=prefix_routing,
-                          omitted=omitted, allow_missing=allow_missing)
+                          omitted=omitted, allow_missing=allow_missing, narrowed=narrowed,
+                          truncated=truncated)
     return pack(seqs, prompt_lens, layout_kind, max_prompt_len, max_response_len)
