@@ -3,13 +3,26 @@
 #   make demo   installs what the demo needs and runs it on CPU
 PY ?= python3
 # A CPU build of torch is pinned for machines that have no torch yet. A torch that is
-# already installed (for example a CUDA build) is kept as long as it is supported (2.13 or
-# newer; `make test` builds and tests against both 2.13.0 and 2.14.1).
+# already installed (for example a CUDA build) is kept as long as it is supported (the
+# floor of pyproject.toml's [tool.replay_ops] torch range, 2.11; `make test` builds and
+# tests against 2.13.0, 2.11.0 and 2.14.1).
 TORCH_SPEC ?= torch==2.13.0
-TORCH_MIN ?= 2.13
-# The other end of the supported range, a CUDA 13 build, for the CUDA build job of `make
-# test` (.ci/cuda_build_job.sh), in its own venv under build/cuda-job/.
+TORCH_MIN ?= $(shell sed -n 's/^torch *= *">=\([0-9.]*\).*/\1/p' pyproject.toml)
+# The top of the supported range, a CUDA 13 build, for the CUDA build job of `make test`
+# (.ci/cuda_build_job.sh), in its own venv under build/cuda-job/.
 CUDA_TORCH ?= torch==2.14.1
+# The floor of the range, the GPU machines' torch (2.11.0+cu130; PyPI's Linux wheel is that
+# CUDA 13 build), for the same job in build/cuda-job-2.11/: built for sm_90 only (what the
+# GPU machines run), installed, checked, and the ops' CPU suite run on it.
+FLOOR_TORCH ?= torch==2.11.0
+FLOOR_JOB_DIR = build/cuda-job-2.11
+# The oldest supported Triton (pyproject.toml's [tool.replay_ops] triton, the GPU machines'
+# Triton), in its own folder (--target, no dependencies, put first on PYTHONPATH): the
+# Triton compile check and the Triton kernel tests (interpreter) run under it as well as
+# under the installed Triton.
+TRITON_FLOOR ?= 3.6.0
+TRITON_FLOOR_DIR = build/triton-$(TRITON_FLOOR)
+TRITON_FLOOR_ENV = PYTHONPATH=$(CURDIR)/$(TRITON_FLOOR_DIR)$${PYTHONPATH:+:$$PYTHONPATH}
 PIP = $(PY) -m pip install --quiet --disable-pip-version-check
 
 .PHONY: install-torch install install-test install-vllm test test-vllm test-gpu gpu-check demo bench clean check-cuda score-header mutate test-cuda-build
@@ -20,7 +33,7 @@ install-torch:
 		|| $(PIP) "$(TORCH_SPEC)"
 
 install: install-torch
-	$(PIP) triton numpy pyyaml omegaconf safetensors tqdm matplotlib "transformers>=5.0" zstandard
+	$(PIP) "triton>=$(TRITON_FLOOR)" numpy pyyaml omegaconf safetensors tqdm matplotlib "transformers>=5.0" zstandard
 	$(PIP) --no-build-isolation -e .
 
 # The real clients the suite runs against, pinned, without their optional extras:
@@ -64,9 +77,19 @@ check-cuda:
 # precise math, fp fusion set, 64-bit stride products. Nothing cached; ~2 minutes on 2 cores.
 # `make test` writes its table under build/; the committed table in bench/results/ comes
 # from `python3 tools/triton_compile_check.py` (its default output).
-.PHONY: check-triton
-check-triton:
+#
+# The same check under the oldest supported Triton (TRITON_FLOOR, the GPU machines' 3.6.0),
+# installed once into $(TRITON_FLOOR_DIR) (about 640 MB, 90 s measured; kept while it holds
+# that version) and put first on PYTHONPATH: Triton 3.6 compiles what the launchers launch.
+.PHONY: check-triton install-triton-floor
+install-triton-floor:
+	@PYTHONPATH=$(CURDIR)/$(TRITON_FLOOR_DIR) $(PY) -c "import triton, sys; sys.exit(triton.__version__ != '$(TRITON_FLOOR)')" 2>/dev/null \
+		|| { rm -rf $(TRITON_FLOOR_DIR) && $(PIP) --no-deps --target $(TRITON_FLOOR_DIR) "triton==$(TRITON_FLOOR)"; }
+	@echo "triton $(TRITON_FLOOR) in $(TRITON_FLOOR_DIR)"
+check-triton: install-triton-floor
 	$(PY) tools/triton_compile_check.py --out build/triton_compile_sm80_sm90
+	$(TRITON_FLOOR_ENV) $(PY) tools/triton_compile_check.py \
+		--out build/triton$(TRITON_FLOOR)_compile_sm80_sm90
 
 # The whole suite with the pinned megatron-core, then the Megatron and verl tests again
 # with the newest megatron-core. A client that does not import fails the run (no skip).
@@ -78,16 +101,26 @@ VLLM_PYTEST = REPLAY_OPS_REQUIRE_CLIENTS=1 REPLAY_OPS_VLLM_VENV=$(abspath $(VLLM
 	$(PY) -m pytest -q $(VLLM_TESTS)
 CUDA_JOB_ENV = PY=$(PY) CUDA_TORCH="$(CUDA_TORCH)"
 CUDA_JOB = $(CUDA_JOB_ENV) .ci/cuda_build_job.sh
+# The floor's job: torch 2.11.0 (CUDA 13.0), sm_90 only, the same steps.
+FLOOR_JOB_ENV = PY=$(PY) CUDA_TORCH="$(FLOOR_TORCH)" CUDA_JOB_DIR=$(FLOOR_JOB_DIR) \
+	CUDA_JOB_ARCHS="9.0"
+FLOOR_JOB = $(FLOOR_JOB_ENV) .ci/cuda_build_job.sh
+# The Triton kernels' tests (interpreter) under the floor Triton as well.
+TRITON_TESTS = tests/test_triton_kernels.py
 test: install-test install-vllm check-cuda check-triton
-	@mkdir -p build/cuda-job && rm -f build/cuda-job/build-phase.rc build/cuda-job/build-phase.log
-	@( $(CUDA_JOB_ENV) nice -n 10 .ci/cuda_build_job.sh build > build/cuda-job/build-phase.log 2>&1; echo $$? > build/cuda-job/build-phase.rc ) & \
-		echo "cuda-job: building the CUDA wheel in the background (build/cuda-job/build-phase.log)"
+	@mkdir -p build/cuda-job $(FLOOR_JOB_DIR) && rm -f build/cuda-job/build-phase.rc \
+		build/cuda-job/build-phase.log $(FLOOR_JOB_DIR)/build-phase.rc $(FLOOR_JOB_DIR)/build-phase.log
+	@( $(CUDA_JOB_ENV) nice -n 10 .ci/cuda_build_job.sh build > build/cuda-job/build-phase.log 2>&1; echo $$? > build/cuda-job/build-phase.rc; \
+	   $(FLOOR_JOB_ENV) nice -n 10 .ci/cuda_build_job.sh build > $(FLOOR_JOB_DIR)/build-phase.log 2>&1; echo $$? > $(FLOOR_JOB_DIR)/build-phase.rc ) & \
+		echo "cuda-job: building the CUDA wheels (torch 2.14.1, then 2.11.0) in the background (build/cuda-job*/build-phase.log)"
 	REPLAY_OPS_REQUIRE_CLIENTS=1 $(PY) -m pytest -q tests --ignore=$(VLLM_TESTS)
+	$(TRITON_FLOOR_ENV) $(PY) -m pytest -q $(TRITON_TESTS)
 	$(VLLM_PYTEST)
 	REPLAY_OPS_REQUIRE_CLIENTS=1 REPLAY_OPS_EXPECT_MCORE=$(MCORE_NEW) \
 		PYTHONPATH=$(CURDIR)/$(MCORE_NEW_DIR)$${PYTHONPATH:+:$$PYTHONPATH} \
 		$(PY) -m pytest -q $(CLIENT_TESTS)
 	$(CUDA_JOB) wait
+	$(FLOOR_JOB) wait
 
 # The CUDA build job (no GPU needed): under $(CUDA_TORCH), a CUDA build of torch in
 # build/cuda-job/venv, a wheel with the CUDA kernels for sm_80 and sm_90 is built, installed
@@ -98,6 +131,7 @@ test: install-test install-vllm check-cuda check-triton
 # background before the main suite and runs the checks at the end.
 test-cuda-build:
 	$(CUDA_JOB)
+	$(FLOOR_JOB)
 
 # R3 against a real vLLM: two small checkpoints, one behind vLLM's server, one through vLLM in
 # process, started at once (about 2 minutes on 2 cores).
