@@ -145,25 +145,35 @@ GPU_PYTEST_ARGS ?=
 test-gpu:
 	$(PY) -m pytest -q -m gpu $(GPU_PYTEST_ARGS) tests
 
-# On a GPU machine, offline, within 25 minutes on one H100: build the CUDA extension, run
-# make test-gpu, the compute-sanitizer runs, bench/bench_all.py and bench/bench_megatron.py
-# with --device cuda, each under a time limit; writes bench/results/<device>.md and the logs (tools/gpu_check.py --help).
-GPU_CHECK_ARGS ?=
+# On a GPU machine, offline, within 8 minutes (tools/gpu_run.sh; its header lists the
+# steps): build the CUDA extension for sm_90 with every core, the GPU tests, a
+# compute-sanitizer subset, bench/bench_all.py, bench/bench_hf.py and bench/bench_megatron.py
+# with --device cuda, each under a time limit; writes $(GPU_OUT)/summary.md, summary.json and
+# logs/<step>.log, and prints the table. The wheels in .whl/ (make gpu-wheels) are installed
+# offline where the machine lacks the package. `make gpu-check GPU_RUN_ARGS=--dry-run` on any
+# machine prints the commands and rehearses the build with the local torch.
+GPU_OUT ?= $(if $(OUT),$(OUT),build/gpu_run)
+GPU_RUN_ARGS ?=
 gpu-check:
-	$(PY) tools/gpu_check.py $(GPU_CHECK_ARGS)
+	OUT="$(GPU_OUT)" PY=$(PY) tools/gpu_run.sh $(GPU_RUN_ARGS)
 
-# On a machine with network, for a GPU machine without it: the wheels the GPU steps need and
-# a CUDA image usually lacks (megatron-core, pinned, for the megatron step), for that
-# machine's Python (GPU_PYTHON), into GPU_WHEELS. There: make gpu-check
-# GPU_CHECK_ARGS="--wheels build/gpu_wheels".
+# On a machine with network, for a GPU machine without it: the wheels the GPU run needs and
+# a CUDA image may lack, pinned, for that machine's Python (GPU_PYTHON), into GPU_WHEELS
+# (.whl/, git-ignored: it travels with the tree where the tree is copied with its ignored
+# .whl/ folder). megatron-core (--no-deps) for the megatron step; ninja for a parallel
+# build; pytest, hypothesis and zstandard (and their dependencies) so that every test
+# module collects. About 10 MiB.
 GPU_PYTHON ?= 3.12
-GPU_WHEELS ?= build/gpu_wheels
+GPU_WHEELS ?= .whl
+GPU_WHEEL_PINS = "megatron-core==$(MCORE_PIN)" ninja==1.13.2 pytest==9.2.0 iniconfig==2.3.1 \
+	pluggy==1.7.0 packaging==26.4 hypothesis==6.170.17 attrs==26.1.0 sortedcontainers==2.4.0 \
+	zstandard==0.25.0
 .PHONY: gpu-wheels
 gpu-wheels:
 	$(PY) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
 		--python-version $(GPU_PYTHON) --implementation cp --platform manylinux_2_28_x86_64 \
 		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d $(GPU_WHEELS) \
-		"megatron-core==$(MCORE_PIN)"
+		$(GPU_WHEEL_PINS)
 	@ls -l $(GPU_WHEELS)
 
 demo: install
