@@ -86,9 +86,11 @@ else
     "$PY" -m venv "$VENV"
     "$VPY" -m pip install "${PIP_Q[@]}" "$CUDA_TORCH"
   fi
-  # the build tools and the suite's light dependencies (a no-op when present)
-  "$VPY" -m pip install "${PIP_Q[@]}" "setuptools>=70" wheel ninja numpy zstandard pytest \
-      hypothesis pyyaml omegaconf safetensors
+  # the build tools and the suite's light dependencies (a no-op when present), resolved
+  # together with the torch pin so that its own pins hold (torch 2.11 asks setuptools<82;
+  # a newer setuptools makes the wheel's --no-index install below fail)
+  "$VPY" -m pip install "${PIP_Q[@]}" "$CUDA_TORCH" "setuptools>=70" wheel ninja numpy \
+      zstandard pytest hypothesis pyyaml omegaconf safetensors
   "$VPY" -c "import torch, sys; assert torch.version.cuda, 'not a CUDA build: ' + torch.__version__; print('cuda-job: venv torch', torch.__version__, 'CUDA', torch.version.cuda)"
   elapsed "venv" $t
 
