@@ -3,13 +3,27 @@
 #   make demo   installs what the demo needs and runs it on CPU
 PY ?= python3
 # A CPU build of torch is pinned for machines that have no torch yet. A torch that is
-# already installed (for example a CUDA build) is kept as long as it is supported (2.13 or
-# newer; `make test` builds and tests against both 2.13.0 and 2.14.1).
+# already installed (for example a CUDA build) is kept as long as it is supported (the
+# floor of pyproject.toml's [tool.replay_ops] torch range, 2.11; `make test` builds and
+# tests against 2.13.0, 2.11.0 and 2.14.1).
 TORCH_SPEC ?= torch==2.13.0
-TORCH_MIN ?= 2.13
-# The other end of the supported range, a CUDA 13 build, for the CUDA build job of `make
-# test` (.ci/cuda_build_job.sh), in its own venv under build/cuda-job/.
+TORCH_MIN ?= $(shell sed -n 's/^torch *= *">=\([0-9.]*\).*/\1/p' pyproject.toml)
+# The top of the supported range, a CUDA 13 build, for the CUDA build job of `make test`
+# (.ci/cuda_build_job.sh), in its own venv under build/cuda-job/.
 CUDA_TORCH ?= torch==2.14.1
+# The floor of the range, the GPU machines' torch (2.11.0+cu130; PyPI's Linux wheel is that
+# CUDA 13 build), for the same job in build/cuda-job-2.11/: built for sm_90 only (what the
+# GPU machines run), installed, checked, and the ops' CPU suite run on it.
+FLOOR_TORCH ?= torch==2.11.0
+FLOOR_JOB_DIR = build/cuda-job-2.11
+# The oldest supported Triton (pyproject.toml's [tool.replay_ops] triton, the GPU machines'
+# Triton), in its own folder (--target, no dependencies, put first on PYTHONPATH): the
+# Triton compile check and the Triton kernel tests (interpreter) run under it as well as
+# under the installed Triton.
+TRITON_FLOOR ?= 3.6.0
+TRITON_FLOOR_DIR = build/triton-$(TRITON_FLOOR)
+TRITON_FLOOR_SPILL_BUDGET ?= 160
+TRITON_FLOOR_ENV = PYTHONPATH=$(CURDIR)/$(TRITON_FLOOR_DIR)$${PYTHONPATH:+:$$PYTHONPATH}
 PIP = $(PY) -m pip install --quiet --disable-pip-version-check
 
 .PHONY: install-torch install install-test install-vllm install-sglang test test-vllm test-sglang test-gpu gpu-check demo bench clean check-cuda score-header mutate test-cuda-build
@@ -20,7 +34,7 @@ install-torch:
 		|| $(PIP) "$(TORCH_SPEC)"
 
 install: install-torch
-	$(PIP) triton numpy pyyaml omegaconf safetensors tqdm matplotlib "transformers>=5.0" zstandard
+	$(PIP) "triton>=$(TRITON_FLOOR)" numpy pyyaml omegaconf safetensors tqdm matplotlib "transformers>=5.0" zstandard
 	$(PIP) --no-build-isolation -e .
 
 # The real clients the suite runs against, pinned, without their optional extras:
@@ -92,9 +106,22 @@ check-cuda:
 # precise math, fp fusion set, 64-bit stride products. Nothing cached; ~2 minutes on 2 cores.
 # `make test` writes its table under build/; the committed table in bench/results/ comes
 # from `python3 tools/triton_compile_check.py` (its default output).
-.PHONY: check-triton
-check-triton:
+#
+# The same check under the oldest supported Triton (TRITON_FLOOR, the GPU machines' 3.6.0),
+# installed once into $(TRITON_FLOOR_DIR) (about 640 MB, 90 s measured; kept while it holds
+# that version) and put first on PYTHONPATH: Triton 3.6 compiles what the launchers launch,
+# for sm_90 (the GPU machines' H100 / H200; 359 compiles). Its register allocation spills
+# more than 3.9's in 5 of them (12 to 140 bytes, the largest tiles), so its spill budget is
+# TRITON_FLOOR_SPILL_BUDGET; every other rule is the same.
+.PHONY: check-triton install-triton-floor
+install-triton-floor:
+	@PYTHONPATH=$(CURDIR)/$(TRITON_FLOOR_DIR) $(PY) -c "import triton, sys; sys.exit(triton.__version__ != '$(TRITON_FLOOR)')" 2>/dev/null \
+		|| { rm -rf $(TRITON_FLOOR_DIR) && $(PIP) --no-deps --target $(TRITON_FLOOR_DIR) "triton==$(TRITON_FLOOR)"; }
+	@echo "triton $(TRITON_FLOOR) in $(TRITON_FLOOR_DIR)"
+check-triton: install-triton-floor
 	$(PY) tools/triton_compile_check.py --out build/triton_compile_sm80_sm90
+	$(TRITON_FLOOR_ENV) $(PY) tools/triton_compile_check.py --archs 90 \
+		--budget $(TRITON_FLOOR_SPILL_BUDGET) --out build/triton$(TRITON_FLOOR)_compile_sm90
 
 # The whole suite with the pinned megatron-core, then the Megatron and verl tests again
 # with the newest megatron-core. A client that does not import fails the run (no skip).
@@ -110,18 +137,28 @@ SGLANG_PYTEST = REPLAY_OPS_REQUIRE_CLIENTS=1 REPLAY_OPS_SGLANG_VENV=$(abspath $(
 	$(PY) -m pytest -q $(SGLANG_TESTS)
 CUDA_JOB_ENV = PY=$(PY) CUDA_TORCH="$(CUDA_TORCH)"
 CUDA_JOB = $(CUDA_JOB_ENV) .ci/cuda_build_job.sh
+# The floor's job: torch 2.11.0 (CUDA 13.0), sm_90 only, the same steps.
+FLOOR_JOB_ENV = PY=$(PY) CUDA_TORCH="$(FLOOR_TORCH)" CUDA_JOB_DIR=$(FLOOR_JOB_DIR) \
+	CUDA_JOB_ARCHS="9.0"
+FLOOR_JOB = $(FLOOR_JOB_ENV) .ci/cuda_build_job.sh
+# The Triton kernels' tests (interpreter) under the floor Triton as well.
+TRITON_TESTS = tests/test_triton_kernels.py
 test: install-test install-vllm install-sglang check-cuda check-triton
-	@mkdir -p build/cuda-job && rm -f build/cuda-job/build-phase.rc build/cuda-job/build-phase.log
-	@( $(CUDA_JOB_ENV) nice -n 10 .ci/cuda_build_job.sh build > build/cuda-job/build-phase.log 2>&1; echo $$? > build/cuda-job/build-phase.rc ) & \
-		echo "cuda-job: building the CUDA wheel in the background (build/cuda-job/build-phase.log)"
+	@mkdir -p build/cuda-job $(FLOOR_JOB_DIR) && rm -f build/cuda-job/build-phase.rc \
+		build/cuda-job/build-phase.log $(FLOOR_JOB_DIR)/build-phase.rc $(FLOOR_JOB_DIR)/build-phase.log
+	@( $(CUDA_JOB_ENV) nice -n 10 .ci/cuda_build_job.sh build > build/cuda-job/build-phase.log 2>&1; echo $$? > build/cuda-job/build-phase.rc; \
+	   $(FLOOR_JOB_ENV) nice -n 10 .ci/cuda_build_job.sh build > $(FLOOR_JOB_DIR)/build-phase.log 2>&1; echo $$? > $(FLOOR_JOB_DIR)/build-phase.rc ) & \
+		echo "cuda-job: building the CUDA wheels (torch 2.14.1, then 2.11.0) in the background (build/cuda-job*/build-phase.log)"
 	REPLAY_OPS_REQUIRE_CLIENTS=1 $(PY) -m pytest -q tests --ignore=$(VLLM_TESTS) \
 		--ignore=$(SGLANG_TESTS)
+	$(TRITON_FLOOR_ENV) $(PY) -m pytest -q $(TRITON_TESTS)
 	$(VLLM_PYTEST)
 	$(SGLANG_PYTEST)
 	REPLAY_OPS_REQUIRE_CLIENTS=1 REPLAY_OPS_EXPECT_MCORE=$(MCORE_NEW) \
 		PYTHONPATH=$(CURDIR)/$(MCORE_NEW_DIR)$${PYTHONPATH:+:$$PYTHONPATH} \
 		$(PY) -m pytest -q $(CLIENT_TESTS)
 	$(CUDA_JOB) wait
+	$(FLOOR_JOB) wait
 
 # The CUDA build job (no GPU needed): under $(CUDA_TORCH), a CUDA build of torch in
 # build/cuda-job/venv, a wheel with the CUDA kernels for sm_80 and sm_90 is built, installed
@@ -132,6 +169,7 @@ test: install-test install-vllm install-sglang check-cuda check-triton
 # background before the main suite and runs the checks at the end.
 test-cuda-build:
 	$(CUDA_JOB)
+	$(FLOOR_JOB)
 
 # R3 against a real vLLM: two small checkpoints, one behind vLLM's server, one through vLLM in
 # process, started at once (about 2 minutes on 2 cores).
@@ -150,25 +188,35 @@ GPU_PYTEST_ARGS ?=
 test-gpu:
 	$(PY) -m pytest -q -m gpu $(GPU_PYTEST_ARGS) tests
 
-# On a GPU machine, offline, within 25 minutes on one H100: build the CUDA extension, run
-# make test-gpu, the compute-sanitizer runs, bench/bench_all.py and bench/bench_megatron.py
-# with --device cuda, each under a time limit; writes bench/results/<device>.md and the logs (tools/gpu_check.py --help).
-GPU_CHECK_ARGS ?=
+# On a GPU machine, offline, within 8 minutes (tools/gpu_run.sh; its header lists the
+# steps): build the CUDA extension for sm_90 with every core, the GPU tests, a
+# compute-sanitizer subset, bench/bench_all.py, bench/bench_hf.py and bench/bench_megatron.py
+# with --device cuda, each under a time limit; writes $(GPU_OUT)/summary.md, summary.json and
+# logs/<step>.log, and prints the table. The wheels in .whl/ (make gpu-wheels) are installed
+# offline where the machine lacks the package. `make gpu-check GPU_RUN_ARGS=--dry-run` on any
+# machine prints the commands and rehearses the build with the local torch.
+GPU_OUT ?= $(if $(OUT),$(OUT),build/gpu_run)
+GPU_RUN_ARGS ?=
 gpu-check:
-	$(PY) tools/gpu_check.py $(GPU_CHECK_ARGS)
+	OUT="$(GPU_OUT)" PY=$(PY) tools/gpu_run.sh $(GPU_RUN_ARGS)
 
-# On a machine with network, for a GPU machine without it: the wheels the GPU steps need and
-# a CUDA image usually lacks (megatron-core, pinned, for the megatron step), for that
-# machine's Python (GPU_PYTHON), into GPU_WHEELS. There: make gpu-check
-# GPU_CHECK_ARGS="--wheels build/gpu_wheels".
+# On a machine with network, for a GPU machine without it: the wheels the GPU run needs and
+# a CUDA image may lack, pinned, for that machine's Python (GPU_PYTHON), into GPU_WHEELS
+# (.whl/, git-ignored: it travels with the tree where the tree is copied with its ignored
+# .whl/ folder). megatron-core (--no-deps) for the megatron step; ninja for a parallel
+# build; pytest, hypothesis and zstandard (and their dependencies) so that every test
+# module collects. About 10 MiB.
 GPU_PYTHON ?= 3.12
-GPU_WHEELS ?= build/gpu_wheels
+GPU_WHEELS ?= .whl
+GPU_WHEEL_PINS = "megatron-core==$(MCORE_PIN)" ninja==1.13.2 pytest==9.2.0 iniconfig==2.3.1 \
+	pluggy==1.7.0 packaging==26.4 hypothesis==6.170.17 attrs==26.1.0 sortedcontainers==2.4.0 \
+	zstandard==0.25.0
 .PHONY: gpu-wheels
 gpu-wheels:
 	$(PY) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
 		--python-version $(GPU_PYTHON) --implementation cp --platform manylinux_2_28_x86_64 \
 		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d $(GPU_WHEELS) \
-		"megatron-core==$(MCORE_PIN)"
+		$(GPU_WHEEL_PINS)
 	@ls -l $(GPU_WHEELS)
 
 demo: install

@@ -14,7 +14,8 @@ Native extension `replay_ops._C` (sources in `csrc/`, see docs/native.md):
   fails with the reason when it cannot be done). TORCH_CUDA_ARCH_LIST is respected; when it
   is unset, "8.0;9.0+PTX" is used.
 * The C++ standard is the one the installed torch's headers require (C++17 up to torch 2.13,
-  C++20 from 2.14), read from `ATen/ATen.h`, for g++ and nvcc alike.
+  C++20 from 2.14; torch 2.11 asks for C++17), read from `ATen/ATen.h`, for g++ and nvcc
+  alike.
 * The CUDA toolkit is found where `bin/nvcc` and `include/cuda_runtime.h` sit together:
   $CUDA_HOME, $CUDA_PATH, the toolkit the `nvcc` on PATH runs (also when that `nvcc` is a
   wrapper script outside the toolkit), then /usr/local/cuda.
@@ -24,7 +25,8 @@ Native extension `replay_ops._C` (sources in `csrc/`, see docs/native.md):
   versions named (replay_ops/_extension.py). Every build that compiles the library (a
   wheel, an editable or a plain install) pins that torch release in its metadata and
   carries it in its version's local label, e.g. 0.1.0+pt2.14.1cu130; without the library
-  (REPLAY_OPS_NATIVE=0) the package asks for torch>=2.13.
+  (REPLAY_OPS_NATIVE=0) the package asks for the declared range (pyproject.toml's
+  [tool.replay_ops]: torch>=2.11,<2.15; the `triton` extra asks for triton>=3.6).
 """
 import os
 import re
@@ -55,12 +57,14 @@ DEFAULT_CUDA_ARCH_LIST = "8.0;9.0+PTX"
 VERSION = "0.1.0"
 
 
-def _supported_torch():
-    """The supported torch range, from pyproject.toml's [tool.replay_ops] torch = "..."."""
+def _declared(name):
+    """A supported range from pyproject.toml's [tool.replay_ops] (torch = "...", triton =
+    "..."), the one place it is declared."""
     text = open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8").read()
-    m = re.search(r'^\[tool\.replay_ops\][^\[]*?^torch\s*=\s*"([^"]+)"', text, re.M | re.S)
+    m = re.search(r'^\[tool\.replay_ops\][^\[]*?^' + name + r'\s*=\s*"([^"]+)"', text,
+                  re.M | re.S)
     if not m:
-        raise SystemExit("setup.py: pyproject.toml has no [tool.replay_ops] torch = \"...\"")
+        raise SystemExit(f"setup.py: pyproject.toml has no [tool.replay_ops] {name} = \"...\"")
     return m.group(1)
 
 
@@ -83,7 +87,8 @@ def _in_range(version, spec):
     return True
 
 
-TORCH_RANGE = _supported_torch()
+TORCH_RANGE = _declared("torch")
+TRITON_RANGE = _declared("triton")
 GENERATED = os.path.join(ROOT, "build", "generated")
 
 
@@ -316,7 +321,7 @@ setup(
     python_requires=">=3.10",
     install_requires=requires,
     extras_require={
-        "triton": ["triton"],
+        "triton": [f"triton{TRITON_RANGE}"],
         "replay": ["omegaconf", "pyyaml", "safetensors"],
         "demo": ["tqdm", "matplotlib"],
         "test": ["pytest", "hypothesis"],

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The CUDA build job of `make test`: what a GPU user's `pip install` does, on a machine
-# without a GPU.
+# without a GPU. `make test` runs it twice, for both ends of the supported torch range:
+# torch 2.14.1 in build/cuda-job/ (sm_80 and sm_90), and the floor, torch 2.11.0 (the GPU
+# machines' torch), in build/cuda-job-2.11/ (CUDA_JOB_DIR; sm_90 only, CUDA_JOB_ARCHS=9.0).
 #
-#   1. a venv under build/cuda-job/ with $CUDA_TORCH (torch==2.14.1, a CUDA 13 build);
+#   1. a venv under $CUDA_JOB_DIR with $CUDA_TORCH (torch==2.14.1, a CUDA 13 build);
 #   2. a wheel of a copy of the tree (`pip wheel --no-build-isolation --no-deps .`) with
 #      REPLAY_OPS_CUDA=1 and TORCH_CUDA_ARCH_LIST="8.0;9.0", the toolkit found by setup.py
 #      itself (CUDA_HOME unset);
@@ -28,7 +30,9 @@ ROOT=$PWD
 PY="${PY:-python3}"
 CUDA_TORCH="${CUDA_TORCH:-torch==2.14.1}"
 ARCHS="${CUDA_JOB_ARCHS:-8.0;9.0}"
-JOB=build/cuda-job
+JOB="${CUDA_JOB_DIR:-build/cuda-job}"
+JOB="${JOB%/}"
+case "$JOB" in build/*) ;; *) echo "cuda-job: CUDA_JOB_DIR must be a folder under build/ ($JOB)"; exit 2;; esac
 VENV=$JOB/venv
 VPY=$ROOT/$VENV/bin/python
 PIP_Q=(--quiet --disable-pip-version-check)
@@ -44,6 +48,7 @@ tests/test_direct_calls.py tests/test_routing_dtypes.py tests/test_scores.py \
 tests/test_device_math.py tests/test_router_replay.py tests/test_replay_files.py \
 tests/test_codec.py"}
 
+want=${CUDA_TORCH#torch==}
 PHASE="${1:-all}"
 case "$PHASE" in all|build|wait) ;; *) echo "cuda-job: unknown phase '$PHASE' (all, build or wait)"; exit 2;; esac
 t_start=$SECONDS
@@ -59,9 +64,9 @@ fi
 SRC=$JOB/src
 DIST=$JOB/dist
 if [[ "$PHASE" == wait ]]; then
-  step "waiting for the background CUDA build (build/cuda-job/build-phase.log)"
+  step "waiting for the background CUDA build ($JOB/build-phase.log)"
   if [[ ! -f "$JOB/build-phase.rc" && ! -f "$JOB/build-phase.log" ]]; then
-    echo "cuda-job: FAIL: no background build was started (.ci/cuda_build_job.sh build)"; exit 1
+    echo "cuda-job: FAIL: no background build was started (CUDA_JOB_DIR=$JOB .ci/cuda_build_job.sh build)"; exit 1
   fi
   for _ in $(seq 1 3600); do [[ -f "$JOB/build-phase.rc" ]] && break; sleep 1; done
   if [[ ! -f "$JOB/build-phase.rc" ]]; then
@@ -74,7 +79,6 @@ if [[ "$PHASE" == wait ]]; then
 else
   # 1. the venv
   t=$SECONDS
-  want=${CUDA_TORCH#torch==}
   have=$("$VPY" -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null || true)
   if [[ "$have" != "$want" ]]; then
     step "creating $VENV with $CUDA_TORCH"
@@ -82,9 +86,11 @@ else
     "$PY" -m venv "$VENV"
     "$VPY" -m pip install "${PIP_Q[@]}" "$CUDA_TORCH"
   fi
-  # the build tools and the suite's light dependencies (a no-op when present)
-  "$VPY" -m pip install "${PIP_Q[@]}" "setuptools>=70" wheel ninja numpy zstandard pytest \
-      hypothesis pyyaml omegaconf safetensors
+  # the build tools and the suite's light dependencies (a no-op when present), resolved
+  # together with the torch pin so that its own pins hold (torch 2.11 asks setuptools<82;
+  # a newer setuptools makes the wheel's --no-index install below fail)
+  "$VPY" -m pip install "${PIP_Q[@]}" "$CUDA_TORCH" "setuptools>=70" wheel ninja numpy \
+      zstandard pytest hypothesis pyyaml omegaconf safetensors
   "$VPY" -c "import torch, sys; assert torch.version.cuda, 'not a CUDA build: ' + torch.__version__; print('cuda-job: venv torch', torch.__version__, 'CUDA', torch.version.cuda)"
   elapsed "venv" $t
 

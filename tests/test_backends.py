@@ -151,3 +151,27 @@ def test_native_without_a_kernel_image_falls_back(monkeypatch):
     runs, skipped = rb.explain("gate_fwd", "cuda", OpShape(8, 16, 2), torch.float32)
     assert runs != "native" and "no kernel image" in skipped["native"]
     monkeypatch.setattr(native, "_image_problems", None)
+
+
+def test_a_triton_below_the_supported_floor_is_refused(monkeypatch):
+    """The Triton backend names both versions when the installed Triton is older than the
+    floor, which is the one pyproject.toml declares and the Makefile tests (TRITON_FLOOR)."""
+    import re
+    from pathlib import Path
+
+    import triton
+
+    from replay_ops.backends import triton as T
+
+    root = Path(__file__).resolve().parents[1]
+    declared = re.search(r'^triton\s*=\s*">=([\d.]+)"', (root / "pyproject.toml").read_text(),
+                         re.M).group(1)
+    assert tuple(int(x) for x in declared.split(".")) == T.MIN_TRITON
+    floor = re.search(r"^TRITON_FLOOR \?= ([\d.]+)", (root / "Makefile").read_text(), re.M)
+    assert floor.group(1).startswith(declared + ".")
+    monkeypatch.setattr(triton, "__version__", "3.5.1")
+    for device in ("cpu", "cuda"):
+        s = T.available(device)
+        assert not s.ok and "Triton 3.5.1 is older than 3.6" in s.reason, s
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    assert T._triton_too_old() is None

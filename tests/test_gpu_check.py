@@ -64,7 +64,8 @@ def test_build_command_is_offline_and_targets_the_device(monkeypatch, tmp_path):
     (install, env), (verify, _) = steps["build"].commands
     assert install == ["/usr/bin/python3", "-m", "pip", "install", "--no-build-isolation",
                        "--no-deps", "--no-index", "-v", "-e", "."]
-    assert env == {"REPLAY_OPS_CUDA": "1", "TORCH_CUDA_ARCH_LIST": "9.0", "MAX_JOBS": "16"}
+    assert env == {"REPLAY_OPS_CUDA": "1", "TORCH_CUDA_ARCH_LIST": "9.0", "MAX_JOBS": "16",
+                   "PIP_BREAK_SYSTEM_PACKAGES": "1"}
     assert verify == ["/usr/bin/python3", "tools/gpu_check.py", "--verify-build"]
     assert all(s.skip is None for s in steps.values()), {n: s.skip for n, s in steps.items()}
     line = gc.shell_line(install, env)
@@ -320,3 +321,126 @@ def test_the_command_line_with_the_gpu_steps_skipped(tmp_path):
     assert out.returncode == 0 and "| git | abc123 (given with --git-sha) |" in (
         tmp_path / "ci.md").read_text()
     assert str(tmp_path / "ci.md") in out.stdout
+
+
+# ----------------------------------------------------------------- tools/gpu_run.sh
+GPU_RUN = ROOT / "tools" / "gpu_run.sh"
+
+
+def test_the_gpu_run_plan_fits_eight_minutes(tmp_path):
+    """tools/gpu_run.sh's plan: every step's limit within the budget, which leaves room for
+    the machine facts and the summary inside 8 minutes; the sanitizer subset; the HF and
+    Megatron benchmarks with one run each; sm_90 only, every core."""
+    assert sum(gc.LIMITS_S.values()) <= gc.BUDGET_S <= 8 * 60 - 15
+    assert gc.STEPS == ("build", "test", "sanitizer", "bench", "hf", "megatron")
+    a = args("--arch", "9.0", "--sanitizer-select", gc.SANITIZER_SUBSET, "--hf-args",
+             "--runs 1", "--megatron-args", "--runs 1", "--workers", "0")
+    steps = by_name(gc.plan_steps(a, facts(), tmp_path, "h100"))
+    assert steps["build"].commands[0][1]["TORCH_CUDA_ARCH_LIST"] == "9.0"
+    (argv, env), = steps["sanitizer"].commands
+    assert f"-k {shlex_quote(gc.SANITIZER_SUBSET)}" in argv[-1]
+    assert env["REPLAY_OPS_SANITIZER_TIMEOUT_S"] == str(gc.LIMITS_S["sanitizer"])
+    (argv, _), = steps["test"].commands
+    assert "-k 'not sanitizer'" in argv[-1] and " -n " not in argv[-1]
+    assert steps["hf"].commands[0][0][1:] == ["bench/bench_hf.py", "--device", "cuda", "--out",
+                                              "h100_hf", "--runs", "1"]
+    assert steps["megatron"].commands[0][0][-2:] == ["--runs", "1"]
+    s = by_name(gc.plan_steps(a, facts(packages=dict(ALL_PACKAGES, transformers=None)),
+                              tmp_path, "h100"))
+    assert s["hf"].skip.startswith("missing Python packages: transformers")
+    text = GPU_RUN.read_text()
+    assert "--arch \"$ARCH\"" in text and 'ARCH="${GPU_RUN_ARCH:-9.0}"' in text
+    assert 'BUDGET_S="${GPU_RUN_BUDGET_S:-480}"' in text and "timeout -k 5" in text
+
+
+def shlex_quote(s):
+    import shlex
+
+    return shlex.quote(s)
+
+
+def test_out_holds_eight_files_at_most(fake_machine, monkeypatch):
+    """--out DIR (what tools/gpu_run.sh passes): DIR/summary.md, DIR/summary.json and one
+    log per step, nothing deeper than DIR/logs/; the rest goes to the work folder."""
+    monkeypatch.setattr(gc, "WORK", fake_machine.path / "work")
+    out = fake_machine.path / "out"
+    rc = gc.main(["--out", str(out), "--quiet"])
+    assert rc == 1
+    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert files == ["logs/bench.log", "logs/build.log", "logs/sanitizer.log", "logs/test.log",
+                     "summary.json", "summary.md"], files
+    md = (out / "summary.md").read_text()
+    assert "Last lines of the log (logs/test.log)" in md
+    assert "Copy bandwidth measured in the same run: 2950.5 GB/s" in md
+    doc = json.loads((out / "summary.json").read_text())
+    assert [s["name"] for s in doc["steps"]] == ["build", "test", "sanitizer", "bench"]
+    assert [s["status"] for s in doc["steps"]] == ["pass", "fail", "timeout", "pass"]
+    assert doc["benchmarks"]["bench"]["copy_bandwidth"]["gbps"] == 2950.5
+    assert (gc.WORK / "state.json").exists() and (gc.WORK / "t_bench.json").exists()
+
+
+def _wheel(folder: Path, name: str) -> Path:
+    """A minimal valid pure-Python wheel of distribution `name` (one module)."""
+    import zipfile
+
+    path = folder / f"{name}-0.1-py3-none-any.whl"
+    files = {f"{name}/__init__.py": "VALUE = 7\n",
+             f"{name}-0.1.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\n"
+                                                "Version: 0.1\n",
+             f"{name}-0.1.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\n"
+                                            "Root-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{k},,\n" for k in files) + f"{name}-0.1.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for k, v in files.items():
+            z.writestr(k, v)
+        z.writestr(f"{name}-0.1.dist-info/RECORD", record)
+    return path
+
+
+def test_carried_wheels_only_fill_what_is_missing(tmp_path):
+    """The wheels are installed offline into their own folder, and only those whose
+    distribution the Python lacks: the machine's own pytest is not replaced."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "replay_ops_probe_pkg")
+    (wheels / "pytest-0.1-py3-none-any.whl").write_bytes(b"not even a zip: never opened")
+    site = tmp_path / "site"
+    path, note = gc.install_wheels(sys.executable, wheels, tmp_path / "logs", site)
+    assert path == str(site), note
+    assert (site / "replay_ops_probe_pkg" / "__init__.py").read_text() == "VALUE = 7\n"
+    assert "replay_ops_probe_pkg-0.1-py3-none-any.whl" in note
+    assert "already installed, not replaced: pytest " in note
+    assert not (site / "pytest").exists()
+    assert gc.wheel_dist("megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl") == \
+        "megatron-core"
+    lines = gc.wheel_plan(wheels)
+    assert lines[0].startswith("2 wheels in ") and not any("NOT FOR" in x for x in lines)
+    (wheels / "x-1.0-cp311-cp311-manylinux_2_17_x86_64.whl").write_bytes(b"")
+    assert any("x-1.0-cp311" in x and "NOT FOR PYTHON 3.12" in x for x in gc.wheel_plan(wheels))
+
+
+def test_gpu_run_dry_run(tmp_path):
+    """`tools/gpu_run.sh --dry-run` (`make gpu-check GPU_RUN_ARGS=--dry-run`) on this CPU
+    machine: every step's command is printed, and the build step's own command runs with
+    this Python's torch in a copy of the tree (CPU kernels only with a CPU torch), then
+    the build's check (a native gate call). Takes as long as a CPU build of the extension."""
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PY=sys.executable)
+    for k in ("TORCH_CUDA_ARCH_LIST", "MAX_JOBS", "TRITON_INTERPRET", "GPU_RUN_BUDGET_S"):
+        env.pop(k, None)
+    out = subprocess.run(["bash", str(GPU_RUN), "--dry-run"], capture_output=True, text=True,
+                         timeout=1500, cwd=tmp_path, env=env)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    for want in ("-m pip install --no-build-isolation --no-deps --no-index -v -e .",
+                 "TORCH_CUDA_ARCH_LIST=9.0", "PIP_BREAK_SYSTEM_PACKAGES=1",
+                 "tools/gpu_check.py --verify-build", "GPU_PYTEST_ARGS=-k 'not sanitizer'",
+                 "bench/bench_all.py --device cuda", "--runs 1",
+                 "bench/bench_hf.py --device cuda", "bench/bench_megatron.py --device cuda",
+                 "native gate ran on the CPU", "rehearsal passed", "===== steps ====="):
+        assert want in text, want
+    assert "test_cuda_compute_sanitizer or (test_gpu_sanitizer_mixed_chain and memcheck)" in text
+    md = (tmp_path / "out" / "summary.md").read_text()
+    assert "| build | PASS |" in md and "| test | skipped |" in md
+    files = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
+    assert len(files) <= 8 and all(len(p.relative_to(tmp_path / "out").parts) <= 2
+                                   for p in files)

@@ -1,30 +1,37 @@
 #!/usr/bin/env python3
-"""Check a GPU machine in one command: `make gpu-check` (this script). Nothing is downloaded.
+"""Check a GPU machine in one command. Nothing is downloaded. `make gpu-check` runs
+tools/gpu_run.sh, which calls this script with the 8-minute plan (--out DIR, sm_90, the
+sanitizer subset, one run per benchmark):
 
-    make gpu-check                                 # every step, 25 minutes at most
-    make gpu-check GPU_CHECK_ARGS="--steps test"   # some steps
+    tools/gpu_run.sh                               # the GPU run, 8 minutes at most
+    tools/gpu_run.sh --dry-run                     # any machine: commands, build rehearsed
+    python tools/gpu_check.py --steps test         # some steps (results add up)
     python tools/gpu_check.py --skip-gpu           # a machine without CUDA: facts and commands
 
-Steps, in order, each under its own time limit (and all of them under --budget, 1500 s):
+Steps, in order, each under its own time limit (and all of them under --budget, 465 s):
 
-  build      (300 s) the CUDA extension, offline:
-             REPLAY_OPS_CUDA=1 TORCH_CUDA_ARCH_LIST=<capability of GPU 0, e.g. 9.0>
+  build      (150 s) the CUDA extension, offline:
+             REPLAY_OPS_CUDA=1 TORCH_CUDA_ARCH_LIST=<--arch, else the capability of GPU 0>
              MAX_JOBS=<cpus> python -m pip install --no-build-isolation --no-deps --no-index -v -e .
              then a native gate call on the GPU (the kernel image loads and runs)
-  test       (480 s) make test-gpu GPU_PYTEST_ARGS="-k 'not sanitizer' -n 4 ..."  (the GPU
-             tests and the rest of the suite on CUDA tensors, without the compute-sanitizer
-             runs; -n: pytest-xdist workers sharing the GPU, where pytest-xdist is installed)
-  sanitizer  (300 s) make test-gpu GPU_PYTEST_ARGS="-k sanitizer -n 3 ..."  (compute-sanitizer
-             memcheck, racecheck, initcheck and synccheck: tests/test_gpu_sanitizer.py and the
-             runs of tests/test_native.py)
-  bench      (270 s) python bench/bench_all.py --device cuda --out <device>_bench  (the speed
-             target shapes; writes bench/results/<device>_bench.{json,md}; --bench-args adds
-             arguments, e.g. "--runs 2")
-  megatron   (150 s) python bench/bench_megatron.py --device cuda --out <device>_megatron
+  test       (150 s) make test-gpu GPU_PYTEST_ARGS="-k 'not sanitizer' ..."  (every gpu-marked
+             test, without the compute-sanitizer runs; -n: pytest-xdist workers sharing the
+             GPU, where pytest-xdist is installed and --workers > 0)
+  sanitizer  (60 s) make test-gpu GPU_PYTEST_ARGS="-k <--sanitizer-select> ..."  (default
+             every compute-sanitizer run: memcheck, racecheck, initcheck and synccheck of
+             tests/test_gpu_sanitizer.py and tests/test_native.py; tools/gpu_run.sh: a subset)
+  bench      (45 s) python bench/bench_all.py --device cuda --out <device>_bench  (the speed
+             target shapes with their baselines; --bench-args adds arguments, e.g. "--runs 1")
+  hf         (30 s) python bench/bench_hf.py --device cuda --out <device>_hf  (a transformers
+             MoE model, R3 against its grouped GEMM; --hf-args)
+  megatron   (30 s) python bench/bench_megatron.py --device cuda --out <device>_megatron
              (Megatron-Core's router and permutation against the replay router and the plan
              dispatcher's calls, in the same run: launches, syncs, bytes and GPU times, with
-             the fast path's targets; needs megatron-core, a --no-deps wheel is enough)
+             the fast path's targets; needs megatron-core, a --no-deps wheel is enough;
+             --megatron-args)
 
+With --out DIR: DIR/summary.md, DIR/summary.json and DIR/logs/<step>.log (8 files at most),
+the rest in build/gpu_run_work/. Without it:
 Output: bench/results/<device>.md, one summary (device, driver, torch / Triton / CUDA
 versions, git SHA, pass or fail and duration of each step, the benchmark table, the last
 lines of each failing step), and the logs in bench/results/gpu_check_logs/ (each capped at
@@ -37,7 +44,7 @@ one summary.
 Exit status: 0 when every selected step passed; 1 when a step failed or ran past its limit
 (after the summary is written); 2 when none failed but a step could not run.
 
-What the GPU machine needs: a CUDA build of torch (2.6 or newer) and the CUDA toolkit that
+What the GPU machine needs: a CUDA build of torch (2.11 or newer) and the CUDA toolkit that
 matches it (nvcc, compute-sanitizer), make, a C++ compiler, Python packages setuptools, pip,
 pytest, numpy, triton and safetensors (the test modules import it); transformers is optional
 (the Hugging Face tests skip without it), ninja makes the build parallel. megatron-core
@@ -53,8 +60,9 @@ for its Python version and platform, for example on a machine with network:
 
 (`--no-deps` fetches none of the package's own requirements: name each missing one too), then
 on the GPU machine `python tools/gpu_check.py --wheels wheels`: the wheels are installed with
-`pip install --no-index --no-deps --target build/gpu_check_site` and that folder is put on
-PYTHONPATH for every step.
+`pip install --no-index --no-deps --target build/gpu_check_site` (only those whose
+distribution the machine lacks) and that folder is put on PYTHONPATH, its bin/ on PATH, for
+every step.
 """
 from __future__ import annotations
 
@@ -78,11 +86,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 LOG_DIR = "gpu_check_logs"
-STEPS = ("build", "test", "sanitizer", "bench", "megatron")
-LIMITS_S = {"build": 300, "test": 480, "sanitizer": 300, "bench": 270,
-            "megatron": 150}  # 1500 s in all
-BUDGET_S = 1500  # 25 minutes on one H100
+STEPS = ("build", "test", "sanitizer", "bench", "hf", "megatron")
+# 465 s in all: tools/gpu_run.sh runs the whole check within 8 minutes of wall time, the
+# machine facts, the wheels and the summary included.
+LIMITS_S = {"build": 150, "test": 150, "sanitizer": 60, "bench": 45, "hf": 30,
+            "megatron": 30}
+BUDGET_S = 465
 MIN_STEP_S = 20  # a step with less time left than this is not started
+# The sanitizer step's default selection (pytest -k): every compute-sanitizer run.
+# tools/gpu_run.sh picks a small subset (SANITIZER_SUBSET).
+SANITIZER_ALL = "sanitizer"
+SANITIZER_SUBSET = ("test_cuda_compute_sanitizer or "
+                    "(test_gpu_sanitizer_mixed_chain and memcheck)")
 PROBE_TIMEOUT_S = 180
 LOG_HEAD, LOG_TAIL = 64 * 1024, 192 * 1024  # bytes of a log that are kept
 TAIL_LINES = 40
@@ -99,7 +114,10 @@ PACKAGES = (
     ("numpy", "numpy", "test, sanitizer, bench: replay_ops' Triton launchers import it"),
     ("triton", "triton", "test, sanitizer, bench: the Triton backend"),
     ("safetensors", "safetensors", "test: tests/test_replay_files.py imports it"),
-    ("transformers", "transformers", "test: the Hugging Face tests (they skip without it)"),
+    ("hypothesis", "hypothesis", "test: property tests (their modules import it)"),
+    ("zstandard", "zstandard", "test: the routing codec (router replay files)"),
+    ("transformers", "transformers", "test: the Hugging Face tests (they skip without it); "
+                                     "hf: bench/bench_hf.py"),
     ("yaml", "pyyaml", "CPU tests only (router replay config)"),
     ("omegaconf", "omegaconf", "CPU tests only (router replay config)"),
     ("megatron.core", "megatron-core", "megatron: bench/bench_megatron.py; the CPU tests"),
@@ -109,6 +127,7 @@ REQUIRED = {
     "test": ("pytest", "numpy"),
     "sanitizer": ("pytest", "numpy"),
     "bench": ("numpy",),
+    "hf": ("numpy", "transformers"),
     "megatron": ("numpy", "pytest", "megatron-core"),  # its Megatron setup imports pytest
 }
 
@@ -166,20 +185,28 @@ def verify_build() -> int:
     import replay_ops
     from replay_ops import _C
 
-    if not _C.WITH_CUDA:
+    if torch.version.cuda is None:  # the rehearsal of --dry-run on a CPU torch
+        print(f"torch {torch.__version__} is a CPU build: CPU kernels only "
+              f"(replay_ops._C.WITH_CUDA = {bool(_C.WITH_CUDA)})")
+        device = "cpu"
+    elif not _C.WITH_CUDA:
         print("replay_ops._C was built without the CUDA kernels")
         return 1
-    print(f"replay_ops._C: CUDA kernels compiled in (E <= {_C.MAX_EXPERTS}, K <= {_C.MAX_TOPK})")
-    if torch.cuda.is_available():
-        logits = torch.randn(6, 8, device="cuda")
-        idx = torch.tensor([[0, 3], [1, -1], [7, 2], [-1, -1], [4, 5], [6, 0]], device="cuda")
+    else:
+        print(f"replay_ops._C: CUDA kernels compiled in (E <= {_C.MAX_EXPERTS}, "
+              f"K <= {_C.MAX_TOPK})")
+        device = "cuda" if torch.cuda.is_available() else None
+    if device is not None:
+        where = torch.cuda.get_device_name(0) if device == "cuda" else "the CPU"
+        logits = torch.randn(6, 8, device=device)
+        idx = torch.tensor([[0, 3], [1, -1], [7, 2], [-1, -1], [4, 5], [6, 0]], device=device)
         got = replay_ops.gate(logits, idx, backend="native").weights
         sel = logits.gather(1, idx.clamp_min(0)).masked_fill(idx < 0, float("-inf"))
         want = torch.softmax(sel, dim=1).nan_to_num(0.0)
         if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
-            print(f"native gate on {torch.cuda.get_device_name(0)}: {got} != {want}")
+            print(f"native gate on {where}: {got} != {want}")
             return 1
-        print(f"native gate ran on {torch.cuda.get_device_name(0)}")
+        print(f"native gate ran on {where}")
     print(f"backends: {replay_ops.backends()['active']}")
     return 0
 
@@ -323,8 +350,10 @@ def shell_line(argv: list, env: dict | None = None) -> str:
 
 def build_commands(py: str, arch: str, jobs: int) -> list:
     """The build step: an offline editable install that must compile the CUDA kernels, then
-    a check that they load and run."""
-    env = {"REPLAY_OPS_CUDA": "1", "TORCH_CUDA_ARCH_LIST": arch, "MAX_JOBS": str(jobs)}
+    a check that they load and run. PIP_BREAK_SYSTEM_PACKAGES: a system Python marked
+    externally managed (PEP 668) takes the editable install too (nothing is downloaded)."""
+    env = {"REPLAY_OPS_CUDA": "1", "TORCH_CUDA_ARCH_LIST": arch, "MAX_JOBS": str(jobs),
+           "PIP_BREAK_SYSTEM_PACKAGES": "1"}
     install = [py, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--no-index",
                "-v", "-e", "."]
     return [(install, env), ([py, "tools/gpu_check.py", "--verify-build"], {})]
@@ -373,17 +402,27 @@ def plan_steps(args, facts: dict, logs: Path, slug: str) -> list[Step]:
              pytest_commands(py, "not sanitizer", logs / f"{slug}.test.junit.xml", use_make,
                              workers["test"]),
              limits["test"], junit=logs / f"{slug}.test.junit.xml"),
-        Step("sanitizer", "compute-sanitizer memcheck, racecheck, initcheck, synccheck",
-             pytest_commands(py, "sanitizer", logs / f"{slug}.sanitizer.junit.xml", use_make,
-                             workers["sanitizer"]),
+        Step("sanitizer", "compute-sanitizer" + (
+                 " memcheck, racecheck, initcheck, synccheck"
+                 if args.sanitizer_select == SANITIZER_ALL
+                 else f" runs selected by -k {shlex.quote(args.sanitizer_select)}"),
+             [(argv, dict(env, REPLAY_OPS_SANITIZER_TIMEOUT_S=str(limits["sanitizer"])))
+              for argv, env in pytest_commands(
+                  py, args.sanitizer_select, logs / f"{slug}.sanitizer.junit.xml", use_make,
+                  workers["sanitizer"])],
              limits["sanitizer"], junit=logs / f"{slug}.sanitizer.junit.xml"),
         Step("bench", "bench/bench_all.py at the speed-target shapes",
              [([py, "bench/bench_all.py", "--device", "cuda", "--out", f"{slug}_bench",
                 *shlex.split(args.bench_args)], {})],
              limits["bench"], bench_stem=f"{slug}_bench"),
+        Step("hf", "bench/bench_hf.py: a transformers MoE model, replayed against its "
+                   "grouped GEMM",
+             [([py, "bench/bench_hf.py", "--device", "cuda", "--out", f"{slug}_hf",
+                *shlex.split(args.hf_args)], {})],
+             limits["hf"], bench_stem=f"{slug}_hf"),
         Step("megatron", "bench/bench_megatron.py: Megatron-Core against the replay router",
              [([py, "bench/bench_megatron.py", "--device", "cuda", "--out",
-                f"{slug}_megatron"], {})],
+                f"{slug}_megatron", *shlex.split(args.megatron_args)], {})],
              limits["megatron"], bench_stem=f"{slug}_megatron"),
     ]
     for s in steps[1:3]:
@@ -427,11 +466,12 @@ def plan_steps(args, facts: dict, logs: Path, slug: str) -> list[Step]:
 
 
 # ---------------------------------------------------------------------------- running
-def run_command(argv, env, timeout: float, log, echo: bool) -> tuple[int | None, bool]:
+def run_command(argv, env, timeout: float, log, echo: bool,
+                cwd: Path = ROOT) -> tuple[int | None, bool]:
     """Run one command in its own process group, its output into `log` (and the console);
     (exit code, timed out). On timeout the whole group is ended: TERM, then KILL."""
     try:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     except OSError as e:
         log.write(f"cannot start {argv[0]}: {e}\n".encode())
@@ -451,7 +491,7 @@ def run_command(argv, env, timeout: float, log, echo: bool) -> tuple[int | None,
         rc = proc.wait(timeout=max(1.0, timeout))
     except subprocess.TimeoutExpired:
         timed_out = True
-        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+        for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
             try:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
@@ -508,7 +548,10 @@ def parse_junit(path: Path) -> dict | None:
     return c
 
 
-def run_step(step: Step, logs: Path, slug: str, time_left: float, echo: bool = True) -> Result:
+def run_step(step: Step, logs: Path, slug: str, time_left: float, echo: bool = True,
+             cwd: Path = ROOT) -> Result:
+    """Run a step's commands in order under its limit (and the time left); `slug` names its
+    log, `<slug>.<step>.log` (`<step>.log` when empty)."""
     n_cmds = len(step.commands)
     res = Result(step.name, step.title, "skipped", limit_s=step.limit_s,
                  commands=[shell_line(a, e) for a, e in step.commands], notes=list(step.notes),
@@ -523,7 +566,7 @@ def run_step(step: Step, logs: Path, slug: str, time_left: float, echo: bool = T
     limit = min(step.limit_s, time_left)
     res.limit_s = int(limit)
     logs.mkdir(parents=True, exist_ok=True)
-    log_path = logs / f"{slug}.{step.name}.log"
+    log_path = logs / (f"{slug}.{step.name}.log" if slug else f"{step.name}.log")
     if step.junit is not None and step.junit.exists():
         step.junit.unlink()
     t0 = time.monotonic()
@@ -535,7 +578,7 @@ def run_step(step: Step, logs: Path, slug: str, time_left: float, echo: bool = T
             log.flush()
             if echo:
                 print(f"[gpu-check {step.name}] $ {shell_line(argv, extra)}", flush=True)
-            rc, timed_out = run_command(argv, step_env(extra), left, log, echo)
+            rc, timed_out = run_command(argv, step_env(extra), left, log, echo, cwd)
             if timed_out:
                 status = "timeout"
                 log.write(f"\n[gpu-check: stopped after the step's limit of {int(limit)} s]\n"
@@ -603,7 +646,10 @@ BENCH_COLS = ("op", "mode", "provider", "T", "E", "K", "H", "dtype", "ms_median"
 MEGATRON_COLS = ("op", "mode", "provider", "T", "E", "dtype", "launches", "syncs", "bytes",
                  "ms_median", "ms_p20", "ms_p80", "speedup_vs_megatron")
 TARGET_COLS = ("case", "target", "value", "bound", "met", "blocking")
+HF_COLS = ("case", "dtype", "provider", "launches", "syncs", "ms_median", "ms_p20", "ms_p80",
+           "time_vs_native_grouped_mm", "launches_vs_native_grouped_mm")
 BENCH_TITLES = {"bench": ("Benchmark", BENCH_COLS),
+                "hf": ("Hugging Face benchmark (grouped GEMM)", HF_COLS),
                 "megatron": ("Megatron-Core benchmark", MEGATRON_COLS)}
 
 
@@ -706,11 +752,12 @@ def render_summary(facts: dict, results: list[Result], meta: dict,
             lines += [f"### {r.name}: {r.status}", ""]
             if r.failed_tests:
                 lines += ["Failed tests:", ""] + [f"- `{t}`" for t in r.failed_tests] + [""]
-            where = f"{LOG_DIR}/{Path(r.log).name}" if r.log else "no log"
+            where = f"{meta.get('log_dir', LOG_DIR)}/{Path(r.log).name}" if r.log else "no log"
             lines += [f"Last lines of the log ({where}):", "", "```"] + r.tail + ["```", ""]
     logs = [r.log for r in results if r.log]
     if logs:
-        lines += ["## Logs", ""] + [f"- {LOG_DIR}/{Path(p).name}" for p in logs] + [""]
+        lines += ["## Logs", ""] + [f"- {meta.get('log_dir', LOG_DIR)}/{Path(p).name}"
+                                    for p in logs] + [""]
     return "\n".join(lines)
 
 
@@ -760,19 +807,47 @@ def save_state(path: Path, facts: dict, results: list[Result], meta: dict) -> No
 
 
 # ------------------------------------------------------------------------------- main
-def install_wheels(py: str, wheels: Path, log_dir: Path) -> tuple[str | None, str]:
-    """pip install --no-index --no-deps --target build/gpu_check_site <wheels>/*.whl."""
+INSTALLED_PROBE = r"""
+import importlib.metadata as md, json, sys
+have = {}
+for name in json.loads(sys.argv[1]):
+    try:
+        have[name] = md.version(name)
+    except md.PackageNotFoundError:
+        have[name] = None
+print("INSTALLED " + json.dumps(have))
+"""
+
+
+def wheel_dist(path: str) -> str:
+    """The distribution a wheel file holds (its name's first field, normalised)."""
+    return re.sub(r"[-_.]+", "-", Path(path).name.split("-")[0]).lower()
+
+
+def install_wheels(py: str, wheels: Path, log_dir: Path,
+                   site: Path = WHEEL_SITE) -> tuple[str | None, str]:
+    """The wheels of `wheels` whose distribution `py` does not have yet (the machine's own
+    packages are used where present), installed offline with pip install --no-index
+    --no-deps --target `site`; the steps get `site` on PYTHONPATH and site/bin on PATH."""
     files = sorted(str(p) for p in wheels.glob("*.whl"))
     if not files:
         return None, f"no .whl file in {wheels}"
-    WHEEL_SITE.mkdir(parents=True, exist_ok=True)
+    have = probe_python(py, INSTALLED_PROBE, "INSTALLED",
+                        [json.dumps(sorted({wheel_dist(f) for f in files}))])
+    present = [f for f in files if have.get(wheel_dist(f))]
+    todo = [f for f in files if f not in present]
+    kept = "; already installed, not replaced: " + ", ".join(
+        f"{wheel_dist(f)} {have[wheel_dist(f)]}" for f in present) if present else ""
+    if not todo:
+        return None, "none needed" + kept
+    site.mkdir(parents=True, exist_ok=True)
     rc, out = _run_quiet([py, "-m", "pip", "install", "--no-index", "--no-deps", "--no-compile",
-                          "--upgrade", "--target", str(WHEEL_SITE), *files], timeout=300)
+                          "--upgrade", "--target", str(site), *todo], timeout=120)
     log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / "wheels.log").write_text(out[-20000:] + "\n")
     if rc != 0:
-        return None, f"pip install of {len(files)} wheels failed (exit code {rc}): {out[-300:]}"
-    return str(WHEEL_SITE), ", ".join(Path(f).name for f in files)
+        return None, f"pip install of {len(todo)} wheels failed (exit code {rc}): {out[-300:]}"
+    return str(site), ", ".join(Path(f).name for f in todo) + kept
 
 
 def parse_args(argv=None):
@@ -804,6 +879,20 @@ def parse_args(argv=None):
                          "most 3), where pytest-xdist is installed; 0: one process (default 4)")
     ap.add_argument("--bench-args", default="",
                     help='more arguments for bench/bench_all.py, e.g. "--runs 2"')
+    ap.add_argument("--hf-args", default="", help="more arguments for bench/bench_hf.py")
+    ap.add_argument("--megatron-args", default="",
+                    help="more arguments for bench/bench_megatron.py")
+    ap.add_argument("--sanitizer-select", default=SANITIZER_ALL, metavar="EXPR",
+                    help="pytest -k expression of the sanitizer step (default: every "
+                         f"compute-sanitizer run; tools/gpu_run.sh: {SANITIZER_SUBSET!r})")
+    ap.add_argument("--out", type=Path, default=None, metavar="DIR",
+                    help="write 8 files at most, 2 folders deep: DIR/summary.md, "
+                         "DIR/summary.json and DIR/logs/<step>.log; the reports, the "
+                         "benchmarks' own files and the state go to build/gpu_run_work/")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="run no GPU step: print every step's command, and rehearse the "
+                         "build step's command with this Python's torch in a copy of the "
+                         "tree (a CPU torch builds the CPU kernels only)")
     ap.add_argument("--git-sha", default=None,
                     help="the commit to record where the tree is not a git checkout (a copy)")
     ap.add_argument("--fresh", action="store_true",
@@ -822,6 +911,84 @@ def parse_args(argv=None):
     return args
 
 
+WORK = ROOT / "build" / "gpu_run_work"  # --out: what does not go under DIR
+DRY = ROOT / "build" / "gpu_run_dry"  # --dry-run: the tree's copy and the build's venv
+REHEARSAL_LIMIT_S = 1200  # the dry run's build, on a small CPU machine
+WHEEL_TAG_OK = re.compile(r"-(py3|py2\.py3|cp312)-(none|cp312|abi3)-(any|manylinux[\w.]*x86_64)"
+                          r"\.whl$")
+
+
+def copy_tree(dst: Path) -> int:
+    """The files git would send (tracked, and untracked ones not ignored) into `dst`, the
+    build/ folder left out; the number of files."""
+    rc, out = _run_quiet(["git", "ls-files", "-co", "--exclude-standard", "-z"])
+    if rc != 0:
+        raise RuntimeError(f"git ls-files failed: {out[-300:]}")
+    shutil.rmtree(dst, ignore_errors=True)
+    n = 0
+    for rel in out.split("\0"):
+        if not rel or rel.startswith("build/") or not (ROOT / rel).is_file():
+            continue
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, dst / rel)
+        n += 1
+    return n
+
+
+def rehearse_build(args, facts: dict, step: Step, logs: Path) -> Result:
+    """--dry-run: the build step's own commands, run with this machine's torch in a copy of
+    the tree and a venv that sees this Python's packages (the editable install goes there,
+    not into this environment). REPLAY_OPS_CUDA=1 stays where torch is a CUDA build and
+    nvcc is found; with a CPU torch it becomes 0 (the CPU kernels only)."""
+    src, venv = DRY / "src", DRY / "venv"
+    vpy = venv / "bin" / "python"
+    n = copy_tree(src)
+    notes = [f"rehearsal in a copy of the tree ({n} files, {src.relative_to(ROOT)}) with "
+             f"torch {facts.get('torch')}"]
+    if not vpy.exists():
+        rc, out = _run_quiet([args.python, "-m", "venv", "--system-site-packages",
+                              "--without-pip", str(venv)], timeout=120)
+        if rc != 0:
+            return Result(step.name, step.title, "fail", detail=f"venv: {out[-300:]}",
+                          notes=notes)
+    cuda_ok = bool(facts.get("torch_cuda")) and bool(facts.get("nvcc"))
+    commands = []
+    for argv, env in step.commands:
+        argv = [str(vpy) if a == args.python else a for a in argv]
+        env = dict(env)
+        if not cuda_ok and env.get("REPLAY_OPS_CUDA") == "1":
+            env["REPLAY_OPS_CUDA"] = "0"
+        commands.append((argv, env))
+    if not cuda_ok:
+        notes.append("REPLAY_OPS_CUDA=1 -> 0: this torch is not a CUDA build or nvcc is "
+                     "missing (the GPU machine builds the CUDA kernels)")
+    notes.append(f"limit {REHEARSAL_LIMIT_S} s here (a CPU machine; {step.limit_s} s on the "
+                 "GPU machine)")
+    rehearsal = dataclasses.replace(step, commands=commands, skip=None,
+                                    limit_s=REHEARSAL_LIMIT_S)
+    res = run_step(rehearsal, logs, "", REHEARSAL_LIMIT_S, echo=not args.quiet, cwd=src)
+    res.notes = notes + res.notes
+    res.detail = ("rehearsal passed" if res.status == "pass" else "rehearsal: " + res.detail)
+    return res
+
+
+def wheel_plan(wheels: Path | None) -> list[str]:
+    """--dry-run: the wheels that would be offered, each checked for Python 3.12 on
+    x86_64 Linux by its file name."""
+    if wheels is None:
+        return ["no --wheels folder"]
+    files = sorted(wheels.glob("*.whl"))
+    if not files:
+        return [f"no .whl file in {wheels}"]
+    total = sum(f.stat().st_size for f in files)
+    lines = [f"{len(files)} wheels in {wheels}, {total / 2**20:.1f} MiB:"]
+    for f in files:
+        ok = WHEEL_TAG_OK.search(f.name)
+        lines.append(f"  {f.name} ({f.stat().st_size >> 10} KiB)"
+                     + ("" if ok else "  NOT FOR PYTHON 3.12 ON X86_64 LINUX"))
+    return lines
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.verify_build:
@@ -830,26 +997,45 @@ def main(argv=None) -> int:
     meta = {"started": _now(),
             "command": shell_line(["python", "tools/gpu_check.py",
                                    *(argv if argv is not None else sys.argv[1:])])}
-    results_dir = args.results_dir.resolve()
-    logs = results_dir / LOG_DIR
+    compact = args.out is not None
+    if compact:  # DIR/summary.md, DIR/summary.json, DIR/logs/<step>.log
+        out_dir = args.out.resolve()
+        WORK.mkdir(parents=True, exist_ok=True)
+        results_dir = WORK
+        logs = out_dir / "logs"
+        work_logs = WORK
+        meta["log_dir"] = "logs"
+    else:
+        results_dir = args.results_dir.resolve()
+        logs = work_logs = results_dir / LOG_DIR
     pythonpath, wheels_note = None, None
-    if args.wheels is not None and not args.skip_gpu:
-        pythonpath, wheels_note = install_wheels(args.python, args.wheels, logs)
+    if args.wheels is not None and not args.skip_gpu and not args.dry_run:
+        pythonpath, wheels_note = install_wheels(args.python, args.wheels, work_logs,
+                                                 WHEEL_SITE)
     facts = collect_facts(args.python, pythonpath)
     if args.git_sha:
         facts["git_sha"], facts["git_dirty"] = f"{args.git_sha} (given with --git-sha)", None
     if wheels_note:
-        facts["wheels"] = wheels_note if pythonpath else f"not installed: {wheels_note}"
+        facts["wheels"] = wheels_note if pythonpath or wheels_note.startswith("none needed") \
+            else f"not installed: {wheels_note}"
     slug = args.name or device_slug(facts)
-    summary_path = results_dir / f"{slug}.md"
-    state_path = logs / f"{slug}.state.json"
-    earlier = load_state(state_path, facts, args.fresh)
-    steps = select_steps(plan_steps(args, facts, logs, slug), args)
+    if compact:
+        summary_path, json_path = out_dir / "summary.md", out_dir / "summary.json"
+        state_path = WORK / "state.json"
+        log_slug = ""
+    else:
+        summary_path, json_path = results_dir / f"{slug}.md", None
+        state_path = logs / f"{slug}.state.json"
+        log_slug = slug
+    earlier = {} if args.dry_run else load_state(state_path, facts, args.fresh)
+    steps = select_steps(plan_steps(args, facts, work_logs, slug), args)
     if pythonpath:
+        path = os.pathsep.join(p for p in (str(Path(pythonpath) / "bin"),
+                                           os.environ.get("PATH")) if p)
         for s in steps:
             s.commands = [(a, dict(e, PYTHONPATH=os.pathsep.join(
-                p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p)))
-                for a, e in s.commands]
+                p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p),
+                PATH=e.get("PATH", path))) for a, e in s.commands]
     results: list[Result] = []
     benches: dict = {}
 
@@ -862,23 +1048,49 @@ def main(argv=None) -> int:
             if s.name in earlier and s.name not in args.steps:
                 shown.append(Result(**dict(earlier[s.name], earlier=True)))
             elif s.name not in args.steps or args.skip_gpu:
-                shown.append(run_step(s, logs, slug, 0, echo=False))
+                shown.append(run_step(s, logs, log_slug, 0, echo=False))
             else:
                 shown.append(Result(s.name, s.title, "skipped", limit_s=s.limit_s,
                                     commands=[shell_line(a, e) for a, e in s.commands],
-                                    detail="not run yet"))
+                                    detail="dry run: not run" if args.dry_run
+                                    else "not run yet"))
         order = {n: i for i, n in enumerate(STEPS)}
         shown.sort(key=lambda r: order[r.name])
         b = {s.name: benches.get(s.name) or (load_bench(results_dir, s.bench_stem)
                                               if s.name in earlier else None)
              for s in steps if s.bench_stem}
         write_text_atomic(summary_path, render_summary(facts, shown, meta, b))
+        if json_path is not None:
+            write_text_atomic(json_path, json.dumps(
+                {"meta": meta, "facts": facts, "budget_s": args.budget,
+                 "steps": [dataclasses.asdict(r) for r in shown], "benchmarks": b},
+                indent=1, default=str) + "\n")
         save_state(state_path, facts, shown, meta)
         return shown
 
     def probe_backends():
         facts["backends"] = probe_python(args.python, BACKENDS_PROBE, "BACKENDS",
                                          pythonpath=pythonpath)
+
+    if args.dry_run:
+        print("[gpu-check] dry run: the steps, their limits and commands "
+              f"(budget {args.budget} s):")
+        for s in steps:
+            why = f"  (here: {s.skip})" if s.skip else ""
+            print(f"[gpu-check] {s.name} ({s.limit_s} s): {s.title}{why}")
+            for a, e in s.commands:
+                print(f"    $ {shell_line(a, e)}")
+        for line in wheel_plan(args.wheels):
+            print(f"[gpu-check] wheels: {line}")
+        build = next(s for s in steps if s.name == "build")
+        print("[gpu-check] rehearsing the build step", flush=True)
+        res = rehearse_build(args, facts, build, logs)
+        results.append(res)
+        shown = write()
+        for r in shown:
+            print(f"[gpu-check] {r.name:9s} {r.status:10s} {r.detail}")
+        print(f"[gpu-check] summary: {summary_path}")
+        return 0 if res.status == "pass" else 1
 
     if not args.skip_gpu and "build" not in args.steps:
         probe_backends()
@@ -891,7 +1103,7 @@ def main(argv=None) -> int:
             for d in {RESULTS, results_dir}:
                 for ext in ("json", "md"):
                     (d / f"{s.bench_stem}.{ext}").unlink(missing_ok=True)
-        res = run_step(s, logs, slug, left, echo=not args.quiet)
+        res = run_step(s, logs, log_slug, left, echo=not args.quiet)
         if s.name == "build":
             probe_backends()
             if res.status in ("fail", "timeout"):
@@ -901,6 +1113,7 @@ def main(argv=None) -> int:
             for ext in ("json", "md"):  # bench_all writes to bench/results
                 src = RESULTS / f"{s.bench_stem}.{ext}"
                 if results_dir != RESULTS and src.exists():
+                    results_dir.mkdir(parents=True, exist_ok=True)
                     shutil.move(str(src), results_dir / src.name)
             benches[s.name] = load_bench(results_dir, s.bench_stem)
         results.append(res)

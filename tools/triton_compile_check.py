@@ -754,6 +754,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", default="", help="comma-separated kernel names only")
     ap.add_argument("--ops", default="", help="comma-separated launcher names only")
     ap.add_argument("--match", default="", help="only the cases whose label contains this")
+    ap.add_argument("--every", type=int, default=1, metavar="N",
+                    help="a sample: every Nth case of each launcher (each kernel must still "
+                         "be compiled by one)")
     ap.add_argument("--list", action="store_true", help="print the cases and jobs, compile nothing")
     ap.add_argument("--no-write", action="store_true", help="do not write bench/results")
     ap.add_argument("--out", type=Path, default=OUT, help="results path without suffix")
@@ -773,6 +776,14 @@ def run(args) -> int:
         case_list = [c for c in case_list if c["op"] in args.ops.split(",")]
     if args.match:
         case_list = [c for c in case_list if args.match in label(c)]
+    if args.every > 1:  # a sample: every Nth case of each launcher (still every kernel)
+        count: dict = {}
+        kept = []
+        for c in case_list:
+            count[c["op"]] = count.get(c["op"], -1) + 1
+            if count[c["op"]] % args.every == 0:
+                kept.append(c)
+        case_list = kept
     jobs, all_kernels = collect(case_list, args.archs)
     if args.kernels:
         jobs = [j for j in jobs if j["kernel"] in args.kernels.split(",")]

@@ -28,10 +28,48 @@ NOTE on math (checked on the PTX of every specialisation by tools/triton_compile
 """
 import contextlib
 import dataclasses
+import inspect
+import os
 
 import torch
 import triton
 import triton.language as tl
+
+
+def _interpreter_index_fix() -> bool:
+    """Triton 3.6's CPU interpreter (TRITON_INTERPRET=1) turns a tensor used as a Python
+    integer (a `range` bound that is a kernel argument or is computed from program_id, as
+    in every kernel here) into one with `int(data)`, and its scalars hold 1-element arrays
+    of shape (1,), which numpy 2.4 refuses ("only 0-dimensional arrays can be converted to
+    Python scalars"). Triton 3.9's interpreter squeezes the array first. For an interpreter
+    without the squeeze this gives it the same `__index__`. Compiled kernels are untouched:
+    the interpreter alone reads it, so the kernels keep `range` (a while loop would have
+    worked in both, but compiles to another loop on the GPU). Returns whether it applied."""
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return False
+    try:
+        from triton.runtime import interpreter
+        patch = interpreter._patch_lang_tensor
+        source = inspect.getsource(patch)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return False
+    if getattr(patch, "_replay_ops_index_fix", False) or "squeeze" in source or \
+            "int(self.handle.data)" not in source:
+        return False
+
+    def _index(self):
+        return int(self.handle.data.squeeze())
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", _index)
+
+    patched._replay_ops_index_fix = True
+    interpreter._patch_lang_tensor = patched
+    return True
+
+
+INTERPRETER_INDEX_FIX = _interpreter_index_fix()
 
 
 @triton.jit

@@ -139,7 +139,11 @@ def gate_config(T: int, K: int, E: int, align: int) -> GateConfig:
 
 def gate_bwd_config(T: int, K: int, E: int) -> GateBwdConfig:
     check_top_k(K, "gate backward")
-    K_PAD = triton.next_power_of_2(K)
+    # At least 2 slot columns (the padding column is masked; its zero adds nothing): with
+    # K = 1 and one column, Triton 3.6 crashes compiling the softmax backward for E_BLOCK
+    # <= 16 (an assertion `loopResult.hasOneUse()` in its TritonGPUOptimizeThreadLocality
+    # pass; tools/triton_compile_check.py under Triton 3.6, `make check-triton`).
+    K_PAD = max(2, triton.next_power_of_2(K))
     E_BLOCK = min(triton.next_power_of_2(E), 128)
     BLOCK_T = max(1, min(64, GRAD_TILE_ELEMS // (K_PAD * E_BLOCK), STATS_TILE_ELEMS // E_BLOCK))
     BLOCK_T = min(BLOCK_T, triton.next_power_of_2(max(T, 1)))

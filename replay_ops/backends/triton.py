@@ -8,6 +8,7 @@ No launcher reads device memory on the host: the whole path is sync-free.
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
@@ -22,7 +23,25 @@ __all__ = ["NAME", "available", "supports", "describe", "gate_fwd", "gate_bwd", 
            "permute_probs_fwd", "permute_probs_bwd"]
 
 
+# The oldest Triton the kernels are checked with (pyproject.toml's [tool.replay_ops] triton;
+# `make test` compiles them and runs their tests under it and under the installed Triton).
+MIN_TRITON = (3, 6)
+
+
+def _triton_too_old() -> str | None:
+    import triton
+
+    parts = [int(p) for p in re.findall(r"\d+", triton.__version__)[:2]]
+    if tuple(parts) < MIN_TRITON:
+        return (f"Triton {triton.__version__} is older than "
+                f"{'.'.join(map(str, MIN_TRITON))}, the oldest this package supports")
+    return None
+
+
 def available(device_type: str) -> Support:
+    old = _triton_too_old()
+    if old:
+        return Support(False, old)
     if device_type == "cuda":
         return YES if torch.cuda.is_available() else Support(False, "no CUDA device is present")
     if device_type == "cpu":
