@@ -30,6 +30,10 @@ ROOT=$PWD
 PY="${PY:-python3}"
 CUDA_TORCH="${CUDA_TORCH:-torch==2.14.1}"
 ARCHS="${CUDA_JOB_ARCHS:-8.0;9.0}"
+# A venv (under build/) whose torch's CUDA runtime libraries this job's torch takes
+# instead of its own pins (the floor job takes the 2.14.1 job's, already on local disk).
+LIBS_FROM="${CUDA_JOB_LIBS_FROM:-}"
+LIBS_FROM="${LIBS_FROM%/}"
 JOB="${CUDA_JOB_DIR:-build/cuda-job}"
 JOB="${JOB%/}"
 case "$JOB" in build/*) ;; *) echo "cuda-job: CUDA_JOB_DIR must be a folder under build/ ($JOB)"; exit 2;; esac
@@ -84,13 +88,30 @@ else
     step "creating $VENV with $CUDA_TORCH"
     rm -rf "$VENV"
     "$PY" -m venv "$VENV"
-    "$VPY" -m pip install "${PIP_Q[@]}" "$CUDA_TORCH"
+    if [[ -n "$LIBS_FROM" ]]; then
+      # torch alone, its own requirements but the CUDA runtime libraries, and those libraries
+      # as the torch in $LIBS_FROM pins them: the same major versions (the same sonames)
+      # from local disk, instead of several GB of other minor versions from the index
+      "$VPY" -m pip install "${PIP_Q[@]}" --no-deps "$CUDA_TORCH"
+      mapfile -t reqs < <( (cd / && "$VPY" "$ROOT/.ci/torch_requires.py" own) \
+        && (cd / && "$ROOT/$LIBS_FROM/bin/python" "$ROOT/.ci/torch_requires.py" cuda) )
+      echo "cuda-job: $CUDA_TORCH with ${reqs[*]}"
+      "$VPY" -m pip install "${PIP_Q[@]}" "${reqs[@]}"
+    else
+      "$VPY" -m pip install "${PIP_Q[@]}" "$CUDA_TORCH"
+    fi
   fi
   # the build tools and the suite's light dependencies (a no-op when present), resolved
   # together with the torch pin so that its own pins hold (torch 2.11 asks setuptools<82;
-  # a newer setuptools makes the wheel's --no-index install below fail)
-  "$VPY" -m pip install "${PIP_Q[@]}" "$CUDA_TORCH" "setuptools>=70" wheel ninja numpy \
-      zstandard pytest hypothesis pyyaml omegaconf safetensors
+  # a newer setuptools makes the wheel's --no-index install below fail); with $LIBS_FROM,
+  # without it (its CUDA pins are not the ones installed) and setuptools held below 82
+  if [[ -n "$LIBS_FROM" ]]; then
+    "$VPY" -m pip install "${PIP_Q[@]}" "setuptools>=70,<82" wheel ninja numpy zstandard \
+        pytest hypothesis pyyaml omegaconf safetensors
+  else
+    "$VPY" -m pip install "${PIP_Q[@]}" "$CUDA_TORCH" "setuptools>=70" wheel ninja numpy \
+        zstandard pytest hypothesis pyyaml omegaconf safetensors
+  fi
   "$VPY" -c "import torch, sys; assert torch.version.cuda, 'not a CUDA build: ' + torch.__version__; print('cuda-job: venv torch', torch.__version__, 'CUDA', torch.version.cuda)"
   elapsed "venv" $t
 
@@ -120,7 +141,8 @@ else
   # 3. install it
   t=$SECONDS
   "$VPY" -m pip uninstall "${PIP_Q[@]}" -y replay_ops >/dev/null 2>&1 || true
-  "$VPY" -m pip install "${PIP_Q[@]}" --no-index --find-links "$DIST" "$WHEEL"
+  # (with $LIBS_FROM, --no-deps: torch's own CUDA pins are not the libraries installed)
+  "$VPY" -m pip install "${PIP_Q[@]}" --no-index ${LIBS_FROM:+--no-deps} --find-links "$DIST" "$WHEEL"
   elapsed "wheel install" $t
 fi
 if [[ "$PHASE" == build ]]; then
