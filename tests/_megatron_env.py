@@ -283,6 +283,20 @@ def python_info() -> str:
 E_DEFAULT = 8
 
 
+def destroy_subgroups() -> None:
+    """Destroy every process group but the default one. Megatron's `destroy_model_parallel`
+    only forgets its groups: each gloo group keeps its threads (about 50 per
+    `initialize_model_parallel`), and the groups of earlier tests pile up in one process."""
+    import torch.distributed.distributed_c10d as c10d
+
+    if not torch.distributed.is_initialized():
+        return
+    world = c10d._get_default_group()
+    for pg in list(c10d._world.pg_map):
+        if pg is not world:
+            torch.distributed.destroy_process_group(pg)
+
+
 def mp_init(tp: int = 1, ep: int = 1, pp: int = 1, cp: int = 1, etp: int | None = None,
             vpp: int | None = None) -> None:
     """(Re)initialise Megatron's parallel state on the current gloo world, and empty
@@ -292,6 +306,7 @@ def mp_init(tp: int = 1, ep: int = 1, pp: int = 1, cp: int = 1, etp: int | None 
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    destroy_subgroups()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
