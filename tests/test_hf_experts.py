@@ -297,7 +297,8 @@ def _imports(path):
     import ast
     from pathlib import Path
 
-    pkg = path.relative_to(Path(replay_ops.__file__).parents[1]).with_suffix("").parts[:-1]
+    pkg = path.relative_to(Path(replay_ops.__file__).parents[1]).with_suffix("").parts
+    pkg = pkg if path.name == "__init__.py" else pkg[:-1]
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -307,6 +308,8 @@ def _imports(path):
             mod = ".".join(base + ([node.module] if node.module else []))
             out.add(mod)
             out |= {f"{mod}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module":
+            out |= {a.value for a in node.args if isinstance(a, ast.Constant)}
     return out
 
 

@@ -8,7 +8,6 @@ given indices, with gate weights written here from FlexOlmo's router code
 """
 from __future__ import annotations
 
-import ast
 import copy
 import importlib
 import subprocess
@@ -24,6 +23,8 @@ pytest.importorskip("transformers")
 import replay_ops  # noqa: E402
 from replay_ops.integrations import hf  # noqa: E402
 from replay_ops.router_replay import ReplayAction  # noqa: E402
+from test_hf_experts import _imports  # noqa: E402
+from test_hf_integration import capture_routing  # noqa: E402  (router hooks: own routing)
 
 FAMILY = "flex_olmo"
 
@@ -61,20 +62,6 @@ def flex_olmo_model(norm_topk_prob: bool, experts_impl: str = "eager", seed: int
 def routers(model):
     return {int(n.split(".")[2]): m for n, m in model.named_modules()
             if type(m).__name__ == "FlexOlmoTopKRouter"}
-
-
-def own_routing(model, ids):
-    """Logits and the routing [T, L, K] the unpatched model picks (router hooks)."""
-    seen, hooks = {}, []
-    for lid, g in routers(model).items():
-        hooks.append(g.register_forward_hook(lambda m, i, o, lid=lid: seen.__setitem__(lid, o[2])))
-    try:
-        with torch.no_grad():
-            logits = model(ids).logits
-    finally:
-        for h in hooks:
-            h.remove()
-    return logits, torch.stack([seen[lid] for lid in sorted(seen)], dim=1)
 
 
 def forced_reference(model, routing):
@@ -122,7 +109,7 @@ def test_registered_family_record_reproduces_the_model(flex_olmo, norm, impl):
     its own routers pick."""
     model = flex_olmo_model(norm, impl)
     ids = make_ids(2, 9, seed=1)
-    ref_logits, ref_routing = own_routing(model, ids)
+    ref_logits, ref_routing = capture_routing(model, ids)
     patch = hf.patch_model(model, "R2")
     lay = patch.layout
     assert (lay.model_type, lay.moe_layer_ids, lay.num_experts, lay.top_k) == (
@@ -152,7 +139,7 @@ def test_registered_family_replay_matches_forced_model(flex_olmo, norm, impl):
     model = flex_olmo_model(norm, impl)
     ids = make_ids(2, 8, seed=2)
     T = ids.numel()
-    _, own = own_routing(model, ids)
+    _, own = capture_routing(model, ids)
     g = torch.Generator().manual_seed(5)
     routing = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(T * 2)]).view(
         T, 2, 2)
@@ -223,22 +210,6 @@ def test_register_family_checks_every_argument(kwargs, arg):
 
 
 # ------------------------------------------------------------------------------ the package
-
-
-def _imports(path: Path) -> set[str]:
-    root = Path(replay_ops.__file__).parents[1]
-    pkg = path.relative_to(root).with_suffix("").parts
-    pkg = pkg if path.name == "__init__.py" else pkg[:-1]
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = list(pkg[: len(pkg) - node.level + 1]) if node.level else []
-            out.add(".".join(base + ([node.module] if node.module else [])))
-        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module":
-            out |= {a.value for a in node.args if isinstance(a, ast.Constant)}
-    return out
 
 
 def test_distributed_never_imports_the_integrations():
