@@ -20,9 +20,9 @@ token; gradients of every parameter):
 * `native eager`: the same with "eager" (about 10x slower: timed on its own,
   `--eager-reps` calls, not interleaved with the others).
 * `replay_ops R3`: the model patched with `hf.patch_model`, R3 with `validate=False`,
-  REPLAY_FORWARD of the routing the native model picks for the same batch (set once per
+  REPLAY_FORWARD of the model's own routing for the same batch (set once per
   batch with set_routing: timed with the step, its host read counted apart); experts
-  implementation "grouped_mm" (the plan path of replay_ops.integrations.hf_block).
+  implementation "grouped_mm" (the plan path of replay_ops.integrations.hf.block).
 * `replay_ops R3 validate`: the same with `validate=True` (the routing checked once when it
   is set; set_routing is inside the timed call).
 
@@ -81,8 +81,8 @@ def fwd_bwd(model, ids):
     return out
 
 
-def native_routing(model, ids):
-    """[T, L_moe, K] int32: what the native router picks for `ids` (recorded by replay_ops
+def own_routing(model, ids):
+    """[T, L_moe, K] int32: the model's own routing, what its router picks for `ids` (recorded by replay_ops
     RECORD on a patched copy's forward, no gradient)."""
     from replay_ops.integrations import hf
     from replay_ops.router_replay import ReplayAction, RouterReplayConfig
@@ -104,7 +104,7 @@ def make_providers(case, dtype, device):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (case["batch"], case["seq"]), generator=g).to(device)
     native = {impl: build(case, dtype, device, impl) for impl in ("grouped_mm", "eager")}
-    routing = native_routing(native["grouped_mm"], ids)
+    routing = own_routing(native["grouped_mm"], ids)
     fns = {
         "native grouped_mm": lambda: fwd_bwd(native["grouped_mm"], ids),
         "native eager": lambda: fwd_bwd(native["eager"], ids),
@@ -294,7 +294,7 @@ def run_compiled(args):
             g = torch.Generator().manual_seed(0)
             ids = torch.randint(0, 256, (case["batch"], case["seq"]), generator=g).to(device)
             native = build(case, dtype, device, "grouped_mm")
-            routing = native_routing(native, ids)
+            routing = own_routing(native, ids)
             replayed = build(case, dtype, device, "grouped_mm")
             patch = hf.patch_model(replayed, RouterReplayConfig(mode="R3", validate=False))
             patch.replay.set_routing(routing)

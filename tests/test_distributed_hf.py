@@ -29,7 +29,7 @@ def _hf_checks(rank, world):
     import torch.distributed as dist
 
     from _dist_spawn import tiny_model
-    from replay_ops.distributed.hf import enable_expert_parallel
+    from replay_ops.integrations.hf.ep import enable_expert_parallel
     from replay_ops.integrations import hf
     from replay_ops.router_replay import ReplayAction
 

@@ -1,4 +1,4 @@
-"""The experts of a patched Hugging Face MoE block (replay_ops.integrations.hf_block).
+"""The experts of a patched Hugging Face MoE block (replay_ops.integrations.hf.block).
 
 * Patching changes nothing while not replaying: per experts implementation (grouped_mm,
   eager, batched_mm, one registered through transformers' ExpertsInterface) the outputs
@@ -24,7 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 pytest.importorskip("transformers")
 
 import replay_ops  # noqa: E402
-from replay_ops.integrations import hf, hf_block  # noqa: E402
+from replay_ops.integrations import hf  # noqa: E402
+from replay_ops.integrations.hf import block as hf_block  # noqa: E402
 from replay_ops.router_replay import ReplayAction, RouterReplayConfig  # noqa: E402
 from replay_ops.testing import tiny  # noqa: E402
 from test_hf_integration import (  # noqa: E402
@@ -296,7 +297,8 @@ def _imports(path):
     import ast
     from pathlib import Path
 
-    pkg = path.relative_to(Path(replay_ops.__file__).parents[1]).with_suffix("").parts[:-1]
+    pkg = path.relative_to(Path(replay_ops.__file__).parents[1]).with_suffix("").parts
+    pkg = pkg if path.name == "__init__.py" else pkg[:-1]
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -306,16 +308,18 @@ def _imports(path):
             mod = ".".join(base + ([node.module] if node.module else []))
             out.add(mod)
             out |= {f"{mod}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module":
+            out |= {a.value for a in node.args if isinstance(a, ast.Constant)}
     return out
 
 
 @pytest.mark.parametrize("a,b", [
-    ("replay_ops/distributed/hf.py", "replay_ops/integrations/hf.py"),
+    ("replay_ops/integrations/hf/ep.py", "replay_ops/integrations/hf/patch.py"),
     ("replay_ops/integrations/megatron/router.py",
      "replay_ops/integrations/megatron/dispatcher.py"),
 ])
 def test_no_import_circle(a, b):
-    """The expert-parallel HF path and the plain one share hf_block.py; Megatron's router
+    """The expert-parallel HF path and the plain one share hf/block.py; Megatron's router
     and dispatcher share nothing but what wiring.py imports from both."""
     from pathlib import Path
 

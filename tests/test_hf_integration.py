@@ -117,7 +117,7 @@ def loss_of(logits, ids):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_layout_and_native_topk(arch):
+def test_layout_and_own_topk(arch):
     model = make_model(arch)
     lay = hf.moe_layout(model)
     dense = {"qwen2_moe": [1], "deepseek_v3": [0]}.get(arch, [])
@@ -129,12 +129,12 @@ def test_layout_and_native_topk(arch):
         "deepseek_v3": ("sigmoid", True, 2.5),
     }[arch]
     assert (lay.score_func, lay.normalize, lay.scaling_factor) == want
-    # The integration's native selection equals the router module's, index for index.
+    # The integration's own-routing selection equals the router module's, index for index.
     g = lay.blocks[lay.moe_layer_ids[0]].gate
     x = torch.randn(50, 64, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         logits, _, idx = g(x)
-    assert torch.equal(hf.native_topk(arch, g, logits), idx)
+    assert torch.equal(hf.own_topk(arch, g, logits), idx)
 
 
 def test_unsupported_architecture_lists_supported():

@@ -16,7 +16,8 @@ from _helpers import HostSyncCounter, make_indices, make_logits
 
 pytest.importorskip("transformers")
 
-from replay_ops.integrations import hf, hf_block  # noqa: E402
+from replay_ops.integrations import hf  # noqa: E402
+from replay_ops.integrations.hf import block as hf_block  # noqa: E402
 from replay_ops.router_replay import ReplayAction, RouterReplayConfig  # noqa: E402
 from replay_ops.testing import tiny  # noqa: E402
 

@@ -139,7 +139,7 @@ MUTANTS = [
       "    if mode is ReplayMode.DISABLED and (cfg.record_file or cfg.replay_file):",
       "    if mode is ReplayMode.DISABLED and cfg.replay_file:",
       ("tests/test_config.py",), "config: a record_file with mode=disabled accepted"),
-    M("M24", "replay_ops/integrations/hf_block.py",
+    M("M24", "replay_ops/integrations/hf/block.py",
       "        y = grouped_mlp(experts, rows, plan.expert_offsets[1:])",
       "        y = grouped_mlp(experts, rows, plan.expert_offsets[:-1])",
       ("tests/test_hf_integration.py", "-k", "qwen3_moe"),

@@ -10,7 +10,7 @@ of an RL step:
   `routed_experts`).
 * training engine: the same weights in fp32, with another batch layout (sequences sorted by
   length, batches of `train_batch`, right padding). It computes the log-probabilities of the
-  sampled response tokens twice: with native routing, and with R3 (the inference routing
+  sampled response tokens twice: with the model's own routing, and with R3 (the inference routing
   replayed through `replay_ops.integrations.hf`).
 
 It reports, per MoE layer and overall, the fraction of (token, layer) routing decisions that

@@ -12,7 +12,7 @@ def mismatch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def compare(train_routing: dict, train_lp: dict, infer_routing: dict, infer_lp: dict,
             seq_order: list[int], infer_mask: dict | None = None) -> dict:
-    """Per training mode ("native", "R3"): the fraction of (token, layer) routing decisions
+    """Per training mode ("own", "R3"): the fraction of (token, layer) routing decisions
     that differ from the inference engine's (overall and per MoE layer), the fraction of
     tokens with at least one differing layer, and the per-token log-prob gap (the k3 KL
     estimate, mean and max |delta logprob|). `_abs_dlogprob` keeps the gaps for the chart.

@@ -38,7 +38,7 @@ def summary(cfg, eng, results: dict, r2: dict, device, timing: dict,
             "inference": inference,
             "training": f"fp32, batches of {cfg.train_batch} sorted by length, right padding",
         },
-        "no_replay": {k: v for k, v in results["native"].items() if not k.startswith("_")},
+        "no_replay": {k: v for k, v in results["own"].items() if not k.startswith("_")},
         "r3_replay": {k: v for k, v in results["R3"].items() if not k.startswith("_")},
         "r2_round_trip": r2,
         "backend": backend_name(device),
@@ -100,7 +100,7 @@ def chart(path: str, summary: dict, results: dict, layer_ids: list[int]) -> None
     a.legend()
     lo = 1e-6
     bins = torch.logspace(math.log10(lo), 0, 37).numpy()
-    for name, label, color in (("native", "no replay", "#d95f02"), ("R3", "R3 replay", "#1b9e77")):
+    for name, label, color in (("own", "no replay", "#d95f02"), ("R3", "R3 replay", "#1b9e77")):
         d = results[name]["_abs_dlogprob"].clamp_min(lo).numpy()
         b.hist(d, bins=bins, histtype="step", linewidth=1.8, label=label, color=color)
     b.set_xscale("log")
@@ -175,7 +175,7 @@ def format_report(s: dict) -> str:
                  f"{q['replay_logprobs_bitwise_equal_before_update']}")
     lines.append(f"  after one optimizer step (lr={q['learning_rate']}), routing that differs "
                  f"from the record:")
-    lines.append(f"    native {100 * q['after_update_routing_mismatch_native']:.2f}%, "
+    lines.append(f"    own routing {100 * q['after_update_routing_mismatch_own']:.2f}%, "
                  f"R2 replay {100 * q['after_update_routing_mismatch_r2']:.2f}%")
     lines.append("")
     t = s["timing"]

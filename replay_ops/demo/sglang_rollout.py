@@ -8,7 +8,7 @@ samples every response through batched `/generate` requests (one int
 tokens' log-probabilities and `routed_experts` (base64 int32) in `meta_info`. The SGLang
 adapter (`sglang_batch`, with the requests that were sent) turns the payloads into the
 training layout; the training engine (the same checkpoint in fp32 through transformers)
-computes the response log-probs with native routing and with SGLang's routing replayed (R3),
+computes the response log-probs with the model's own routing and with SGLang's routing replayed (R3),
 measured against SGLang's own sampled-token log-probs; the R2 round trip follows.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ OpenAI-compatible server loads it (127.0.0.1 only) and samples every response th
 concurrent completion requests, returning per choice the sampled tokens' log-probabilities
 and `routed_experts` (base64 `.npy`), as an RL framework receives them. The vLLM adapter
 (`vllm_batch`) turns the payloads into the training layout; the training engine (the same
-checkpoint in fp32 through transformers) computes the response log-probs with native routing
+checkpoint in fp32 through transformers) computes the response log-probs with the model's own routing
 and with vLLM's routing replayed (R3). Mismatch, KL and |delta logprob| are measured against
 vLLM's own sampled-token log-probs. The R2 round trip runs on the training engine as in the
 built-in demo.
@@ -146,7 +146,7 @@ def train_and_compare(cfg: DemoConfig, device: torch.device, timing: dict, model
                       seqs: dict, prompt_lens: dict, infer_lp: dict, adapt):
     """The training side of a real engine's run: the checkpoint in fp32 (`TrainingEngine`),
     the engine's routing through its adapter (`adapt(layout)` -> (routing, mask, batch)),
-    the response log-probs with native routing and with the routing replayed (R3), the
+    the response log-probs with the model's own routing and with the routing replayed (R3), the
     comparison with the engine's own log-probs `infer_lp`, and the R2 round trip. Returns
     (engine, results, r2, batch)."""
     eng = TrainingEngine(cfg, model_dir, device)

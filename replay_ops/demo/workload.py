@@ -158,29 +158,29 @@ def score_inference(cfg, eng: Engines, seqs, prompt_lens, device):
 def training_passes(cfg, eng: Engines, seqs, prompt_lens, infer_routing, train_batches, device,
                     infer_mask=None):
     """The training engine's passes (right padding, batches sorted by length), each batch
-    twice: native routing, and R3 (the inference routing replayed). `infer_mask` ({seq:
+    twice: the model's own routing, and R3 (the inference routing replayed). `infer_mask` ({seq:
     bool [n]}, default all True): the rows that have inference routing (a rollout engine
-    has none for a sequence's final token); other rows keep native top-k. Returns
-    ({"native"|"R3": {seq: routing used}}, {"native"|"R3": {seq: response log-probs}})."""
+    has none for a sequence's final token); other rows keep the model's own top-k. Returns
+    ({"own"|"R3": {seq: routing used}}, {"own"|"R3": {seq: response log-probs}})."""
     from ..router_replay import ReplayAction
 
     L, K = len(eng.layout.moe_layer_ids), eng.layout.top_k
-    routing = {"native": {}, "R3": {}}
-    logprobs = {"native": {}, "R3": {}}
+    routing = {"own": {}, "R3": {}}
+    logprobs = {"own": {}, "R3": {}}
     rr = eng.train_patch.replay
     with torch.no_grad():
-        for batch in progress(train_batches, cfg, "training: fp32 log-probs, native and R3"):
+        for batch in progress(train_batches, cfg, "training: fp32 log-probs, own routing and R3"):
             ids, mask, pos = pad([seqs[i] for i in batch], "right", eng.pad_id, device)
             slots = token_slots(mask)
             B, S = ids.shape
-            # Native routing (RECORD runs the model's own top-k and keeps what it picked).
+            # The model's own routing (RECORD runs its own top-k and keeps what it picked).
             rr.clear()
             rr.set_action(ReplayAction.RECORD)
             logits = eng.train_model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
             used = rr.recorded()
             for b, i in enumerate(batch):
-                routing["native"][i] = used[slots[b].to(used.device)].cpu()
-            logprobs["native"].update(response_logprobs(logits, ids, slots, prompt_lens, batch))
+                routing["own"][i] = used[slots[b].to(used.device)].cpu()
+            logprobs["own"].update(response_logprobs(logits, ids, slots, prompt_lens, batch))
             # R3: the inference routing, moved into this layout; padding rows are not replayed.
             r3 = torch.full((B * S, L, K), -1, dtype=torch.int16)
             replay_mask = torch.zeros(B * S, dtype=torch.bool)
@@ -202,7 +202,7 @@ def training_passes(cfg, eng: Engines, seqs, prompt_lens, infer_routing, train_b
 
 def r2_round_trip(cfg, model, patch, seqs, prompt_lens, batch, pad_id, device) -> dict:
     """Old-logprob pass records to a file; one optimizer step; the update pass replays the
-    file. Native routing after the step drifts; the replayed routing does not."""
+    file. The model's own routing after the step drifts; the replayed routing does not."""
     from ..integrations import hf
     from ..router_replay import ReplayAction, RouterReplayConfig
 
@@ -245,16 +245,16 @@ def r2_round_trip(cfg, model, patch, seqs, prompt_lens, batch, pad_id, device) -
             model(input_ids=ids, attention_mask=mask, position_ids=pos)
         replayed_after = p.last_routing()
         source = rr.routing_source  # (the RECORD below starts a new step and drops it)
-        # Update pass, native routing (what R2 prevents).
+        # Update pass, the model's own routing (what R2 prevents).
         rr.set_action(ReplayAction.RECORD)
         rr.clear_records()
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask, position_ids=pos)
-        native_after = rr.recorded()
+        own_after = rr.recorded()
     with torch.no_grad():  # restore the weights for anything that runs after
         for n, q in model.named_parameters():
             q.copy_(snapshot[n])
-    mm_native = mismatch(native_after[sel], recorded[sel])
+    mm_own = mismatch(own_after[sel], recorded[sel])
     mm_replay = mismatch(replayed_after[sel], recorded[sel])
     return {
         "record_file": path,
@@ -263,7 +263,7 @@ def r2_round_trip(cfg, model, patch, seqs, prompt_lens, batch, pad_id, device) -
         "tokens": int(sel.numel()),
         "file_routing_equals_recorded": bool(torch.equal(file_routing, recorded)),
         "replay_logprobs_bitwise_equal_before_update": bool(bitwise),
-        "after_update_routing_mismatch_native": float(mm_native.float().mean()),
+        "after_update_routing_mismatch_own": float(mm_own.float().mean()),
         "after_update_routing_mismatch_r2": float(mm_replay.float().mean()),
         "learning_rate": cfg.learning_rate,
     }

@@ -14,8 +14,9 @@ identical run after run: received rows are ordered by (source rank, token, slot)
 by arrival, and no step uses floating-point atomics. Bad input on any rank raises
 `DistributedInputError` on every rank. See docs/distributed.md.
 
-`replay_ops.distributed.hf`: the Hugging Face integration's expert-parallel MoE forward
-(`replay_ops.integrations.hf.patch_model(model, mode, ep_group=g)`).
+The Hugging Face integration's expert-parallel MoE forward is built on these
+(`replay_ops.integrations.hf.ep`; `replay_ops.integrations.hf.patch_model(model, mode,
+ep_group=g)`); nothing here imports it.
 """
 from __future__ import annotations
 

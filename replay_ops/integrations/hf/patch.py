@@ -1,4 +1,5 @@
-"""Router replay for Hugging Face `transformers` MoE models.
+"""Patching a Hugging Face `transformers` MoE model: find its MoE blocks, install the one
+patched forward (`block.patched_forward`) on each, and undo it.
 
     from replay_ops.integrations import hf
     from replay_ops.router_replay import ReplayAction
@@ -14,46 +15,26 @@ Each supported MoE block (see `SUPPORTED`) gets an instance-level `forward` that
 1. runs the block's own router module (`block.gate`), which gives the router logits exactly
    as the unpatched model computes them (and keeps `output_router_logits` working);
 2. asks the replay object for a plan: `replay.route(layer_id, logits, topk_fn=<the block's
-   native selection>, score_func=..., normalize=..., scaling_factor=...)`;
+   own selection>, score_func=..., normalize=..., scaling_factor=...)`;
 3. runs the experts through the implementation the model's config names
    (`config._experts_implementation`, transformers' `ExpertsInterface`) with the replayed
    routing: for "grouped_mm", `replay_ops.permute` -> two grouped GEMMs over the plan's
    expert offsets -> `replay_ops.unpermute` (fp32 accumulation in the recorded column
    order); for any other implementation, that function itself given the replayed indices
-   and weights (see `replay_ops.integrations.hf_block`);
+   and weights (see `replay_ops.integrations.hf.block`);
 4. adds the shared experts where the architecture has them.
 
 When the replay object returns no plan (mode "disabled", or no action set) the block runs
 its original forward, so a patched model in disabled mode is the unpatched model.
 
-Per architecture (transformers 5.x module code):
-
-| model_type  | block                  | scores  | normalize     | scaling               | shared  |
-|-------------|------------------------|---------|---------------|-----------------------|---------|
-| mixtral     | MixtralSparseMoeBlock  | softmax | always        | 1                     | none    |
-| qwen2_moe   | Qwen2MoeSparseMoeBlock | softmax | norm_topk_prob| 1                     | gated   |
-| qwen3_moe   | Qwen3MoeSparseMoeBlock | softmax | norm_topk_prob| 1                     | none    |
-| olmoe       | OlmoeSparseMoeBlock    | softmax | norm_topk_prob| 1                     | none    |
-| deepseek_v3 | DeepseekV3MoE          | sigmoid | norm_topk_prob| routed_scaling_factor | MLP     |
-
-("gated": Qwen2-MoE's shared expert is scaled by sigmoid(shared_expert_gate(x)).)
-
-DeepSeek-V3 selects with `sigmoid(logits) + e_score_correction_bias` restricted to the
-`topk_group` best of `n_group` groups; the gate weights are the *unbiased* sigmoid scores.
-Under replay the recorded indices are used as they are, so the bias and the groups affect
-nothing; they only matter for RECORD and for fallback rows. Build its replay object with
-`fallback="topk_fn"` (the default of `patch_model` for DeepSeek-V3) so that rows with
-no route fall back to the model's own biased, group-limited selection rather than a plain
-top-k.
-
-Mixtral and DeepSeek-V3 keep their gate weights in fp32 (the unpatched models do the
-same), the others cast them to the model dtype, as the unpatched models do.
+The families (architectures) and how each routes: `replay_ops.integrations.hf.families`
+(`SUPPORTED`, `register_family`). The block forward: `replay_ops.integrations.hf.block`.
 
 Activation recompute (`model.gradient_checkpointing_enable()`): a block that runs while
 autograd is executing a backward pass is a recompute, so a REPLAY_FORWARD action is served
 as REPLAY_BACKWARD for that call (`route(..., action=REPLAY_BACKWARD)`: it pops the layer's
 queue, and the replay object's own action is left alone), and a RECORD action gates with
-the native choice again without recording it twice. Turn this off with
+the model's own choice again without recording it twice. Turn this off with
 `patch_model(..., auto_recompute=False)` and set the action yourself.
 
 Host syncs: none in a MoE block forward with the "grouped_mm" experts (the permuted buffer
@@ -88,143 +69,26 @@ import dataclasses
 import re
 import types
 import warnings
-from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-from replay_ops.integrations.hf_block import (  # BlockRouting, route_block: re-exported
-    BlockRouting,
-    block_forward,
-    plan_experts,
-    route_block,
-)
 from replay_ops.router_replay import (
     ModelShape,
     RouterReplay,
     RouterReplayConfig,
 )
 
+from .block import patched_forward
+from .families import ArchSpec, UnsupportedModelError, spec_for, supported_architectures
+
 __all__ = [
-    "SUPPORTED",
-    "ArchSpec",
-    "BlockRouting",
     "MoELayout",
     "ReplayPatch",
-    "UnsupportedModelError",
     "moe_layout",
     "make_router_replay",
-    "native_topk",
     "patch_model",
-    "route_block",
     "unpatch_model",
-    "supported_architectures",
 ]
-
-
-class UnsupportedModelError(ValueError):
-    """The model is not one of the architectures this integration supports."""
-
-
-# ----------------------------------------------------------------------------- native top-k
-# Each function reproduces the unpatched router's selection op by op (so RECORD stores what
-# the unpatched model would pick); tests compare it with the router module's own output.
-
-
-def _softmax_topk(gate: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
-    probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
-    return torch.topk(probs, gate.top_k, dim=-1)[1]
-
-
-def _deepseek_v3_topk(gate: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
-    E, G = gate.num_experts, gate.num_group
-    scores = logits.sigmoid()
-    scores_for_choice = scores + gate.e_score_correction_bias
-    group_scores = scores_for_choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)
-    group_idx = torch.topk(group_scores, k=gate.topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores)
-    group_mask.scatter_(1, group_idx, 1)
-    score_mask = group_mask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
-    scores_for_choice = scores_for_choice.masked_fill(~score_mask.bool(), float("-inf"))
-    return torch.topk(scores_for_choice, k=gate.top_k, dim=-1, sorted=False)[1]
-
-
-# ----------------------------------------------------------------------------- shared experts
-
-
-def _qwen2_moe_shared(block, x_flat, hidden_states, routed):
-    shared = block.shared_expert(x_flat)
-    shared = F.sigmoid(block.shared_expert_gate(x_flat)) * shared
-    return routed + shared
-
-
-def _deepseek_v3_shared(block, x_flat, hidden_states, routed):
-    return routed.view(*hidden_states.shape) + block.shared_experts(hidden_states)
-
-
-@dataclasses.dataclass(frozen=True)
-class ArchSpec:
-    """How one architecture's MoE block routes (see the module docstring's table)."""
-
-    model_type: str
-    block_class: str
-    score_func: str
-    normalize: Callable[[torch.nn.Module], bool]  # of the router module
-    scaling_factor: Callable[[torch.nn.Module], float]
-    weights_fp32: bool  # gate weights stay fp32 in the unpatched model
-    topk: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
-    add_shared: Callable | None = None
-    jitter: bool = False  # Mixtral's router_jitter_noise in training mode
-    fallback: str = "gate"  # RouterReplayConfig.fallback that matches the native selection
-
-
-def _norm_attr(gate) -> bool:
-    return bool(gate.norm_topk_prob)
-
-
-SUPPORTED: dict[str, ArchSpec] = {
-    "mixtral": ArchSpec(
-        "mixtral", "MixtralSparseMoeBlock", "softmax", lambda g: True, lambda g: 1.0,
-        weights_fp32=True, topk=_softmax_topk, jitter=True,
-    ),
-    "qwen2_moe": ArchSpec(
-        "qwen2_moe", "Qwen2MoeSparseMoeBlock", "softmax", _norm_attr, lambda g: 1.0,
-        weights_fp32=False, topk=_softmax_topk, add_shared=_qwen2_moe_shared,
-    ),
-    "qwen3_moe": ArchSpec(
-        "qwen3_moe", "Qwen3MoeSparseMoeBlock", "softmax", _norm_attr, lambda g: 1.0,
-        weights_fp32=False, topk=_softmax_topk,
-    ),
-    "olmoe": ArchSpec(
-        "olmoe", "OlmoeSparseMoeBlock", "softmax", _norm_attr, lambda g: 1.0,
-        weights_fp32=False, topk=_softmax_topk,
-    ),
-    "deepseek_v3": ArchSpec(
-        "deepseek_v3", "DeepseekV3MoE", "sigmoid", _norm_attr,
-        lambda g: float(g.routed_scaling_factor),
-        weights_fp32=True, topk=_deepseek_v3_topk, add_shared=_deepseek_v3_shared,
-        fallback="topk_fn",
-    ),
-}
-
-
-def supported_architectures() -> list[str]:
-    return sorted(SUPPORTED)
-
-
-def native_topk(model_type: str, gate: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
-    """The unpatched router's top-k indices [T, K] for router logits [T, E]."""
-    return _spec_for(model_type).topk(gate, logits)
-
-
-def _spec_for(model_type: str) -> ArchSpec:
-    spec = SUPPORTED.get(model_type)
-    if spec is None:
-        raise UnsupportedModelError(
-            f"replay_ops.integrations.hf: model_type={model_type!r} is not supported; "
-            f"supported architectures: {', '.join(supported_architectures())}"
-        )
-    return spec
 
 
 # ----------------------------------------------------------------------------- layout
@@ -260,7 +124,7 @@ def moe_layout(model: torch.nn.Module) -> MoELayout:
             f"replay_ops.integrations.hf: {type(model).__name__} has no config.model_type; "
             f"expected a transformers model, one of: {', '.join(supported_architectures())}"
         )
-    spec = _spec_for(model_type)
+    spec = spec_for(model_type)
     blocks: dict[int, torch.nn.Module] = {}
     for name, mod in model.named_modules():
         if type(mod).__name__ != spec.block_class:
@@ -447,7 +311,7 @@ def patch_model(
     built for this model, a RouterReplayConfig, a mode string "disabled"/"R2"/"R3", or None
     for disabled). Returns a `ReplayPatch`; undo with `.remove()` or `unpatch_model`.
     With `ep_group` (a torch.distributed group) the experts are sharded over the group:
-    see `replay_ops.distributed.hf.enable_expert_parallel`."""
+    see `replay_ops.integrations.hf.ep.enable_expert_parallel`."""
     if getattr(model, "_replay_ops_patch", None) is not None:
         raise RuntimeError(
             "replay_ops.integrations.hf.patch_model: the model is already patched; call "
@@ -470,11 +334,11 @@ def patch_model(
     patch = ReplayPatch(model, lay, replay, auto_recompute)
     for lid, block in lay.blocks.items():
         block._replay_ops_layer = (patch, lid)
-        block.forward = types.MethodType(_patched_forward, block)
+        block.forward = types.MethodType(patched_forward, block)
     model._replay_ops_patch = patch
     patch.active = True
     if ep_group is not None:
-        from replay_ops.distributed.hf import enable_expert_parallel
+        from .ep import enable_expert_parallel
 
         enable_expert_parallel(patch, ep_group)
     return patch
@@ -485,20 +349,3 @@ def unpatch_model(model: torch.nn.Module) -> None:
     patch = getattr(model, "_replay_ops_patch", None)
     if patch is not None:
         patch.remove()
-
-
-def _patched_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    layer = block.__dict__.get("_replay_ops_layer")
-    if layer is None:  # removed, but called through a wrapper installed after patching
-        return type(block).forward(block, hidden_states)
-    patch, lid = layer
-    replay = patch.replay
-    if not replay.enabled or replay.action is None:
-        return type(block).forward(block, hidden_states)
-    r = route_block(patch, lid, block, hidden_states)
-    if not r.recompute:
-        patch._last[lid] = r.plan.expert_indices
-    return block_forward(block, r, patch.layout.spec, plan_experts)
-
-
-_patched_forward._replay_ops_forward = True  # remove() takes only its own forward

@@ -1,0 +1,81 @@
+"""Router replay for Hugging Face `transformers` MoE models.
+
+    from replay_ops.integrations import hf
+    from replay_ops.router_replay import ReplayAction
+
+    patch = hf.patch_model(model, "R3")          # or a RouterReplayConfig / RouterReplay
+    patch.replay.set_routing(rollout_routing)    # [T, L, K] from the inference engine
+    patch.replay.set_action(ReplayAction.REPLAY_FORWARD)
+    out = model(input_ids)                       # every MoE block replays that routing
+    patch.remove()                               # (or hf.unpatch_model(model))
+
+The package, one module per part:
+
+* `families`: the architectures it knows (`SUPPORTED`: Mixtral, Qwen2-MoE, Qwen3-MoE,
+  OLMoE, DeepSeek-V3), how each one's router scores and selects (`own_topk`, the model's
+  own routing), and `register_family` to add one without editing the package;
+* `patch`: `patch_model` / `unpatch_model`, the MoE blocks of a model (`moe_layout`) and
+  the `ReplayPatch` handle; its docstring covers recompute, host syncs, torch.compile and
+  CUDA graphs;
+* `block`: the one forward every patched block runs (`patched_forward`): the router and the
+  replay plan (`route_block`), then the experts through the implementation the config
+  names (`plan_experts`, `rows_experts`);
+* `ep`: expert parallelism (`patch_model(..., ep_group=g)`, `enable_expert_parallel`), on
+  top of `replay_ops.distributed`'s dispatch and combine.
+
+`replay_ops.integrations.hf_block` and `replay_ops.distributed.hf`, the modules these were
+in, still import for one release and warn.
+"""
+from __future__ import annotations
+
+from .block import BlockRouting, route_block
+from .families import (
+    SUPPORTED,
+    ArchSpec,
+    UnsupportedModelError,
+    native_topk,
+    own_topk,
+    register_family,
+    softmax_topk,
+    supported_architectures,
+    unregister_family,
+)
+from .patch import (
+    MoELayout,
+    ReplayPatch,
+    make_router_replay,
+    moe_layout,
+    patch_model,
+    unpatch_model,
+)
+
+__all__ = [
+    "SUPPORTED",
+    "ArchSpec",
+    "BlockRouting",
+    "EPState",
+    "MoELayout",
+    "ReplayPatch",
+    "UnsupportedModelError",
+    "enable_expert_parallel",
+    "moe_layout",
+    "make_router_replay",
+    "native_topk",
+    "own_topk",
+    "patch_model",
+    "register_family",
+    "route_block",
+    "softmax_topk",
+    "supported_architectures",
+    "unpatch_model",
+    "unregister_family",
+]
+
+
+def __getattr__(name: str):
+    # the expert-parallel names import torch.distributed: only when asked for
+    if name in ("enable_expert_parallel", "EPState"):
+        from . import ep
+
+        return getattr(ep, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
