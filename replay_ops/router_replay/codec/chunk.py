@@ -304,11 +304,11 @@ def _decode_chunk(buf: memoryview, ch: ChunkInfo, inf: BlobInfo, tok: np.ndarray
 
 def _widen_into(canon: np.ndarray, E: int, dst: torch.Tensor) -> None:
     """dst (a torch tensor) <- canonical ids with the sentinel E as -1. A CPU destination is
-    written through a numpy view (torch's own copy wakes its thread pool: 5.8 ms of CPU for
-    1M elements on the 2-core test machine, against 0.3 ms here)."""
+    written through a numpy view (torch's own copy wakes its thread pool:
+    bench/results/codec_choices.md)."""
     if canon.size == 0:
         return
-    # NOTE: the max (a fast reduction) settles most chunks: no slot holds the sentinel
+    # the max (a fast reduction) settles most chunks: no slot holds the sentinel
     empty = canon == E if canon.max() >= E else None
     if dst.device.type == "cpu" and not dst.requires_grad:
         dn = dst.numpy()

@@ -38,9 +38,8 @@ ORDERS = ("set", "keep")
 DEFAULT_LEVEL = 3
 
 # Sequences are packed into chunks of up to this many tokens (a longer sequence is a chunk
-# of its own). NOTE: on the dev corpus (E=128, K=8, L=8, 512-token sequences, token ids
-# given, zstd-3) one chunk per sequence gives 5.1x smaller than int16, 8192-token chunks
-# 7.6x, one 32768-token chunk 8.2x; a chunk is what `decode_sequence` decompresses.
+# of its own); a chunk is what `decode_sequence` decompresses. Smaller chunks compress less
+# (bench/results/codec_choices.md).
 DEFAULT_CHUNK_TOKENS = 16384
 
 MAX_LEHMER_K = 20  # 20! < 2**63
@@ -211,8 +210,8 @@ def lehmer_width(k: int) -> int:
 
 def _token_hash(tok: np.ndarray) -> int:
     """64 bits: crc32 and adler32 of the ids as little-endian int64 (never 0: 0 means "no
-    token ids"). NOTE: 0.05 ms for 16384 ids against 0.5 ms for blake2b; it detects ids that
-    differ by accident (the wrong batch, a shifted slice), it is no defence against forgery."""
+    token ids"), faster than a cryptographic hash (bench/results/codec_choices.md); it
+    detects ids that differ by accident (the wrong batch, a shifted slice), it is no defence against forgery."""
     b = np.ascontiguousarray(tok, dtype="<i8").view(np.uint8)
     return ((zlib.crc32(b) << 32) | zlib.adler32(b)) or 1
 

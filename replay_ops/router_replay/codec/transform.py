@@ -205,12 +205,11 @@ def _relabel_table(canon: np.ndarray, E: int) -> np.ndarray:
     mean slot over the chunk's rows (the slot order is the score order, so experts that
     usually score high get small labels; unused experts last; ties by id). Relabelled, the
     slot order of a row is close to its ascending order, so its Lehmer code is small and
-    compresses (dev corpus, keep, zstd-3: 4.02x against 3.82x without token ids). The
-    sentinel E keeps its label."""
+    compresses (bench/results/codec_choices.md). The sentinel E keeps its label."""
     T, L, K = canon.shape
     E1 = E + 1
-    # NOTE: one count of (slot, layer, id) triples: 1.6 ms for 16384 x 8 x 8 ids, against
-    # 2.2 ms for a count per slot and 6 ms for one weighted count (2-core test machine)
+    # one count of (slot, layer, id) triples when the bins are few, else a count per slot
+    # (bench/results/codec_choices.md)
     it = np.int32 if K * L * E1 < 2**31 else np.int64
     if K * L * E1 <= 1 << 20:
         off = ((np.arange(L, dtype=it) * E1)[None, :, None]
@@ -239,9 +238,8 @@ def _relabel_table(canon: np.ndarray, E: int) -> np.ndarray:
 def _apply_labels(canon: np.ndarray, lab: np.ndarray, E: int) -> np.ndarray:
     """[T, L, K] ids -> the labels lab[l, id] (the sentinel E stays E), canon's dtype."""
     L = lab.shape[0]
-    # one gather from a flat [L, stride] table, indexed by layer * stride + id. NOTE: with
-    # 16-bit indices (E < 256, L <= 256) 1.2 ms for 16384 x 8 x 8 ids, against 2.4 ms for a
-    # gather per layer (2-core test machine)
+    # one gather from a flat [L, stride] table, indexed by layer * stride + id, with 16-bit
+    # indices when E < 256 and L <= 256 (bench/results/codec_choices.md)
     stride = 256 if E < 256 and L <= 256 else E + 1
     it = np.uint16 if stride == 256 else np.uint32 if L * stride < 2**32 else np.int64
     ext = np.zeros((L, stride), canon.dtype)
@@ -255,14 +253,14 @@ def _apply_labels(canon: np.ndarray, lab: np.ndarray, E: int) -> np.ndarray:
 
 
 def _group_order(tok: np.ndarray) -> np.ndarray:
-    """The stable order of the tokens by id (a token's occurrences in order). NOTE: one sort
-    of (id << bits | position) keys: 0.47 ms for 16384 tokens against 0.78 ms for a stable
-    argsort (2-core test machine)."""
+    """The stable order of the tokens by id (a token's occurrences in order): one sort of
+    (id << bits | position) keys, or numpy's radix sort for ids below 2**16
+    (bench/results/codec_choices.md)."""
     T = tok.shape[0]
     bits = max(1, int(T).bit_length())
     lo, hi = (int(tok.min()), int(tok.max())) if T else (0, 0)
     if lo >= 0 and hi <= 0xFFFF:
-        # NOTE: numpy's stable sort of 16-bit keys is a radix sort: 0.06 ms for 16384 ids
+        # numpy's stable sort of 16-bit keys is a radix sort
         return np.argsort(tok.astype(np.uint16), kind="stable")
     if lo >= 0 and hi < (1 << (62 - bits)):
         keys = np.sort((tok.astype(np.int64) << bits) | np.arange(T, dtype=np.int64))
@@ -299,8 +297,7 @@ def _from_grouped(a: np.ndarray, g: np.ndarray) -> np.ndarray:
     L, T, C = a.shape
     ginv = np.empty_like(g)
     ginv[g] = np.arange(T, dtype=g.dtype)
-    # NOTE: a gather along the token axis, then one transpose: 0.2 ms for 16384 x 8 rows of
-    # 8 bytes, against 0.8 ms for a gather of the transposed rows
+    # a gather along the token axis, then one transpose (bench/results/codec_choices.md)
     return np.ascontiguousarray(np.take(_rows(a), ginv, axis=1).T).view(a.dtype).reshape(
         T, L, C)
 
