@@ -423,3 +423,22 @@ def test_the_triton_path_gives_the_golden_bytes(name):
     assert blob.hex() == GOLDEN[name]
     got = codec.decode(blob, token_ids=kw.get("token_ids"), backend="triton")
     np.testing.assert_array_equal(got.numpy(), _expected(r, kw["order"]))
+
+
+def test_a_grouped_chunk_without_token_ids_is_refused():
+    """docs/codec_format.md: only a chunk with token ids is grouped by them. A blob without
+    token ids whose zstd chunk claims the grouped order (every recomputable checksum made
+    right) is a CodecError naming the chunk, not an error from inside the decoder."""
+    from _codec_forge import reseal, split
+
+    r = np.arange(64 * 2 * 4).reshape(64, 2, 4) % 16
+    blob = codec.encode(r, num_experts=16, order="set")
+    version, head, ext, chunks = split(blob)
+    assert chunks[0].fields[4] == 1 and chunks[0].fields[5] == 0  # zstd, token-major
+    chunks[0].fields[5] = 1
+    bad = reseal(version, head, ext, chunks)
+    with pytest.raises(codec.CodecError, match=f"offset {codec.BLOB_HEADER_SIZE}: corrupt "
+                                               "chunk header"):
+        codec.info(bad)
+    with pytest.raises(codec.CodecError):
+        codec.decode(bad)

@@ -500,7 +500,8 @@ def info(blob, *, verify_payload: bool = False, max_tokens: int | None = None,
                                  or method != _METHOD_ZSTD or not fmt.relabels(order, T, K, E)))
                 or w != w_id
                 or lsum != T or cont > 1 or (cont and nseq == 0)
-                or (th != 0) != has_tok):
+                or (th != 0) != has_tok
+                or (layout & _LAYOUT_GROUPED and method == _METHOD_ZSTD and not th)):
             _fail(off, f"corrupt chunk header (first_seq={first}, expected {want_first}; "
                        f"method={method}, layout={layout}, width={w}, tokens={T}, "
                        f"sum(seq_lens)={lsum})")
