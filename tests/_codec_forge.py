@@ -30,7 +30,8 @@ def split(blob: bytes):
     blob, read without any check."""
     head = list(codec.format._BLOB.unpack_from(blob, 0))
     version = head[1]
-    ext = list(codec.format._BLOB3.unpack_from(blob, codec.format._BLOB.size)) if version >= 3 else None
+    ext = (list(codec.format._BLOB3.unpack_from(blob, codec.format._BLOB.size))
+           if version >= 3 else None)
     off = codec.header_size(version)
     chunks = []
     while off < len(blob):
@@ -82,7 +83,8 @@ def forge_header(blob: bytes, **changes) -> bytes:
     names = ["magic", "version", "order", "flags", "E", "L", "K", "reserved"]
     head = list(codec.format._BLOB.unpack_from(blob, 0))
     version = head[1]
-    ext = list(codec.format._BLOB3.unpack_from(blob, codec.format._BLOB.size)) if version >= 3 else []
+    ext = (list(codec.format._BLOB3.unpack_from(blob, codec.format._BLOB.size))
+           if version >= 3 else [])
     names3 = ["blob_id", "num_tokens", "num_chunks", "num_seqs", "chain"]
     for k, v in changes.items():
         if k in names:

@@ -21,66 +21,44 @@ import torch
 from .._bounds import MAX_IDS, MAX_LAYERS, MAX_TOKENS, MAX_TOP_K
 
 FORMAT_VERSION = 3
-
 # Versions this decoder reads (and `append` extends in their own format): 1 stored the
 # Lehmer code of the sorted-id order (p), its bytes least significant first; 2 stores that
 # of the slot order (the inverse permutation q), most significant first; 3 is 2 with the
 # chunks bound to their blob and position (a blob id, a chained header checksum) and a blob
 # header that counts the chunks, sequences and tokens (`append` rewrites it).
 READ_VERSIONS = (1, 2, 3)
-
 MAGIC = b"RRCODEC\x00"
-
 CHUNK_MAGIC = b"RRCK"
-
 ORDERS = ("set", "keep")
-
 DEFAULT_LEVEL = 3
-
 # Sequences are packed into chunks of up to this many tokens (a longer sequence is a chunk
 # of its own); a chunk is what `decode_sequence` decompresses. Smaller chunks compress less
 # (bench/results/codec_choices.md).
 DEFAULT_CHUNK_TOKENS = 16384
-
 MAX_LEHMER_K = 20  # 20! < 2**63
-
 MAX_EXPERTS = 2**31 - 1
-
 # Sizes a header may claim, checked before anything is allocated: beyond any real model
 # (the largest published MoE models route K <= 16 of <= 512 experts in <= 128 layers).
 # (MAX_TOP_K, MAX_LAYERS, MAX_TOKENS, MAX_IDS: router_replay/_bounds.py)
 # A zstd frame cannot expand more than this (a 4-byte RLE block gives 128 KiB): a chunk
 # whose header claims more than this many bytes per payload byte is refused unread.
 ZSTD_MAX_RATIO = 32768
-
 _BLOB = struct.Struct("<8sHBBIIII")       # + crc u32 (versions 1 and 2)
-
 # version 3: + blob_id u64, num_tokens u64, num_chunks u32, num_seqs u32, chain u32, crc u32
 _BLOB3 = struct.Struct("<QQIII")
-
 BLOB_HEADER_SIZE_V2 = _BLOB.size + 4
-
 BLOB_HEADER_SIZE = _BLOB.size + _BLOB3.size + 4
-
 _U32 = struct.Struct("<I")
-
 _CHUNK = struct.Struct("<4sIIBBBBQQQII")  # + crc u32 (covers this and the seq_lens)
-
 CHUNK_HEADER_SIZE = _CHUNK.size + 4
-
 _METHOD_RAW, _METHOD_ZSTD = 0, 1
-
 _LAYOUT_TOKENS, _LAYOUT_GROUPED = 0, 1
-
 # layout bit (format 2, "keep", zstd chunks): the ids were relabelled per layer before the
 # row transform, and the payload holds the relabelling table (`_relabel_table`)
 _LAYOUT_RELABEL = 2
-
 # relabel when the table (L*E ids) is at most this fraction of the chunk's ids (T*L*K)
 _RELABEL_MIN_IDS_PER_EXPERT = 16
-
 _FLAG_TOKENS = 1
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,14 +115,10 @@ def header_size(version) -> int:
     return as_format(version).header_size
 
 
-
-
 class CodecError(ValueError):
     """A blob that cannot be decoded (corrupt, truncated, foreign, newer version, wrong or
     missing token ids), or input that cannot be encoded. Decoding problems name the byte
     offset in the blob."""
-
-
 
 
 def _zstd():
@@ -156,10 +130,7 @@ def _zstd():
     return zstandard
 
 
-
-
 _tls = threading.local()
-
 
 
 def _compressor(level: int):
@@ -170,14 +141,10 @@ def _compressor(level: int):
     return cache[level]
 
 
-
-
 def _decompressor():
     if not hasattr(_tls, "d"):
         _tls.d = _zstd().ZstdDecompressor()
     return _tls.d
-
-
 
 
 def id_width(num_experts: int) -> int:
@@ -189,10 +156,7 @@ def id_width(num_experts: int) -> int:
     return 4
 
 
-
-
 _NARROW = {1: np.uint8, 2: np.uint16, 4: np.uint32}
-
 
 
 def lehmer_width(k: int) -> int:
@@ -206,16 +170,13 @@ def lehmer_width(k: int) -> int:
     return k * (1 if k <= 256 else 2)
 
 
-
-
 def _token_hash(tok: np.ndarray) -> int:
     """64 bits: crc32 and adler32 of the ids as little-endian int64 (never 0: 0 means "no
     token ids"), faster than a cryptographic hash (bench/results/codec_choices.md); it
-    detects ids that differ by accident (the wrong batch, a shifted slice), it is no defence against forgery."""
+    detects ids that differ by accident (the wrong batch, a shifted slice), it is no
+    defence against forgery."""
     b = np.ascontiguousarray(tok, dtype="<i8").view(np.uint8)
     return ((zlib.crc32(b) << 32) | zlib.adler32(b)) or 1
-
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,8 +212,6 @@ class BlobInfo:
         return np.concatenate([[0], np.cumsum(self.seq_lens, dtype=np.int64)])
 
 
-
-
 class ChunkInfo(typing.NamedTuple):
     """What a chunk's header says (a named tuple: `info` builds one per chunk)."""
 
@@ -272,8 +231,6 @@ class ChunkInfo(typing.NamedTuple):
     token_start: int       # of the chunk's first token in the whole blob
 
 
-
-
 def _blob_header(order: str, E: int, L: int, K: int, has_tokens: bool,
                  fmt: Format = None, blob_id: int = 0, num_tokens: int = 0,
                  num_chunks: int = 0, num_seqs: int = 0, chain: int = 0) -> bytes:
@@ -286,8 +243,6 @@ def _blob_header(order: str, E: int, L: int, K: int, has_tokens: bool,
                              f"{num_chunks} chunks, {num_seqs} sequences")
         head += _BLOB3.pack(blob_id, num_tokens, num_chunks, num_seqs, chain)
     return head + struct.pack("<I", zlib.crc32(head))
-
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,14 +271,10 @@ class Canonical:
         return crc
 
 
-
-
 def _chain_start(head: bytes) -> int:
     """Format 3: the chain's start value, the crc32 of the blob header's fields that never
     change (magic, version, order, flags, E, L, K, reserved, blob id)."""
     return zlib.crc32(head[:_BLOB.size + 8])
-
-
 
 
 def _chunk_crc(fmt: Format, fixed, lens_b, index: int, chain: int) -> int:
@@ -335,8 +286,6 @@ def _chunk_crc(fmt: Format, fixed, lens_b, index: int, chain: int) -> int:
     return zlib.crc32(lens_b, zlib.crc32(fixed, seed))
 
 
-
-
 def _link(parts: list, fmt: Format, index: int, chain: int) -> tuple[list, int]:
     """Chunk bytes for `parts` (chunks index, index+1, ...), and the chain value after them."""
     out = []
@@ -346,16 +295,12 @@ def _link(parts: list, fmt: Format, index: int, chain: int) -> tuple[list, int]:
     return out, chain
 
 
-
-
 def _blob_id(parts: list) -> int:
     """Format 3's blob id: 64 bits derived from the first encode's chunk headers (which hold
     the checksums of their payload, content and token ids), so the same input gives the same
     blob, and blobs of different routing get different ids."""
     b = b"".join(c.fixed + c.lens_b for c in parts)
     return ((zlib.crc32(b) << 32) | zlib.adler32(b)) or 1
-
-
 
 
 def _check_shape(T: int, L: int, K: int, who: str, offset: int | None = None) -> None:
@@ -371,13 +316,9 @@ def _check_shape(T: int, L: int, K: int, who: str, offset: int | None = None) ->
             _fail(offset, msg)
 
 
-
-
 def _check_order(order):
     if order not in ORDERS:
         raise CodecError(f"order must be 'keep' or 'set', got {order!r}")
-
-
 
 
 def _check_level(level):
@@ -385,12 +326,8 @@ def _check_level(level):
         raise CodecError(f"level must be a zstd level in -7..22, got {level!r}")
 
 
-
-
 def _fail(offset: int, reason: str):
     raise CodecError(f"routing blob, offset {offset}: {reason}")
-
-
 
 
 def _parse_header(buf: memoryview):
@@ -418,15 +355,11 @@ def _parse_header(buf: memoryview):
     return ORDERS[order], bool(flags & _FLAG_TOKENS), E, L, K, fmt, ext
 
 
-
-
 def _check_limit_args(max_tokens, max_bytes) -> None:
     for name, v in (("max_tokens", max_tokens), ("max_bytes", max_bytes)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))
                               or v < 0):
             raise CodecError(f"{name} must be a non-negative int or None, got {v!r}")
-
-
 
 
 def _check_limits(T: int, L: int, K: int, itemsize: int, max_tokens, max_bytes,
@@ -438,8 +371,6 @@ def _check_limits(T: int, L: int, K: int, itemsize: int, max_tokens, max_bytes,
     if max_bytes is not None and T * L * K * itemsize > max_bytes:
         _fail(offset, f"decoded bytes={T * L * K * itemsize} ([{T}, {L}, {K}] x {itemsize}) "
                       f"is above max_bytes={max_bytes}")
-
-
 
 
 def info(blob, *, verify_payload: bool = False, max_tokens: int | None = None,
@@ -547,8 +478,6 @@ def info(blob, *, verify_payload: bool = False, max_tokens: int | None = None,
                     blob_id, chain)
 
 
-
-
 def _zstd_frame_end(b: memoryview, offset: int) -> int:
     """The end of the zstd frame at the start of `b` (its header, blocks and checksum),
     read from the block headers alone."""
@@ -572,8 +501,6 @@ def _zstd_frame_end(b: memoryview, offset: int) -> int:
     return pos + (4 if params.has_checksum else 0)
 
 
-
-
 def _check_frame(payload: memoryview, want: int, offset: int) -> None:
     """Before decompressing: the payload is one zstd frame that declares exactly the size
     the chunk header implies, and nothing follows it (no decompression bomb, no smuggled
@@ -591,8 +518,6 @@ def _check_frame(payload: memoryview, want: int, offset: int) -> None:
                       f"(bytes after the frame, or a frame cut short)")
 
 
-
-
 def _check_content(ch: ChunkInfo, rows: Canonical, path: str = "") -> None:
     """THE check of a decoded chunk, on every decode path: the canonical form (sorted narrow
     ids, and for "keep" the permutation code bytes) re-derived from the routing the decoder
@@ -600,8 +525,6 @@ def _check_content(ch: ChunkInfo, rows: Canonical, path: str = "") -> None:
     if rows.crc() != ch.content_crc:
         _fail(ch.offset, "decoded content checksum mismatch: the chunk does not decode to "
                          "the routing that was encoded (corrupt blob or a decoder bug)" + path)
-
-
 
 
 def _default_dtype(E: int) -> torch.dtype:

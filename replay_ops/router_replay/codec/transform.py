@@ -18,7 +18,6 @@ from .format import (CURRENT, MAX_LEHMER_K, _NARROW, CodecError, Format, as_form
 _NETWORK_MAX_K = 20
 
 
-
 def _network(k: int) -> list[tuple[int, int]]:
     """Batcher's odd-even merge sort for k inputs (the network of the next power of two,
     comparators touching an index >= k dropped: those inputs act as +inf)."""
@@ -47,10 +46,7 @@ def _network(k: int) -> list[tuple[int, int]]:
     return [(i, j) for i, j in pairs if j < k]
 
 
-
-
 _NETWORKS: dict[int, list] = {}
-
 
 
 def _sort_columns(cols: list[np.ndarray]) -> list[np.ndarray]:
@@ -70,8 +66,6 @@ def _sort_columns(cols: list[np.ndarray]) -> list[np.ndarray]:
     return cols
 
 
-
-
 def _key_dtype(num_experts: int, k: int):
     top = (num_experts + 1) * _slot_mult(k)
     for dt in (np.uint16, np.uint32, np.uint64):
@@ -80,14 +74,8 @@ def _key_dtype(num_experts: int, k: int):
     raise CodecError(f"num_experts={num_experts} with top_k={k} is too large")
 
 
-
-
 def _slot_mult(k: int) -> int:
     return 1 << max(0, (k - 1).bit_length())
-
-
-
-
 
 
 def sort_rows(canon: np.ndarray, order: str, num_experts: int,
@@ -117,8 +105,6 @@ def sort_rows(canon: np.ndarray, order: str, num_experts: int,
     return srt, _perm_encode(perm, k)
 
 
-
-
 def _lehmer_bytes(cols: list[np.ndarray], k: int) -> np.ndarray:
     """The Lehmer code of each row of the columns `cols` (K arrays of N values), as
     [N, lehmer_width(k)] little-endian bytes: digit j = #{i > j : cols[i] < cols[j]} in
@@ -138,16 +124,12 @@ def _lehmer_bytes(cols: list[np.ndarray], k: int) -> np.ndarray:
     return np.ascontiguousarray(code.astype(f"<u{w}")).view(np.uint8).reshape(n, w)
 
 
-
-
 def _lehmer_of_slots(cols: list[np.ndarray], k: int) -> np.ndarray:
     """The Lehmer code of each row's slot order: q[s] = the rank of slot s's id in the row
     (equal ids ranked by slot), digit s = #{s' > s : q[s'] < q[s]} = #{s' > s : id[s'] <
     id[s]}, slot 0's digit most significant. Equal to `_perm_encode` of the inverse
     permutation."""
     return _lehmer_bytes(cols, k)
-
-
 
 
 def _perm_encode(perm: list[np.ndarray], k: int) -> np.ndarray:
@@ -157,8 +139,6 @@ def _perm_encode(perm: list[np.ndarray], k: int) -> np.ndarray:
         p = np.ascontiguousarray(np.stack(perm, axis=1))
         return p.view(np.uint8).reshape(n, k * p.itemsize)
     return _lehmer_bytes(perm, k)
-
-
 
 
 def lehmer_digits(code: np.ndarray, k: int) -> np.ndarray:
@@ -175,8 +155,6 @@ def lehmer_digits(code: np.ndarray, k: int) -> np.ndarray:
         bad = int(np.flatnonzero(code)[0])
         raise CodecError(f"permutation code of row {bad} is not below {k}! (corrupt)")
     return digits
-
-
 
 
 def _perm_decode(code_bytes: np.ndarray, k: int) -> list[np.ndarray]:
@@ -196,8 +174,6 @@ def _perm_decode(code_bytes: np.ndarray, k: int) -> list[np.ndarray]:
         for i in range(j + 1, k):
             p[i] = p[i] + (p[i] >= pj)
     return p
-
-
 
 
 def _relabel_table(canon: np.ndarray, E: int) -> np.ndarray:
@@ -233,8 +209,6 @@ def _relabel_table(canon: np.ndarray, E: int) -> np.ndarray:
     return lab
 
 
-
-
 def _apply_labels(canon: np.ndarray, lab: np.ndarray, E: int) -> np.ndarray:
     """[T, L, K] ids -> the labels lab[l, id] (the sentinel E stays E), canon's dtype."""
     L = lab.shape[0]
@@ -248,8 +222,6 @@ def _apply_labels(canon: np.ndarray, lab: np.ndarray, E: int) -> np.ndarray:
     idx = canon.astype(it)
     idx += (np.arange(L, dtype=it) * it(stride))[None, :, None]
     return np.take(ext.reshape(-1), idx)
-
-
 
 
 def _group_order(tok: np.ndarray) -> np.ndarray:
@@ -268,10 +240,7 @@ def _group_order(tok: np.ndarray) -> np.ndarray:
     return np.argsort(tok, kind="stable")
 
 
-
-
 _ROW_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
 
 
 def _rows(a: np.ndarray) -> np.ndarray:
@@ -282,14 +251,10 @@ def _rows(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).view(_ROW_UINT.get(nb, np.dtype((np.void, nb)))).reshape(A, B)
 
 
-
-
 def _to_grouped(a: np.ndarray, g: np.ndarray) -> np.ndarray:
     """[T, L, C] token order -> [L, T, C] layer-major, tokens in order g."""
     T, L, C = a.shape
     return np.ascontiguousarray(_rows(a)[g].T).view(a.dtype).reshape(L, T, C)
-
-
 
 
 def _from_grouped(a: np.ndarray, g: np.ndarray) -> np.ndarray:
@@ -302,8 +267,6 @@ def _from_grouped(a: np.ndarray, g: np.ndarray) -> np.ndarray:
         T, L, C)
 
 
-
-
 def _planes(ids: np.ndarray, w: int) -> bytes:
     if w == 1:
         return np.ascontiguousarray(ids).tobytes()
@@ -311,15 +274,11 @@ def _planes(ids: np.ndarray, w: int) -> bytes:
     return np.ascontiguousarray(b.T).tobytes()
 
 
-
-
 def _planes_bytes(b: np.ndarray) -> bytes:
     """[..., w] uint8 -> w planes."""
     w = b.shape[-1]
     b = b.reshape(-1, w)
     return np.ascontiguousarray(b.T).tobytes() if w > 1 else np.ascontiguousarray(b).tobytes()
-
-
 
 
 def _unsort_np(srt: np.ndarray, pc, K: int, fmt: Format) -> np.ndarray:
@@ -336,8 +295,6 @@ def _unsort_np(srt: np.ndarray, pc, K: int, fmt: Format) -> np.ndarray:
     out = np.empty((N, K), srt.dtype)
     np.put_along_axis(out, p.astype(np.intp), srt, axis=1)
     return out
-
-
 
 
 def _unplanes(b: np.ndarray, w: int, n: int) -> np.ndarray:
