@@ -258,7 +258,7 @@ def keep_orders(r: np.ndarray, tok: np.ndarray) -> list[dict]:
             x = r[a:a + codec.DEFAULT_CHUNK_TOKENS]
             T, L, K = x.shape
             g = (np.argsort(tok[a:a + T], kind="stable") if use_tok else np.arange(T))
-            lab_mean = codec._relabel_table(x, 128)
+            lab_mean = codec.transform._relabel_table(x, 128)
             cnt = np.stack([np.bincount(x[:, l].reshape(-1), minlength=128) for l in range(L)])
             lab_freq = np.argsort(np.argsort(-cnt, axis=1, kind="stable"), axis=1)
             for name, version, lab in [
@@ -268,7 +268,7 @@ def keep_orders(r: np.ndarray, tok: np.ndarray) -> list[dict]:
                      lab_mean),
                     ("ids relabelled per layer by frequency + q code (+ table)", 2,
                      lab_freq)]:
-                y = x if lab is None else codec._apply_labels(x, lab, 128)
+                y = x if lab is None else codec.transform._apply_labels(x, lab, 128)
                 srt, pc = codec.sort_rows(y.reshape(T * L, K), "keep", 128, version)
                 pc = pc.reshape(T, L, -1)[g].transpose(1, 0, 2) if use_tok else pc
                 ids = srt.reshape(T, L, K)[g].transpose(1, 0, 2) if use_tok else srt

@@ -16,7 +16,7 @@ from replay_ops.router_replay import codec
 
 @dataclass
 class Chunk:
-    fields: list          # codec._CHUNK fields
+    fields: list          # codec.format._CHUNK fields
     lens: tuple
     payload: bytes
 
@@ -28,13 +28,14 @@ class Chunk:
 def split(blob: bytes):
     """(version, header fields (_BLOB then, format 3, _BLOB3), [Chunk]) of a well-formed
     blob, read without any check."""
-    head = list(codec._BLOB.unpack_from(blob, 0))
+    head = list(codec.format._BLOB.unpack_from(blob, 0))
     version = head[1]
-    ext = list(codec._BLOB3.unpack_from(blob, codec._BLOB.size)) if version >= 3 else None
+    ext = (list(codec.format._BLOB3.unpack_from(blob, codec.format._BLOB.size))
+           if version >= 3 else None)
     off = codec.header_size(version)
     chunks = []
     while off < len(blob):
-        f = list(codec._CHUNK.unpack_from(blob, off))
+        f = list(codec.format._CHUNK.unpack_from(blob, off))
         nseq, plen = f[2], f[8]
         lo = off + codec.CHUNK_HEADER_SIZE
         lens = tuple(np.frombuffer(blob[lo:lo + 4 * nseq], "<u4").tolist())
@@ -50,10 +51,10 @@ def reseal(version: int, head: list, ext, chunks, *, fix_first_seq: bool = True,
     chunk header checksums (chained from format 3 on), and a format-3 header's token, chunk
     and sequence counts and chain end (`fix_counts`). `fix_first_seq`: renumber the chunks'
     first sequences as a decoder expects them."""
-    hb = codec._BLOB.pack(*head)
+    hb = codec.format._BLOB.pack(*head)
     if version >= 3:
         bid = ext[0]
-        chain = codec._chain_start(hb + codec._BLOB3.pack(bid, 0, 0, 0, 0))
+        chain = codec.format._chain_start(hb + codec.format._BLOB3.pack(bid, 0, 0, 0, 0))
     else:
         chain = 0
     out, nseq = [], 0
@@ -63,15 +64,16 @@ def reseal(version: int, head: list, ext, chunks, *, fix_first_seq: bool = True,
             f[1] = nseq - 1 if f[3] else nseq
         nseq = f[1] + len(c.lens)
         f[2], f[8], f[11] = len(c.lens), len(c.payload), zlib.crc32(c.payload)
-        fixed = codec._CHUNK.pack(*f)
+        fixed = codec.format._CHUNK.pack(*f)
         lens_b = np.asarray(c.lens, dtype="<u4").tobytes()
-        chain = codec._chunk_crc(version, fixed, lens_b, i, chain)
+        chain = codec.format._chunk_crc(codec.format.as_format(version), fixed, lens_b, i,
+                                        chain)
         out.append(fixed + struct.pack("<I", chain) + lens_b + c.payload)
     if version >= 3:
         e = list(ext)
         if fix_counts:
             e[1:] = [sum(c.fields[7] for c in chunks), len(chunks), nseq, chain]
-        hb += codec._BLOB3.pack(*e)
+        hb += codec.format._BLOB3.pack(*e)
     return hb + struct.pack("<I", zlib.crc32(hb)) + b"".join(out)
 
 
@@ -79,14 +81,15 @@ def forge_header(blob: bytes, **changes) -> bytes:
     """`blob` with format-3 blob header fields changed (E, L, K, order, flags, version,
     blob_id, num_tokens, num_chunks, num_seqs, chain) and its crc32 made right."""
     names = ["magic", "version", "order", "flags", "E", "L", "K", "reserved"]
-    head = list(codec._BLOB.unpack_from(blob, 0))
+    head = list(codec.format._BLOB.unpack_from(blob, 0))
     version = head[1]
-    ext = list(codec._BLOB3.unpack_from(blob, codec._BLOB.size)) if version >= 3 else []
+    ext = (list(codec.format._BLOB3.unpack_from(blob, codec.format._BLOB.size))
+           if version >= 3 else [])
     names3 = ["blob_id", "num_tokens", "num_chunks", "num_seqs", "chain"]
     for k, v in changes.items():
         if k in names:
             head[names.index(k)] = v
         else:
             ext[names3.index(k)] = v
-    hb = codec._BLOB.pack(*head) + (codec._BLOB3.pack(*ext) if ext else b"")
+    hb = codec.format._BLOB.pack(*head) + (codec.format._BLOB3.pack(*ext) if ext else b"")
     return hb + struct.pack("<I", zlib.crc32(hb)) + blob[codec.header_size(version):]

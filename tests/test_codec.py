@@ -283,14 +283,14 @@ def test_content_checksum_catches_a_wrong_decode(monkeypatch):
     """A decoder bug (here: a wrong permutation) is caught by the checksum of the decoded
     routing, not returned."""
     x, t, blob = _small_blob("keep")
-    real = codec._perm_decode
+    real = codec.transform._perm_decode
 
     def broken(code, k):
         p = real(code, k)
         p[0], p[1] = p[1], p[0]
         return p
 
-    monkeypatch.setattr(codec, "_perm_decode", broken)
+    monkeypatch.setattr(codec.transform, "_perm_decode", broken)
     with pytest.raises(CodecError, match="decoded content checksum mismatch"):
         codec.decode(blob, token_ids=t)
 
@@ -417,9 +417,9 @@ def test_triton_transform_is_bitwise_the_numpy_one(E, K, N, order, version):
     x[2] = -1
     if K > 1:
         x[3, 1] = x[3, 0]  # a repeated id
-    canon = np.where(x < 0, E, x).astype(codec._NARROW[codec.id_width(E)])
+    canon = np.where(x < 0, E, x).astype(codec.format._NARROW[codec.id_width(E)])
     ref_srt, ref_code = codec.sort_rows(canon.copy(), order, E, version)
-    inverse = codec._inverse_code(version, K)
+    inverse = codec.format.as_format(version).inverse_code(K)
     out_srt, out_code = tk.sort_rows(torch.from_numpy(x).t().contiguous().t(), E, order,
                                      inverse=inverse)
     np.testing.assert_array_equal(out_srt.numpy().astype(np.int64), ref_srt.astype(np.int64))
@@ -482,7 +482,7 @@ def test_group_order_is_the_stable_order_on_every_path():
     for lo, hi in [(0, 5), (0, 60000), (0, 1 << 40), (-(1 << 40), 5)]:
         t = rng.integers(lo, hi, size=300)
         t[::7] = t[0]
-        np.testing.assert_array_equal(codec._group_order(t), np.argsort(t, kind="stable"))
+        np.testing.assert_array_equal(codec.transform._group_order(t), np.argsort(t, kind="stable"))
 
 
 # ---------------------------------------------------------------------------- older formats
@@ -578,19 +578,19 @@ def test_keep_chunks_relabel_and_round_trip(with_tok):
                         chunk_tokens=40)
     inf = codec.info(blob)
     # 40 * 3 ids >= 16 * 6 experts: relabelled; 24 * 3 < 96: not
-    assert [bool(c.layout & codec._LAYOUT_RELABEL) for c in inf.chunks] == [True, False]
+    assert [bool(c.layout & codec.format._LAYOUT_RELABEL) for c in inf.chunks] == [True, False]
     np.testing.assert_array_equal(codec.decode(blob, token_ids=tok).numpy(), x)
     np.testing.assert_array_equal(codec.decode_sequence(blob, 0, token_ids=tok).numpy(),
                                   x[:40])
     # "set" never relabels
     s = codec.encode(x, num_experts=6, order="set", token_ids=tok)
-    assert not any(c.layout & codec._LAYOUT_RELABEL for c in codec.info(s).chunks)
+    assert not any(c.layout & codec.format._LAYOUT_RELABEL for c in codec.info(s).chunks)
 
 
 def test_relabel_table_orders_experts_by_mean_slot():
     x = _relabel_case()
     canon = np.where(x < 0, 6, x).astype(np.uint8)
-    lab = codec._relabel_table(canon, 6)
+    lab = codec.transform._relabel_table(canon, 6)
     for l in range(2):
         assert sorted(lab[l]) == list(range(6))
         slots = {e: [] for e in range(6)}
@@ -608,7 +608,7 @@ def test_a_relabelled_chunk_with_a_bad_table_is_refused():
     x = _relabel_case()
     blob = codec.encode(x, num_experts=6, order="keep")
     ch = codec.info(blob).chunks[0]
-    assert ch.layout & codec._LAYOUT_RELABEL
+    assert ch.layout & codec.format._LAYOUT_RELABEL
     import zstandard
 
     raw = bytearray(zstandard.ZstdDecompressor().decompress(
@@ -644,7 +644,7 @@ def test_triton_backend_relabelled_blobs_match_numpy(with_tok):
     tok = np.arange(64) % 7 if with_tok else None
     kw = dict(num_experts=6, order="keep", token_ids=tok, seq_lens=[40, 24], chunk_tokens=40)
     blob = codec.encode(x, **kw)
-    assert codec.info(blob).chunks[0].layout & codec._LAYOUT_RELABEL
+    assert codec.info(blob).chunks[0].layout & codec.format._LAYOUT_RELABEL
     assert codec.encode(torch.from_numpy(x), backend="triton", **kw) == blob
     dst = torch.full((64, 2, 6), 7, dtype=torch.int32)[:, :, ::2]
     codec.decode(blob, token_ids=tok, out=dst, backend="triton")
@@ -670,9 +670,9 @@ def test_relabel_table_is_the_same_for_many_experts():
         return np.argsort(np.argsort(mean, axis=1, kind="stable"), axis=1, kind="stable")
 
     for y in (x, np.ascontiguousarray(x[:, :, :4])):  # 8 * 3 * 50001 > 2**20 > 4 * 3 * 50001
-        np.testing.assert_array_equal(codec._relabel_table(y, E), want(y))
+        np.testing.assert_array_equal(codec.transform._relabel_table(y, E), want(y))
     blob = codec.encode(x, num_experts=E, order="keep", chunk_tokens=1 << 20)
-    assert not codec.info(blob).chunks[0].layout & codec._LAYOUT_RELABEL  # too few ids
+    assert not codec.info(blob).chunks[0].layout & codec.format._LAYOUT_RELABEL  # too few ids
 
 
 # ---------------------------------------------------------------------------- hostile input
@@ -756,7 +756,7 @@ def test_every_decode_path_checks_the_content_checksum(backend):
     x = base[rng.integers(0, 4, size=64 * 2)].reshape(64, 2, 4)  # compressible: zstd
     blob = codec.encode(x, num_experts=32, order="keep")
     ch = codec.info(blob).chunks[0]
-    assert ch.method == 1 and not ch.layout & codec._LAYOUT_RELABEL
+    assert ch.method == 1 and not ch.layout & codec.format._LAYOUT_RELABEL
     raw = bytearray(zstandard.ZstdDecompressor().decompress(
         blob[ch.payload_offset:ch.payload_offset + ch.payload_len]))
     code_at = x.size  # the code bytes follow the ids (1 byte per row at K = 4)
@@ -909,7 +909,7 @@ def test_large_k():
         # the Triton path decodes "keep" blobs with K > 20 too (on the host, then copied)
         np.testing.assert_array_equal(codec.decode(blob, backend="triton").numpy(),
                                       expected(x, order))
-    assert max(codec._NETWORKS, default=0) <= 20
+    assert max(codec.transform._NETWORKS, default=0) <= 20
     # empty routing with K > 20, both orders
     for order in codec.ORDERS:
         e = codec.encode(np.zeros((0, 3, 23), np.int16), num_experts=64, order=order)
@@ -951,7 +951,7 @@ def test_format_2_blobs_still_decode_and_append_in_format_2(name):
     inf = codec.info(blob, verify_payload=True)
     assert inf.version == 2 and len(inf.chunks) == 2
     if order == "keep":
-        assert inf.chunks[0].layout & codec._LAYOUT_RELABEL
+        assert inf.chunks[0].layout & codec.format._LAYOUT_RELABEL
     want = expected(r, order)
     np.testing.assert_array_equal(codec.decode(blob, token_ids=ids).numpy(), want)
     if name == "keep_notok":  # the Triton path (interpreted here: one chunk)

@@ -330,7 +330,7 @@ def _allowed(blob: bytes) -> int:
         inf = codec.info(blob)
     except CodecError:
         return 0
-    return inf.num_tokens * inf.num_layers * inf.top_k * codec._default_dtype(
+    return inf.num_tokens * inf.num_layers * inf.top_k * codec.format._default_dtype(
         inf.num_experts).itemsize
 
 
