@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import torch
 
+import _client_gpt
 import _megatron_env as env
-
-E = env.E_DEFAULT
-PATTERN = [1, 0, 1, 1]
-MOE_LAYERS = [0, 2, 3]
-V = 32
+from _client_gpt import E, MOE_LAYERS, PATTERN, V
 LENS = [7, 5, 4]  # packed sequences (padding-free)
 
 
@@ -56,38 +53,6 @@ def get_mcore_model_with_replay(get_mcore_model, *args, **kwargs):
     models = get_mcore_model(*args, **kwargs)
     rom.install(models)
     return models
-
-
-def _config(k=2, **kw):
-    return env.moe_config(num_layers=len(PATTERN), moe_layer_freq=list(PATTERN),
-                          moe_router_topk=k, moe_router_pre_softmax=k == 1, **kw)
-
-
-def _gpt(cfg, replay: bool, options=None, vp_stage=None, pre=True, post=True):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from replay_ops.integrations import megatron as rom
-
-    kw = {} if vp_stage is None else {"vp_stage": vp_stage}
-    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, **kw)
-    if replay:
-        rom.replay_spec(spec, options)
-    torch.manual_seed(11)
-    return GPTModel(cfg, spec, vocab_size=V, max_sequence_length=64, pre_process=pre,
-                    post_process=post, **kw)
-
-
-def _routers(model):
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    return [m for m in model.modules() if isinstance(m, TopKRouter)]
-
-
-def _use(*models):
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
-    RouterReplay.global_router_replay_instances[:] = [
-        r.router_replay for m in models for r in _routers(m)]
 
 
 def _routes(T, k, seed=0, layers=len(PATTERN)):
@@ -164,9 +129,9 @@ def core(rank, world, k: int):
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
     env.mp_init()
-    cfg = _config(k)
-    ref = _gpt(cfg, replay=False)
-    ours = _gpt(cfg, replay=False)
+    cfg = _client_gpt.config(k)
+    ref = _client_gpt.gpt(cfg, replay=False)
+    ours = _client_gpt.gpt(cfg, replay=False)
     ours.load_state_dict(ref.state_dict())
     ours = get_mcore_model_with_replay(lambda: [ours])[0]
     T = sum(LENS)
@@ -177,7 +142,7 @@ def core(rank, world, k: int):
     g = _routes(T, k, seed=1)
     logits = {}
     for name, model in (("ref", ref), ("ours", ours)):
-        _use(model)
+        _client_gpt.use(model)
         RouterReplay.clear_global_indices()
         RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         calls[0] = 0
@@ -185,7 +150,7 @@ def core(rank, world, k: int):
         res["preprocess_calls"][name] = calls[0]
         RouterReplay.clear_global_router_replay_action()
     torch.testing.assert_close(logits["ref"], logits["ours"], msg=lambda s: f"R3 loss: {s}")
-    for j, r in enumerate(_routers(ours)):
+    for j, r in enumerate(_client_gpt.routers(ours)):
         assert torch.equal(r.last_plan.expert_indices.long(), g[0, :, MOE_LAYERS[j]]), j
     ds = [mod.token_dispatcher for mod in ours.modules() if hasattr(mod, "token_dispatcher")]
     assert [type(d).__name__ for d in ds] == ["PlanAlltoAllTokenDispatcher"] * 3, ds
@@ -194,7 +159,7 @@ def core(rank, world, k: int):
     # ---- R2: record with each router, then GRPO's forward_step replays it
     rec = {}
     for name, model in (("ref", ref), ("ours", ours)):
-        _use(model)
+        _client_gpt.use(model)
         RouterReplay.clear_global_indices()
         RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
         _forward(model, ids, grad=False)
@@ -206,7 +171,7 @@ def core(rank, world, k: int):
     ids2 = _ids(T, seed=3)
     runs = {}
     for name, model in (("ref", ref), ("ours", ours)):
-        _use(model)
+        _client_gpt.use(model)
         RouterReplay.clear_global_indices()
         RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         first = _forward_step(m, model, cfg, rec[name], ids)
@@ -216,7 +181,7 @@ def core(rank, world, k: int):
         RouterReplay.clear_global_router_replay_action()
     for i in range(2):
         _assert_same(runs["ref"][i], runs["ours"][i], f"R2 forward_step micro-batch {i}")
-    for j, r in enumerate(_routers(ours)):
+    for j, r in enumerate(_client_gpt.routers(ours)):
         assert torch.equal(r.last_plan.expert_indices.long(), rec["ref"][0, :, j].long()), j
     return res
 
@@ -230,19 +195,19 @@ def zero_rows(rank, world, k: int, padding: str):
     from replay_ops.integrations.megatron import ReplayOptions
 
     env.mp_init()
-    cfg = _config(k)
-    ours = _gpt(cfg, replay=True, options=ReplayOptions(padding=padding))
+    cfg = _client_gpt.config(k)
+    ours = _client_gpt.gpt(cfg, replay=True, options=ReplayOptions(padding=padding))
     T = sum(LENS)
     g = _routes(T, k, seed=1)
     ends = torch.tensor(LENS).cumsum(0) - 1
     g[0, ends] = 0  # the last token of each sequence: no route, zero-filled
-    _use(ours)
+    _client_gpt.use(ours)
     RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     try:
         _r3_old_logprob(m, ours, cfg, g, _ids(T))
     except Exception as e:  # noqa: BLE001
         return {"error": f"{type(e).__name__}: {e}", "ends": ends.tolist()}
-    r = _routers(ours)[0]
+    r = _client_gpt.routers(ours)[0]
     got = r.last_plan.expert_indices.long()
     keep = torch.ones(T, dtype=torch.bool)
     keep[ends] = False
@@ -267,9 +232,9 @@ def pp2_vpp2(rank, world):
     k, n_layers = 2, 8
     cfg = env.moe_config(num_layers=n_layers, moe_router_topk=k, pipeline_model_parallel_size=2,
                          virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
-    chunks = [_gpt(cfg, replay=True, vp_stage=vp, pre=ps.is_pipeline_first_stage(False, vp),
+    chunks = [_client_gpt.gpt(cfg, replay=True, vp_stage=vp, pre=ps.is_pipeline_first_stage(False, vp),
                    post=ps.is_pipeline_last_stage(False, vp)) for vp in range(2)]
-    _use(*chunks)
+    _client_gpt.use(*chunks)
     T = 6
     g = _routes(T, k, seed=4, layers=n_layers)
     RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
@@ -278,7 +243,7 @@ def pp2_vpp2(rank, world):
     held, errors = {}, {}
     hidden = torch.randn(T, 1, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
     for vp, chunk in enumerate(chunks):
-        for r in _routers(chunk):
+        for r in _client_gpt.routers(chunk):
             tgt = r.router_replay.target_topk_idx
             if tgt is not None:
                 cols = [c for c in range(n_layers) if torch.equal(tgt.long(), g[0, :, c].long())]
@@ -303,9 +268,9 @@ def cp2(rank, world):
     k = 2
     # the model's config leaves CP at 1 (Megatron's local attention refuses CP); ms-swift
     # reads the CP size and rank from the parallel state, which has CP=2
-    cfg = _config(k)
-    ours = get_mcore_model_with_replay(lambda: [_gpt(cfg, replay=False)])[0]
-    _use(ours)
+    cfg = _client_gpt.config(k)
+    ours = get_mcore_model_with_replay(lambda: [_client_gpt.gpt(cfg, replay=False)])[0]
+    _client_gpt.use(ours)
     lens = [8, 12]  # padded to a multiple of 2*CP, as ms-swift pads for CP
     cu = torch.tensor([0, 8, 20], dtype=torch.int32)
     psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
@@ -321,7 +286,7 @@ def cp2(rank, world):
         rows += list(range(s0 + rank * c, s0 + (rank + 1) * c))
         rows += list(range(s0 + (3 - rank) * c, s0 + (4 - rank) * c))
     hidden = torch.randn(len(rows), 1, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
-    for j, r in enumerate(_routers(ours)):
+    for j, r in enumerate(_client_gpt.routers(ours)):
         r(hidden)
         assert torch.equal(r.last_plan.expert_indices.long(), g[0, rows, MOE_LAYERS[j]].long()), j
     return {"rows": rows}

@@ -26,12 +26,9 @@ import warnings
 import numpy as np
 import torch
 
+import _client_gpt
 import _megatron_env as env
-
-E = env.E_DEFAULT
-PATTERN = [1, 0, 1, 1]  # layers 1, 3, 4 are MoE, layer 2 is dense
-MOE_LAYERS = [0, 2, 3]  # their 0-based global indices (SkyRL's route columns)
-V = 32
+from _client_gpt import E, MOE_LAYERS, PATTERN, V
 
 
 def _skyrl():
@@ -40,25 +37,6 @@ def _skyrl():
     s = _client_loaders.skyrl()
     s.replay_utils.patch_topk_router_layer_number()  # before any model is built, as SkyRL does
     return s
-
-
-def _config(k=2, **kw):
-    return env.moe_config(num_layers=len(PATTERN), moe_layer_freq=list(PATTERN),
-                          moe_router_topk=k, moe_router_pre_softmax=k == 1, **kw)
-
-
-def _gpt(cfg, replay: bool, options=None, pre=True, post=True, vp_stage=None):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from replay_ops.integrations import megatron as rom
-
-    kw = {} if vp_stage is None else {"vp_stage": vp_stage}
-    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, **kw)
-    if replay:
-        rom.replay_spec(spec, options)
-    torch.manual_seed(11)
-    return GPTModel(cfg, spec, vocab_size=V, max_sequence_length=64, pre_process=pre,
-                    post_process=post, **kw)
 
 
 def replay_ops_pre_wrap_hook(model):
@@ -73,25 +51,11 @@ def replay_ops_pre_wrap_hook(model):
 
 def _pair(cfg):
     """Megatron's model, and the same model (same weights) through the pre-wrap hook."""
-    ref = _gpt(cfg, replay=False)
-    ours = _gpt(cfg, replay=False)
+    ref = _client_gpt.gpt(cfg, replay=False)
+    ours = _client_gpt.gpt(cfg, replay=False)
     ours.load_state_dict(ref.state_dict())
     replay_ops_pre_wrap_hook([ours])
     return ref, ours
-
-
-def _routers(model):
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    return [m for m in model.modules() if isinstance(m, TopKRouter)]
-
-
-def _use(model):
-    """Megatron's global RouterReplay list holds this model's routers only (SkyRL indexes
-    it), in layer order."""
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
-    RouterReplay.global_router_replay_instances[:] = [r.router_replay for r in _routers(model)]
 
 
 def _routes(n, k, seed):
@@ -181,7 +145,7 @@ def _assert_same(a, b, what):
 def _replay_step(s, model, cfg, rei, pmask, amask, layout, ids, packed=True):
     """SkyRL's per-micro-batch replay: setup, forward, switch to REPLAY_BACKWARD, backward."""
     ru = s.replay_utils
-    _use(model)
+    _client_gpt.use(model)
     ru.clear_router_replay()
     kw = ru.setup_per_microbatch_replay_forward(rei, pmask, amask, model, cfg, layout,
                                                 remove_microbatch_padding=packed)
@@ -205,13 +169,13 @@ def chain(rank, world, k: int, variant: str):
     if variant == "bias":
         kw = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                   moe_router_bias_update_rate=1e-3)
-    cfg = _config(k, **kw)
+    cfg = _client_gpt.config(k, **kw)
     ref, ours = _pair(cfg)
     if variant == "fusion":
         import dataclasses
 
         ours_cfg = dataclasses.replace(cfg, moe_router_fusion=True)
-        for r in _routers(ours):
+        for r in _client_gpt.routers(ours):
             r.config = ours_cfg
     prompts, responses, routes, per_token = rollout(s, k)
     seqs, amask, rei, pmask = _collate(s, prompts, responses, routes)
@@ -228,12 +192,12 @@ def chain(rank, world, k: int, variant: str):
         from replay_ops.integrations.megatron import ReplayOptions
 
         opts = ReplayOptions(padding="spread", masked_rows="padding")
-        spread = _gpt(cfg, replay=True, options=opts)
+        spread = _client_gpt.gpt(cfg, replay=True, options=opts)
         spread.load_state_dict(ours.state_dict())
         _, model_mask = _replay_step(s, spread, cfg, rei, pmask, amask, layout, ids)
         masked = model_mask.reshape(-1)
         assert int(masked.sum()) == 2
-        for j, r in enumerate(_routers(spread)):
+        for j, r in enumerate(_client_gpt.routers(spread)):
             got = r.last_plan.expert_indices.long()
             want = expected_rows(per_token, layout, k, MOE_LAYERS[j])
             assert torch.equal(got[~masked], want[~masked]), f"router {j}: real rows"
@@ -251,10 +215,10 @@ def chain(rank, world, k: int, variant: str):
             res["megatron_error"] = None
         except RuntimeError as e:
             res["megatron_error"] = str(e)
-        before = [r.local_tokens_per_expert.clone() for r in _routers(ours)]
+        before = [r.local_tokens_per_expert.clone() for r in _client_gpt.routers(ours)]
         run, model_mask = _replay_step(s, ours, cfg, rei, pmask, amask, layout, ids)
         real = ~model_mask.reshape(-1)
-        for j, r in enumerate(_routers(ours)):
+        for j, r in enumerate(_client_gpt.routers(ours)):
             want = expected_rows(per_token, layout, k, MOE_LAYERS[j])
             assert torch.equal(r.last_plan.expert_indices.long(), want), f"router {j}"
             # the expert-bias counts: the real (unmasked) tokens' experts only
@@ -269,7 +233,7 @@ def chain(rank, world, k: int, variant: str):
     for name, m in (("ref", ref), ("ours", ours)):
         runs[name], model_mask = _replay_step(s, m, cfg, rei, pmask, amask, layout, ids)
     _assert_same(runs["ref"], runs["ours"], f"SkyRL chain ({variant})")
-    for j, r in enumerate(_routers(ours)):
+    for j, r in enumerate(_client_gpt.routers(ours)):
         want = expected_rows(per_token, layout, k, MOE_LAYERS[j])
         assert torch.equal(r.last_plan.expert_indices.long(), want), (
             f"router {j} (layer {r.layer_number}) routed other rows than the rollout's")
@@ -278,9 +242,9 @@ def chain(rank, world, k: int, variant: str):
         # the layer's forward run again, as Megatron's checkpoint does in backward) pops
         # each router's queued entry and routes as the forward did; a second one finds the
         # queue empty and raises
-        assert all(len(r.router_replay.replay_backward_list) == 1 for r in _routers(ours))
+        assert all(len(r.router_replay.replay_backward_list) == 1 for r in _client_gpt.routers(ours))
         _forward(ours, ids, model_mask, grad=False)
-        for j, r in enumerate(_routers(ours)):
+        for j, r in enumerate(_client_gpt.routers(ours)):
             assert not r.router_replay.replay_backward_list
             want = expected_rows(per_token, layout, k, MOE_LAYERS[j])
             assert torch.equal(r.last_plan.expert_indices.long(), want), f"recompute {j}"
@@ -304,8 +268,8 @@ def unpacked(rank, world, k: int, order: str):
 
     tm = s.token_metadata
     env.mp_init()
-    cfg = _config(k)
-    ours = _gpt(cfg, replay=True, options=ReplayOptions(token_order=order))
+    cfg = _client_gpt.config(k)
+    ours = _client_gpt.gpt(cfg, replay=True, options=ReplayOptions(token_order=order))
     prompts, responses, routes, per_token = rollout(s, k)
     seqs, amask, rei, pmask = _collate(s, prompts, responses, routes)
     layout = tm.build_token_metadata_layout(amask, torch.device("cpu"), packed=False,
@@ -323,7 +287,7 @@ def unpacked(rank, world, k: int, order: str):
             res["error"] = f"{type(e).__name__}: {e}"
     res["warnings"] = [str(w.message) for w in caught if "token order" in str(w.message)]
     if res["error"] is None:
-        r = _routers(ours)[0]
+        r = _client_gpt.routers(ours)[0]
         got = r.last_plan.expert_indices.long().reshape(S, B, k)  # Megatron's [S, B] tokens
         bad = total = 0
         for b, toks in enumerate(per_token):
@@ -350,16 +314,16 @@ def dist(rank, world, kind: str):
     k = 2
     if kind == "cp2":
         env.mp_init(cp=2)
-        cfg = _config(k)  # the model's attention stays CP=1; SkyRL reads CP from mpu
+        cfg = _client_gpt.config(k)  # the model's attention stays CP=1; SkyRL reads CP from mpu
     else:
         # SkyRL slices the rows over TP whenever TP > 1 (sequence parallelism, which MoE
         # with TP > 1 needs); the model's config leaves sequence_parallel off because
         # Megatron's torch LayerNorm refuses it (TransformerEngine's norm has it)
         env.mp_init(tp=2)
-        cfg = _config(k, tensor_model_parallel_size=2)
-    ours = _gpt(cfg, replay=False)
+        cfg = _client_gpt.config(k, tensor_model_parallel_size=2)
+    ours = _client_gpt.gpt(cfg, replay=False)
     replay_ops_pre_wrap_hook([ours])
-    _use(ours)
+    _client_gpt.use(ours)
     prompts, responses, routes, per_token = rollout(s, k)
     seqs, amask, rei, pmask = _collate(s, prompts, responses, routes)
     layout = tm.build_token_metadata_layout(amask, torch.device("cpu"), packed=True,
@@ -377,7 +341,7 @@ def dist(rank, world, kind: str):
     if kind == "tp2sp":
         rows = list(range(rank * start // 2, (rank + 1) * start // 2))
     hidden = torch.randn(len(rows), 1, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
-    for j, r in enumerate(_routers(ours)):
+    for j, r in enumerate(_client_gpt.routers(ours)):
         r(hidden)
         want = expected_rows(per_token, layout, k, MOE_LAYERS[j])[rows]
         assert torch.equal(r.last_plan.expert_indices.long(), want), (kind, rank, j)

@@ -2,9 +2,10 @@
 
 SGLang (sglang 0.5.23 in build/sglang-venv on a CPU machine, its CPU engine behind the hook
 in replay_ops/demo/sglang_cpu, `make install-sglang`; the installed sglang on a GPU machine)
-serves one small Qwen3-MoE built here with random weights (3 MoE layers, 16 experts, top-2),
-in bf16, on 127.0.0.1: one server for the module, every test against it. The training side
-is the same checkpoint in fp32 through transformers, patched with
+serves two small checkpoints built here with random weights (3 layers, 16 experts, top-2)
+on 127.0.0.1, both started at once for the module: a Qwen3-MoE (every layer MoE) in bf16
+that most tests use, and a DeepSeek-V3 whose layer 0 is dense in fp32 (form 7). The
+training side is the same checkpoint in fp32 through transformers, patched with
 `replay_ops.integrations.hf`.
 
 Expected values come from SGLang's payload decoded here with numpy (not by the adapter),
@@ -15,7 +16,6 @@ fails these tests; otherwise they skip.
 from __future__ import annotations
 
 import base64
-import os
 import types
 
 import numpy as np
@@ -29,7 +29,6 @@ from replay_ops.demo import (  # noqa: E402
     sglang_engine,
     sglang_rollout,
     vllm_rollout,
-    workload,
 )
 from replay_ops.demo.engine_server import HttpError  # noqa: E402
 from replay_ops.router_replay.adapters import (  # noqa: E402
@@ -41,23 +40,33 @@ from replay_ops.router_replay.adapters import (  # noqa: E402
 from replay_ops.router_replay.adapters.sglang import openai_meta_infos  # noqa: E402
 from replay_ops.testing import tiny  # noqa: E402
 
-REQUIRE = os.environ.get("REPLAY_OPS_REQUIRE_CLIENTS") == "1"
+import _engine_helpers as h  # noqa: E402
+
 L, E, K = 3, 16, 2
 MODEL = dict(vocab_size=256, hidden_size=64, num_heads=2, top_k=K, expert_size=32,
              initializer_range=0.06, num_layers=L, num_experts=E)
 GEN = 8
-PROMPT_LENS = [5, 9, 12, 16, 7, 20]
+PROMPT_LENS = h.PROMPT_LENS
 
 
 def _unavailable(msg: str):
-    if REQUIRE:
-        pytest.fail(f"SGLang is required here (REPLAY_OPS_REQUIRE_CLIENTS=1): {msg}")
-    pytest.skip(msg)
+    h.unavailable("SGLang", msg)
+
+
+
+
+# a chat template that joins the messages' texts (a message's content is a string, or a
+# list of text parts)
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}"
+                 "{% else %}{% for part in m['content'] %}{{ part['text'] }}{% endfor %}"
+                 "{% endif %}{% if not loop.last %} {% endif %}{% endfor %}")
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """One SGLang server for the module (a start takes 70-240 s on 2 shared cores)."""
+def servers(tmp_path_factory):
+    """The module's two SGLang servers, started at once (a start takes 70-250 s on 2 shared
+    cores): the Qwen3-MoE (bf16, every layer MoE, with a chat template) that most tests use,
+    and the DeepSeek-V3 with a dense first layer (fp32) of form 7."""
     try:
         runtime = sglang_engine.find_sglang(install=False)
     except sglang_engine.SglangUnavailable as e:
@@ -65,15 +74,36 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("sglang_models")
     model = tiny.tiny_model("qwen3_moe", seed=0, **MODEL)
     path = sglang_engine.save_checkpoint(model, str(root / "qwen3_moe"))
-    srv = sglang_engine.SglangServer(path, runtime, dtype="bfloat16", context_length=512,
-                                     start_timeout=600)
+    template = root / "chat_template.jinja"  # the checkpoint's tokenizer has none
+    template.write_text(CHAT_TEMPLATE)
+    qwen = sglang_engine.SglangServer(path, runtime, dtype="bfloat16", context_length=512,
+                                      start_timeout=600,
+                                      extra_args=("--chat-template", str(template)))
+    ds_model = tiny.tiny_model("deepseek_v3", seed=0, **MODEL)  # layer 0 dense
+    ds_path = sglang_engine.save_checkpoint(ds_model, str(root / "deepseek_v3"))
+    ds = sglang_engine.SglangServer(ds_path, runtime, dtype="float32", context_length=512,
+                                    start_timeout=600)
+    started = []
     try:
-        srv.start()
+        for srv in (qwen, ds):
+            srv.launch()
+            started.append(srv)
+        for srv in started:
+            srv.wait_ready()
     except sglang_engine.SglangUnavailable as e:
+        for srv in started:
+            srv.stop()
         _unavailable(str(e))
-    print(f"sglang server: started in {srv.start_s:.1f} s ({runtime.source})")
-    yield srv
-    srv.stop()
+    print(f"sglang servers: started in {qwen.start_s:.1f} s and {ds.start_s:.1f} s "
+          f"({runtime.source})")
+    yield {"qwen3_moe": qwen, "deepseek_v3": ds}
+    for srv in started:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers["qwen3_moe"]
 
 
 @pytest.fixture(scope="module")
@@ -90,22 +120,7 @@ def decode(payload: str) -> np.ndarray:
 
 
 def prompts(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, MODEL["vocab_size"] - 1, (n,), generator=g).tolist()
-            for n in PROMPT_LENS]
-
-
-def replay(eng, seqs: dict, prompt_lens: dict, routing: dict, mask: dict):
-    cfg = types.SimpleNamespace(progress=False)
-    order = sorted(seqs, key=lambda i: (-len(seqs[i]), i))
-    return workload.training_passes(cfg, eng, seqs, prompt_lens, routing,
-                                    workload.batches(order, 4), torch.device("cpu"),
-                                    infer_mask=mask)
-
-
-def set_mismatch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[n, L] bool: the expert sets differ."""
-    return (a.long().sort(-1).values != b.long().sort(-1).values).any(-1)
+    return h.prompts(seed, MODEL["vocab_size"], PROMPT_LENS)
 
 
 def layout(eng) -> ModelLayout:
@@ -138,7 +153,7 @@ def test_generate_routing_replays_with_zero_mismatch(server, trainer):
                                                                    trainer.layout)
     assert batch.mappings == ["moe"] * len(ids)  # L = every hidden layer = the MoE layers
     seqs = {i: torch.tensor(gens[i].prompt_ids + gens[i].token_ids) for i in ids}
-    used, lp = replay(trainer, seqs, P, routing, mask)
+    used, lp = h.replay(trainer, seqs, P, routing, mask)
     per_layer_r3 = torch.zeros(L)
     per_layer_native = torch.zeros(L)
     shifted = torch.zeros(L)
@@ -148,10 +163,10 @@ def test_generate_routing_replays_with_zero_mismatch(server, trainer):
         ref = torch.from_numpy(raw[i].astype(np.int64))
         r3 = used["R3"][i][:n].long()
         assert torch.equal(r3, ref), f"request {i}: replayed routing differs from SGLang's"
-        per_layer_r3 += set_mismatch(r3, ref).sum(0)
+        per_layer_r3 += h.set_mismatch(r3, ref).sum(0)
         nat = used["native"][i][:n]
-        per_layer_native += set_mismatch(nat, ref).sum(0)
-        shifted += set_mismatch(nat[1:], ref[:-1]).sum(0)
+        per_layer_native += h.set_mismatch(nat, ref).sum(0)
+        shifted += h.set_mismatch(nat[1:], ref[:-1]).sum(0)
         rows += n
     r3_pct = (100 * per_layer_r3 / rows).tolist()
     native_pct = (100 * per_layer_native / rows).tolist()
@@ -193,7 +208,7 @@ def test_multi_turn_start_is_previous_length_minus_one(server, trainer):
     ref = np.concatenate([a1, a2])
     assert np.array_equal(seq.indices[:n2 - 1].numpy(), ref) and seq.mask[:n2 - 1].all()
     tokens = torch.tensor(t2.prompt_ids + t2.token_ids)
-    used, _ = replay(trainer, {0: tokens}, {0: len(p2)}, {0: seq.indices}, {0: seq.mask})
+    used, _ = h.replay(trainer, {0: tokens}, {0: len(p2)}, {0: seq.indices}, {0: seq.mask})
     assert torch.equal(used["R3"][0][:n2 - 1].long(), torch.from_numpy(ref.astype(np.int64)))
     # without the requests the turn-2 payload is read with start 0 and refused, with a hint
     with pytest.raises(RoutingMismatchError, match=rf"was it sent with routed_experts_start_len"
@@ -276,7 +291,7 @@ def test_openai_completions_payload_and_choices(server, trainer):
     ref1 = decode(one["sglext"]["routed_experts"])
     assert np.array_equal(seq1.indices[:-1].numpy(), ref1)
     tokens = c["prompt_token_ids"] + c["token_ids"]
-    used, _ = replay(trainer, {0: torch.tensor(tokens)}, {0: len(c["prompt_token_ids"])},
+    used, _ = h.replay(trainer, {0: torch.tensor(tokens)}, {0: len(c["prompt_token_ids"])},
                      {0: seq1.indices}, {0: seq1.mask})
     assert torch.equal(used["R3"][0][:-1].long(), torch.from_numpy(ref1.astype(np.int64)))
     # turn 2 through the same endpoint, start = turn 1's length - 1
@@ -287,6 +302,86 @@ def test_openai_completions_payload_and_choices(server, trainer):
     seq = sglang_sequences(conv, [[n1, n2]], lay, starts=[[0, n1 - 1]])[0]
     assert np.array_equal(seq.indices[:n2 - 1].numpy(),
                           np.concatenate([ref1, decode(two["sglext"]["routed_experts"])]))
+
+
+def test_openai_chat_completions_payload_and_choices(server, trainer):
+    """Form 3 through /v1/chat/completions: the payload is in the response's
+    sglext.routed_experts for the first choice only (n=2: choice 1 refused by name); with n=1
+    it covers the prompt as SGLang templated it (the choice's prompt_token_ids) and the reply,
+    and replays exactly."""
+    lay = layout(trainer)
+    p = prompts(7)[1]  # 9 tokens
+    messages = [{"role": "user", "content": " ".join(f"t{t}" for t in p)}]
+    resp = server.chat_completions(messages, 3, n=2, seed=1)
+    assert len(resp["choices"]) == 2 and "routed_experts" in resp["sglext"]
+    with pytest.raises(RoutingMismatchError, match=r"choices \[1\] \(of 2\) have no routing "
+                                                   r"payload"):
+        openai_meta_infos(resp, who="chat")
+    one = server.chat_completions(messages, GEN, seed=2)
+    (c,) = one["choices"]
+    prompt, out = c["prompt_token_ids"], c["response_token_ids"]  # the templated prompt
+    assert len(prompt) == one["usage"]["prompt_tokens"] and len(out) == GEN
+    n = len(prompt) + GEN
+    ref = decode(one["sglext"]["routed_experts"])
+    assert ref.shape == (n - 1, L, K)
+    seq = sglang_sequences(openai_meta_infos(one), [n], lay)[0]
+    assert np.array_equal(seq.indices[:-1].numpy(), ref) and seq.mask[:-1].all()
+    used, _ = h.replay(trainer, {0: torch.tensor(prompt + out)}, {0: len(prompt)},
+                       {0: seq.indices}, {0: seq.mask})
+    assert torch.equal(used["R3"][0][:-1].long(), torch.from_numpy(ref.astype(np.int64)))
+
+
+def test_dense_layer_rows_and_replay_deepseek(servers):
+    """Form 7, from a real DeepSeek-V3 with a dense first layer (first_k_dense_replace=1):
+    SGLang's payload has every hidden layer (L=3); the dense layer's rows are all 0 (its
+    capture buffer is zero-initialised and only MoE layers write to it); the MoE layers'
+    rows replay with 0.00% mismatch, the same ids in the same order. The same payload read
+    with layer 1 dense (misaligned layers) is refused."""
+    srv = servers["deepseek_v3"]
+    cfg = types.SimpleNamespace(vocab_size=MODEL["vocab_size"], progress=False)
+    eng = vllm_rollout.TrainingEngine(cfg, srv.model_dir, torch.device("cpu"))
+    try:
+        lay = layout(eng)
+        assert lay.moe_layer_ids == (1, 2) and lay.num_hidden_layers == L
+        gens = srv.generate_batch(prompts(8), [GEN] * len(PROMPT_LENS),
+                                  seeds=list(range(len(PROMPT_LENS))))
+        raw = {}
+        for i, g in enumerate(gens):
+            a = decode(g.meta_info["routed_experts"])
+            assert a.shape == (PROMPT_LENS[i] + GEN - 1, L, K)
+            assert (a[:, 0] == 0).all(), f"request {i}: dense layer 0 rows {a[:, 0].tolist()}"
+            moe = a[:, 1:]
+            assert ((moe >= 0) & (moe < E)).all() and (moe[..., 0] != moe[..., 1]).all()
+            raw[i] = a
+        ids = list(range(len(gens)))
+        routing, mask, batch = sglang_rollout.routing_from_generations(dict(zip(ids, gens)),
+                                                                       eng.layout)
+        assert batch.mappings == ["absolute"] * len(ids)  # L = every hidden layer
+        seqs = {i: torch.tensor(gens[i].prompt_ids + gens[i].token_ids) for i in ids}
+        used, _ = h.replay(eng, seqs, {i: PROMPT_LENS[i] for i in ids}, routing, mask)
+        per_layer_r3 = torch.zeros(2)
+        per_layer_native = torch.zeros(2)
+        rows = 0
+        for i in ids:
+            n = len(seqs[i]) - 1
+            ref = torch.from_numpy(raw[i][:, 1:].astype(np.int64))
+            r3 = used["R3"][i][:n].long()
+            assert torch.equal(r3, ref), f"request {i}: replayed routing differs from SGLang's"
+            per_layer_r3 += h.set_mismatch(r3, ref).sum(0)
+            per_layer_native += h.set_mismatch(used["native"][i][:n], ref).sum(0)
+            rows += n
+        print(f"deepseek_v3: {rows} routed tokens; MoE layers 1, 2: native vs SGLang "
+              f"{[f'{v:.2f}%' for v in (100 * per_layer_native / rows).tolist()]}, R3 "
+              f"{[f'{v:.2f}%' for v in (100 * per_layer_r3 / rows).tolist()]}")
+        assert per_layer_r3.tolist() == [0.0, 0.0]
+        assert per_layer_native.sum() < 0.3 * rows * 2
+        misaligned = ModelLayout(E, K, (0, 2), L)  # a layout whose dense layer is 1
+        with pytest.raises(RoutingMismatchError, match=r"request 0 turn 0: token 0, layer 1 "
+                                                       r"routes to experts .* but the model's "
+                                                       r"layer 1 is dense"):
+            sglang_sequences([gens[0].meta_info], [gens[0].seq_len], misaligned, num_layers=L)
+    finally:
+        eng.remove()
 
 
 def test_field_missing_says_the_engine_flag(server, trainer):

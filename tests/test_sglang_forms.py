@@ -217,15 +217,20 @@ def test_decode_helper_array_positions_by_layers_times_k():
 
 
 def test_dense_layer_rows_zero_or_minus_one_are_accepted_routes_refused():
-    """Form 7: L is every hidden layer; SGLang's capture buffer is zero-initialised and only
-    MoE layers write to it, so a dense layer's rows arrive as 0 (-1 also means no route):
-    accepted. Routes there mean another model (e.g. SGLang's Qwen3-MoE ignoring
-    mlp_only_layers): refused."""
+    """Form 7, as a real SGLang 0.5.23 sent it for a DeepSeek-V3 with first_k_dense_replace=1
+    (tests/test_sglang_engine.py): L is every hidden layer, int32, no dtype field, and the
+    dense layer's rows are [0, 0] for every token: accepted (-1 also means no route), the MoE
+    layers' rows taken by absolute id. Routes there mean another model (e.g. SGLang's
+    Qwen3-MoE ignoring mlp_only_layers): refused."""
     dense0 = ModelLayout(E, K, (1, 2), L)  # DeepSeek-V3-style first_k_dense_replace=1
     a = rows(4, 15)
     a[:, 0] = 0
-    s = sglang_sequences([{"routed_experts": b64(a)}], [5], dense0, num_layers=L)[0]
+    s = sglang_sequences([meta(a)], [5], dense0, num_layers=L)[0]
     assert s.mapping == "absolute" and np.array_equal(s.indices[:4].numpy(), a[:, 1:])
+    assert s.mask[:4].all()
+    # the same rows read with layer 1 dense (misaligned layers): layer 1 holds routes
+    with pytest.raises(RoutingMismatchError, match=r"token 0, layer 1 routes to experts"):
+        sglang_sequences([meta(a)], [5], ModelLayout(E, K, (0, 2), L), num_layers=L)
     a[1, 0] = -1
     sglang_sequences([{"routed_experts": b64(a)}], [5], dense0, num_layers=L)
     a[2, 0] = [3, 5]

@@ -28,7 +28,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from replay_ops.demo import metrics, vllm_engine, vllm_rollout, workload  # noqa: E402
+from replay_ops.demo import metrics, vllm_engine, vllm_rollout  # noqa: E402
 from replay_ops.router_replay.adapters import (  # noqa: E402
     ModelLayout,
     RoutingMismatchError,
@@ -37,7 +37,8 @@ from replay_ops.router_replay.adapters import (  # noqa: E402
 )
 from replay_ops.testing import tiny  # noqa: E402
 
-REQUIRE = os.environ.get("REPLAY_OPS_REQUIRE_CLIENTS") == "1"
+import _engine_helpers as h  # noqa: E402
+
 MODELS = {
     # layer 1 dense (mlp_only_layers): vLLM returns L=3 with column 1 all 0
     "qwen3_dense": dict(arch="qwen3_moe", num_layers=3, num_experts=16, dense_layers=(1,)),
@@ -47,13 +48,11 @@ MODELS = {
 COMMON = dict(vocab_size=256, hidden_size=64, num_heads=2, top_k=2, expert_size=32,
               initializer_range=0.06)  # head_dim 32: a size vLLM's CPU attention takes
 GEN = 8
-PROMPT_LENS = [5, 9, 12, 16, 7, 20]
+PROMPT_LENS = h.PROMPT_LENS
 
 
 def _unavailable(msg: str):
-    if REQUIRE:
-        pytest.fail(f"vLLM is required here (REPLAY_OPS_REQUIRE_CLIENTS=1): {msg}")
-    pytest.skip(msg)
+    h.unavailable("vLLM", msg)
 
 
 OFFLINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_vllm_offline.py")
@@ -119,22 +118,7 @@ def training_engine(model_dir: str):
 
 
 def prompts(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, COMMON["vocab_size"] - 1, (n,), generator=g).tolist()
-            for n in PROMPT_LENS]
-
-
-def replay(eng, seqs: dict, prompt_lens: dict, routing: dict, mask: dict):
-    cfg = types.SimpleNamespace(progress=False)
-    order = sorted(seqs, key=lambda i: (-len(seqs[i]), i))
-    return workload.training_passes(cfg, eng, seqs, prompt_lens, routing,
-                                    workload.batches(order, 4), torch.device("cpu"),
-                                    infer_mask=mask)
-
-
-def set_mismatch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[n, L] bool: the expert sets differ."""
-    return (a.long().sort(-1).values != b.long().sort(-1).values).any(-1)
+    return h.prompts(seed, COMMON["vocab_size"], PROMPT_LENS)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -168,7 +152,7 @@ def test_vllm_routing_replays_with_zero_mismatch(engines, name):
     # L = every hidden layer; with no dense layer that is also the MoE ordering ("moe")
     assert batch.mappings == ["absolute" if len(moe_ids) < a.shape[1] else "moe"] * len(ids)
     seqs = {i: torch.tensor(outs[i].prompt_ids + outs[i].token_ids) for i in ids}
-    used, lp = replay(eng, seqs, P, routing, mask)
+    used, lp = h.replay(eng, seqs, P, routing, mask)
     per_layer_r3 = torch.zeros(len(moe_ids))
     per_layer_native = torch.zeros(len(moe_ids))
     shifted = torch.zeros(len(moe_ids))
@@ -178,10 +162,10 @@ def test_vllm_routing_replays_with_zero_mismatch(engines, name):
         ref = torch.from_numpy(raw[i][:, moe_ids].astype(np.int64))  # [n, L_moe, K]
         r3 = used["R3"][i][:n].long()
         assert torch.equal(r3, ref), f"request {i}: replayed routing differs from vLLM's"
-        per_layer_r3 += set_mismatch(r3, ref).sum(0)
+        per_layer_r3 += h.set_mismatch(r3, ref).sum(0)
         nat = used["native"][i][:n]
-        per_layer_native += set_mismatch(nat, ref).sum(0)
-        shifted += set_mismatch(nat[1:], ref[:-1]).sum(0)  # vLLM's rows one token off
+        per_layer_native += h.set_mismatch(nat, ref).sum(0)
+        shifted += h.set_mismatch(nat[1:], ref[:-1]).sum(0)  # vLLM's rows one token off
         rows += n
     r3_pct = (100 * per_layer_r3 / rows).tolist()
     native_pct = (100 * per_layer_native / rows).tolist()
@@ -231,7 +215,7 @@ def test_second_turn_with_routed_experts_prompt_start(engines):
     ref = np.concatenate([a1, a2])[:, moe_ids]
     assert np.array_equal(seq.indices[:n2 - 1].numpy(), ref) and seq.mask[:n2 - 1].all()
     tokens = torch.tensor(t2.prompt_ids + t2.token_ids)
-    used, _ = replay(eng, {0: tokens}, {0: len(p2)}, {0: seq.indices}, {0: seq.mask})
+    used, _ = h.replay(eng, {0: tokens}, {0: len(p2)}, {0: seq.indices}, {0: seq.mask})
     assert torch.equal(used["R3"][0][:n2 - 1].long(), torch.from_numpy(ref.astype(np.int64)))
     # turn 2 alone: the omitted rows are refused unless supplied or masked explicitly
     with pytest.raises(RoutingMismatchError,

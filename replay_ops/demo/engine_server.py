@@ -1,7 +1,8 @@
-"""What the real rollout engines (`vllm_engine`, `sglang_engine`) share: an engine installed
-into its own virtual environment under build/ (never the project's), a checkpoint both the
-engine and transformers load offline, and an HTTP server process on 127.0.0.1 that is
-started, waited for, asked and stopped.
+"""What the real rollout engines (`vllm_engine`, `sglang_engine`) share: finding the engine
+(an environment variable's Python, the one installed beside replay_ops on a GPU machine, or
+its own virtual environment under build/ on a CPU machine, never the project's), a
+checkpoint both the engine and transformers load offline, and an HTTP server process on
+127.0.0.1 that is started, waited for, asked and stopped.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 READY_MARK = ".replay_ops_ready"
@@ -96,6 +98,73 @@ def cuda_available() -> bool:
         return torch.cuda.is_available()
     except Exception:  # pragma: no cover
         return False
+
+
+@dataclass
+class EngineRuntime:
+    """The Python that runs an engine, and how: `cpu` means the engine's CPU hook folder
+    (`shim_dir`) goes on its processes' PYTHONPATH, alone."""
+
+    python: str
+    cpu: bool
+    source: str
+    shim_dir = ""  # the subclass's hook folder
+
+    def cpu_env(self, env: dict) -> None:
+        """The engine's own settings for its CPU processes (the subclass's)."""
+
+    def env(self) -> dict:
+        env = dict(os.environ)
+        if self.cpu:
+            for k in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
+                env.pop(k, None)  # the engine's environment is its own
+            env["PYTHONPATH"] = self.shim_dir
+            self.cpu_env(env)
+        env.setdefault("DO_NOT_TRACK", "1")
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        return env
+
+
+def find_engine(runtime: type, *, name: str, label: str, python_var: str, venv: str,
+                install: bool, install_fn: Callable, spec: str, unavailable: type,
+                gpu_hint: str = "", log=print):
+    """The engine to run: `python_var`'s Python when set; on a machine with a CUDA device the
+    `name` package installed beside replay_ops; otherwise (a CPU machine) its own virtual
+    environment `venv`, installed by `install_fn(venv, log=log)` when `install`, else a
+    missing one raises `unavailable`. Returns `runtime(python, cpu=..., source=...)`."""
+    env_py = os.environ.get(python_var)
+    if env_py:
+        return runtime(env_py, cpu=not cuda_available(), source=python_var)
+    if cuda_available():
+        import importlib.util
+
+        if importlib.util.find_spec(name) is None:
+            raise unavailable(f"{name}: this machine has a CUDA device but {name} is not "
+                              f"installed beside replay_ops (pip install {name}){gpu_hint}; "
+                              f"or set {python_var}")
+        return runtime(sys.executable, cpu=False, source=f"installed {name} (GPU)")
+    if not venv_ready(venv):
+        if not install:
+            raise unavailable(f"{name}: no {label} for this CPU machine in {venv}; run `make "
+                              f"install-{name}` (or `python -m replay_ops.demo.{name}_engine "
+                              f"install`)")
+        install_fn(venv, log=log)
+    return runtime(venv_python(venv), cpu=True, source=f"{spec} in {venv}")
+
+
+def install_main(argv: list, *, name: str, install_fn: Callable, gpu_note: str) -> int:
+    """`python -m replay_ops.demo.<name>_engine install [VENV]`: installs the engine for a
+    CPU machine with `install_fn(venv)`; on a machine with a CUDA device nothing is installed
+    (`gpu_note` says what is used instead)."""
+    if not argv or argv[0] != "install" or len(argv) > 2:
+        print(f"usage: python -m replay_ops.demo.{name}_engine install [VENV]", file=sys.stderr)
+        return 2
+    if cuda_available():
+        print(f"{name}: this machine has a CUDA device; nothing installed ({gpu_note})",
+              file=sys.stderr)
+        return 0
+    print(install_fn(argv[1] if len(argv) > 1 else None))
+    return 0
 
 
 # ----------------------------------------------------------------------------- checkpoint

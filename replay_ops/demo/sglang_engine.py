@@ -30,15 +30,15 @@ from dataclasses import dataclass, field
 
 from .engine_server import (
     HOST,
+    EngineRuntime,
     EngineServer,
     EngineUnavailable,
     build_venv,
-    cuda_available,
+    find_engine,
     free_port,
+    install_main,
     install_venv,
     save_checkpoint as _save_checkpoint,
-    venv_python,
-    venv_ready,
 )
 
 SGLANG_SPEC = "sglang==0.5.23"
@@ -74,48 +74,22 @@ def install_cpu_sglang(venv: str | None = None, *, log=print) -> str:
                         log=log)
 
 
-@dataclass
-class SglangRuntime:
+class SglangRuntime(EngineRuntime):
     """The Python that runs SGLang, and how: `cpu` means SGLang's CPU engine and the hook."""
 
-    python: str
-    cpu: bool
-    source: str
+    shim_dir = SHIM_DIR
 
-    def env(self) -> dict:
-        env = dict(os.environ)
-        if self.cpu:
-            for k in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
-                env.pop(k, None)  # the SGLang environment is its own
-            env["PYTHONPATH"] = SHIM_DIR
-            env["SGLANG_USE_CPU_ENGINE"] = "1"
-        env.setdefault("HF_HUB_OFFLINE", "1")
-        env.setdefault("DO_NOT_TRACK", "1")
-        return env
+    def cpu_env(self, env: dict) -> None:
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
 
 
 def find_sglang(*, install: bool = False, venv: str | None = None, log=print) -> SglangRuntime:
     """The SGLang to run (see the module docstring); `install` lets a CPU machine install
     sglang when it is missing, else a missing one raises `SglangUnavailable`."""
-    env_py = os.environ.get("REPLAY_OPS_SGLANG_PYTHON")
-    if env_py:
-        return SglangRuntime(env_py, cpu=not cuda_available(), source="REPLAY_OPS_SGLANG_PYTHON")
-    if cuda_available():
-        import importlib.util
-
-        if importlib.util.find_spec("sglang") is None:
-            raise SglangUnavailable("sglang: this machine has a CUDA device but sglang is not "
-                                    "installed beside replay_ops (pip install sglang); or set "
-                                    "REPLAY_OPS_SGLANG_PYTHON")
-        return SglangRuntime(sys.executable, cpu=False, source="installed sglang (GPU)")
-    venv = venv or default_venv()
-    if not venv_ready(venv):
-        if not install:
-            raise SglangUnavailable(f"sglang: no SGLang for this CPU machine in {venv}; run "
-                                    f"`make install-sglang` (or `python -m "
-                                    f"replay_ops.demo.sglang_engine install`)")
-        install_cpu_sglang(venv, log=log)
-    return SglangRuntime(venv_python(venv), cpu=True, source=f"{SGLANG_SPEC} in {venv}")
+    return find_engine(SglangRuntime, name="sglang", label="SGLang",
+                       python_var="REPLAY_OPS_SGLANG_PYTHON", venv=venv or default_venv(),
+                       install=install, install_fn=install_cpu_sglang, spec=SGLANG_SPEC,
+                       unavailable=SglangUnavailable, log=log)
 
 
 # ----------------------------------------------------------------------------- checkpoint
@@ -265,6 +239,21 @@ class SglangServer(EngineServer):
             body["seed"] = int(seed)
         return self.post("/v1/completions", body)
 
+    def chat_completions(self, messages: list, max_tokens: int, *, n: int = 1,
+                         temperature: float = 1.0, seed: int | None = None, start: int = 0,
+                         **extra) -> dict:
+        """`/v1/chat/completions` with the routing (`sglext.routed_experts`, the first
+        choice's) and the token ids; the response as it came. The prompt is the server's
+        chat template applied to `messages`."""
+        body = {"model": "replay-demo", "messages": messages, "max_tokens": int(max_tokens),
+                "min_tokens": int(max_tokens), "ignore_eos": True, "n": int(n),
+                "temperature": float(temperature), "logprobs": True,
+                "return_token_ids": True, "return_routed_experts": True,
+                "routed_experts_start_len": int(start), **extra}
+        if seed is not None:
+            body["seed"] = int(seed)
+        return self.post("/v1/chat/completions", body)
+
 
 def _generation(prompt_ids: list, out: dict, body: dict) -> Generation:
     meta = out["meta_info"]
@@ -283,17 +272,8 @@ def sglang_version(runtime: SglangRuntime) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] != "install" or len(argv) > 2:
-        print("usage: python -m replay_ops.demo.sglang_engine install [VENV]", file=sys.stderr)
-        return 2
-    if cuda_available():
-        print("sglang: this machine has a CUDA device; nothing installed (the sglang installed "
-              "beside replay_ops is used)", file=sys.stderr)
-        return 0
-    py = install_cpu_sglang(argv[1] if len(argv) > 1 else None)
-    print(py)
-    return 0
+    return install_main(sys.argv[1:] if argv is None else argv, name="sglang",
+                        install_fn=install_cpu_sglang, gpu_note="the sglang installed beside replay_ops is used")
 
 
 if __name__ == "__main__":

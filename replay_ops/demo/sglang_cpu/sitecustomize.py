@@ -10,14 +10,28 @@ With it come `sgl_kernel/` (a stand-in for the CUDA-only kernel package) and thi
 CUDA call that fails without a driver ("Found no NVIDIA driver"). The buffer is only read
 and written by the CPU here: when `sglang.srt.mem_cache.pool_host.common` is imported, this
 hook gives its allocator table a plain CPU allocator (zero-filled, as the pinned one is
-zeroed by its caller) for device "cpu". Nothing is imported before SGLang imports it.
+zeroed by its caller) for device "cpu".
+
+DeepSeek-V2/V3's attention picks its forward method per attention backend
+(sglang/srt/models/deepseek_common/attention_backend_handler.py); `torch_native` has no
+entry there, so it gets the Triton handler (`get_handler`, :54), which sends a prefill
+without a cached prefix to the MHA path (`handle_attention_triton`). That path runs
+`torch_native`'s attention with the MLA latent cache's shapes and fails ("Expected size for
+first two dimensions of batch2 tensor to be: [2, 16] but got: [2, 24]",
+torch_native_backend.py:160). When that module is imported, this hook gives every backend
+without its own handler (Triton's included: the CPU engine never runs Triton attention)
+SGLang's own absorbed-MLA dispatch (`_dispatch_mla_subtype`), the path that SGLang's
+decode steps take anyway.
+
+Nothing is imported before SGLang imports it.
 """
 import importlib.abc
 import importlib.util
 import os
 import sys
 
-_TARGET = "sglang.srt.mem_cache.pool_host.common"
+_POOL = "sglang.srt.mem_cache.pool_host.common"
+_DEEPSEEK_ATTN = "sglang.srt.models.deepseek_common.attention_backend_handler"
 
 
 def _plain_cpu_alloc(dims, dtype, device, pin_memory=False, allocator=None,
@@ -28,7 +42,16 @@ def _plain_cpu_alloc(dims, dtype, device, pin_memory=False, allocator=None,
 
 
 def _patch(module) -> None:
-    module.ALLOC_MEMORY_FUNCS["cpu"] = _plain_cpu_alloc
+    if module.__name__ == _POOL:
+        module.ALLOC_MEMORY_FUNCS["cpu"] = _plain_cpu_alloc
+    elif module.__name__ == _DEEPSEEK_ATTN:
+        registry, dispatch = module.AttentionBackendRegistry, module._dispatch_mla_subtype
+        handlers = {k: v for k, v in registry._handlers.items() if k != "triton"}
+
+        def get_handler(backend_name):
+            return handlers.get(backend_name, dispatch)
+
+        registry.get_handler = staticmethod(get_handler)
 
 
 class _Loader(importlib.abc.Loader):
@@ -45,7 +68,7 @@ class _Loader(importlib.abc.Loader):
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != _TARGET:
+        if name not in (_POOL, _DEEPSEEK_ATTN):
             return None
         sys.meta_path.remove(self)
         try:

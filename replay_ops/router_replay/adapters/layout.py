@@ -69,9 +69,10 @@ def to_moe(layout: ModelShape, routing: torch.Tensor, who: str,
 
 def check_dense_columns(layout: ModelShape, routing: torch.Tensor, who: str) -> None:
     """In routing indexed by absolute layer id, the columns of the layers the model says are
-    dense hold no route: 0 (what vLLM writes there) or -1. Anything else means the engine's
-    model has MoE layers where this layout has dense ones (another model, or a wrong
-    `moe_layer_ids`), and the MoE columns cannot be trusted either."""
+    dense hold no route: 0 (what vLLM and SGLang write there; SGLang measured with DeepSeek-V3's
+    first_k_dense_replace) or -1. Anything else means the engine's model has MoE layers where
+    this layout has dense ones (another model, or a wrong `moe_layer_ids`), and the MoE
+    columns cannot be trusted either."""
     moe = set(layout.moe_layer_ids)
     dense = [lid for lid in range(layout.num_hidden_layers) if lid not in moe]
     if not dense or routing.shape[0] == 0:

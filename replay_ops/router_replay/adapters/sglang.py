@@ -37,7 +37,8 @@ The forms a real SGLang (0.5.23, measured) sends, and how they are taken:
    present and int32 assumed when absent; a name other than int32/uint16/uint8 is refused.
    An array from SGLang's own decode helper, `[positions, L*K]`, is taken too.
 7. **Dense layers.** L is every hidden layer, by absolute layer id. A dense layer's rows
-   hold no route (see `check_dense_columns`); a payload with routes there comes from a
+   hold no route: all 0, measured on a real DeepSeek-V3 with `first_k_dense_replace`, and
+   accepted (see `check_dense_columns`); a payload with routes there comes from a
    model with other MoE layers and is refused. SGLang's Qwen3-MoE ignores
    `mlp_only_layers` (it serves such a checkpoint as all-MoE, the dense layer's weights
    never loaded): its payload has routes in the layer the checkpoint says is dense, and is
