@@ -29,7 +29,7 @@ def prompts(seed: int, vocab_size: int, lens=PROMPT_LENS):
 
 
 def replay(eng, seqs: dict, prompt_lens: dict, routing: dict, mask: dict):
-    """The training passes (native and R3) over `seqs` in batches of 4, longest first."""
+    """The training passes (the model's own routing and R3) over `seqs` in batches of 4, longest first."""
     cfg = types.SimpleNamespace(progress=False)
     order = sorted(seqs, key=lambda i: (-len(seqs[i]), i))
     return workload.training_passes(cfg, eng, seqs, prompt_lens, routing,

@@ -130,7 +130,7 @@ def layout(eng) -> ModelLayout:
 def test_generate_routing_replays_with_zero_mismatch(server, trainer):
     """A batched /generate (start 0): the payloads through the adapter with the requests that
     were sent, replayed by the fp32 training engine: 0.00% mismatch on every MoE layer,
-    the same ids in the same order; the native routing agrees with SGLang's rows, not with
+    the same ids in the same order; the model's own routing agrees with SGLang's rows, not with
     them shifted by one token."""
     gens = server.generate_batch(prompts(1), [GEN] * len(PROMPT_LENS),
                                  seeds=list(range(len(PROMPT_LENS))))
@@ -155,7 +155,7 @@ def test_generate_routing_replays_with_zero_mismatch(server, trainer):
     seqs = {i: torch.tensor(gens[i].prompt_ids + gens[i].token_ids) for i in ids}
     used, lp = h.replay(trainer, seqs, P, routing, mask)
     per_layer_r3 = torch.zeros(L)
-    per_layer_native = torch.zeros(L)
+    per_layer_own = torch.zeros(L)
     shifted = torch.zeros(L)
     rows = 0
     for i in ids:
@@ -164,22 +164,22 @@ def test_generate_routing_replays_with_zero_mismatch(server, trainer):
         r3 = used["R3"][i][:n].long()
         assert torch.equal(r3, ref), f"request {i}: replayed routing differs from SGLang's"
         per_layer_r3 += h.set_mismatch(r3, ref).sum(0)
-        nat = used["native"][i][:n]
-        per_layer_native += h.set_mismatch(nat, ref).sum(0)
+        nat = used["own"][i][:n]
+        per_layer_own += h.set_mismatch(nat, ref).sum(0)
         shifted += h.set_mismatch(nat[1:], ref[:-1]).sum(0)
         rows += n
     r3_pct = (100 * per_layer_r3 / rows).tolist()
-    native_pct = (100 * per_layer_native / rows).tolist()
-    print(f"{rows} routed tokens; per MoE layer: native vs SGLang "
-          f"{[f'{v:.2f}%' for v in native_pct]}, R3 {[f'{v:.2f}%' for v in r3_pct]}")
+    own_pct = (100 * per_layer_own / rows).tolist()
+    print(f"{rows} routed tokens; per MoE layer: own routing vs SGLang "
+          f"{[f'{v:.2f}%' for v in own_pct]}, R3 {[f'{v:.2f}%' for v in r3_pct]}")
     assert r3_pct == [0.0] * L
-    assert per_layer_native.sum() < 0.3 * rows * L
-    assert per_layer_native.sum() * 2 < shifted.sum()
+    assert per_layer_own.sum() < 0.3 * rows * L
+    assert per_layer_own.sum() * 2 < shifted.sum()
     sg_lp = {i: torch.tensor(gens[i].logprobs) for i in ids}
     res = metrics.compare(used, lp, routing, sg_lp, ids, infer_mask=mask)
     print(f"k3 KL own routing {res['own']['kl_k3_mean']:.3e}, R3 {res['R3']['kl_k3_mean']:.3e}")
     assert res["R3"]["routing_mismatch"] == 0.0
-    if res["native"]["routing_mismatch"] > 0:
+    if res["own"]["routing_mismatch"] > 0:
         assert res["R3"]["kl_k3_mean"] < res["own"]["kl_k3_mean"]
     assert res["R3"]["abs_dlogprob_max"] < 0.1  # bf16 vs fp32, same routing
 
@@ -360,7 +360,7 @@ def test_dense_layer_rows_and_replay_deepseek(servers):
         seqs = {i: torch.tensor(gens[i].prompt_ids + gens[i].token_ids) for i in ids}
         used, _ = h.replay(eng, seqs, {i: PROMPT_LENS[i] for i in ids}, routing, mask)
         per_layer_r3 = torch.zeros(2)
-        per_layer_native = torch.zeros(2)
+        per_layer_own = torch.zeros(2)
         rows = 0
         for i in ids:
             n = len(seqs[i]) - 1
@@ -368,13 +368,13 @@ def test_dense_layer_rows_and_replay_deepseek(servers):
             r3 = used["R3"][i][:n].long()
             assert torch.equal(r3, ref), f"request {i}: replayed routing differs from SGLang's"
             per_layer_r3 += h.set_mismatch(r3, ref).sum(0)
-            per_layer_native += h.set_mismatch(used["native"][i][:n], ref).sum(0)
+            per_layer_own += h.set_mismatch(used["own"][i][:n], ref).sum(0)
             rows += n
-        print(f"deepseek_v3: {rows} routed tokens; MoE layers 1, 2: native vs SGLang "
-              f"{[f'{v:.2f}%' for v in (100 * per_layer_native / rows).tolist()]}, R3 "
+        print(f"deepseek_v3: {rows} routed tokens; MoE layers 1, 2: own routing vs SGLang "
+              f"{[f'{v:.2f}%' for v in (100 * per_layer_own / rows).tolist()]}, R3 "
               f"{[f'{v:.2f}%' for v in (100 * per_layer_r3 / rows).tolist()]}")
         assert per_layer_r3.tolist() == [0.0, 0.0]
-        assert per_layer_native.sum() < 0.3 * rows * 2
+        assert per_layer_own.sum() < 0.3 * rows * 2
         misaligned = ModelLayout(E, K, (0, 2), L)  # a layout whose dense layer is 1
         with pytest.raises(RoutingMismatchError, match=r"request 0 turn 0: token 0, layer 1 "
                                                        r"routes to experts .* but the model's "

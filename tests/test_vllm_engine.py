@@ -154,7 +154,7 @@ def test_vllm_routing_replays_with_zero_mismatch(engines, name):
     seqs = {i: torch.tensor(outs[i].prompt_ids + outs[i].token_ids) for i in ids}
     used, lp = h.replay(eng, seqs, P, routing, mask)
     per_layer_r3 = torch.zeros(len(moe_ids))
-    per_layer_native = torch.zeros(len(moe_ids))
+    per_layer_own = torch.zeros(len(moe_ids))
     shifted = torch.zeros(len(moe_ids))
     rows = 0
     for i in ids:
@@ -163,26 +163,26 @@ def test_vllm_routing_replays_with_zero_mismatch(engines, name):
         r3 = used["R3"][i][:n].long()
         assert torch.equal(r3, ref), f"request {i}: replayed routing differs from vLLM's"
         per_layer_r3 += h.set_mismatch(r3, ref).sum(0)
-        nat = used["native"][i][:n]
-        per_layer_native += h.set_mismatch(nat, ref).sum(0)
+        nat = used["own"][i][:n]
+        per_layer_own += h.set_mismatch(nat, ref).sum(0)
         shifted += h.set_mismatch(nat[1:], ref[:-1]).sum(0)  # vLLM's rows one token off
         rows += n
     r3_pct = (100 * per_layer_r3 / rows).tolist()
-    native_pct = (100 * per_layer_native / rows).tolist()
-    print(f"{name}: {rows} routed tokens; per MoE layer {moe_ids}: native vs vLLM "
-          f"{[f'{v:.2f}%' for v in native_pct]}, R3 {[f'{v:.2f}%' for v in r3_pct]}")
+    own_pct = (100 * per_layer_own / rows).tolist()
+    print(f"{name}: {rows} routed tokens; per MoE layer {moe_ids}: own routing vs vLLM "
+          f"{[f'{v:.2f}%' for v in own_pct]}, R3 {[f'{v:.2f}%' for v in r3_pct]}")
     assert r3_pct == [0.0] * len(moe_ids)
     # vLLM's rows are the tokens' rows: the training engine's own routing agrees with them
     # far better than with the same rows shifted by one token
-    assert per_layer_native.sum() < 0.3 * rows * len(moe_ids)
-    assert per_layer_native.sum() * 2 < shifted.sum()
+    assert per_layer_own.sum() < 0.3 * rows * len(moe_ids)
+    assert per_layer_own.sum() * 2 < shifted.sum()
     # the log-prob gap to vLLM's own sampled-token log-probs shrinks under R3
     vllm_lp = {i: torch.tensor(outs[i].logprobs) for i in ids}
     res = metrics.compare(used, lp, routing, vllm_lp, ids, infer_mask=mask)
     print(f"{name}: k3 KL own routing {res['own']['kl_k3_mean']:.3e}, "
           f"R3 {res['R3']['kl_k3_mean']:.3e}")
     assert res["R3"]["routing_mismatch"] == 0.0
-    if res["native"]["routing_mismatch"] > 0:
+    if res["own"]["routing_mismatch"] > 0:
         assert res["R3"]["kl_k3_mean"] < res["own"]["kl_k3_mean"]
     assert res["R3"]["abs_dlogprob_max"] < 0.1  # bf16 vs fp32, same routing
     eng.remove()
