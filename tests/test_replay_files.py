@@ -219,7 +219,7 @@ def test_killed_writer_leaves_previous_file_intact(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-        proc.wait(timeout=60)
+        proc.wait(timeout=300)
         proc.stdout.close()
     assert proc.returncode == -signal.SIGKILL
     # the previous file is untouched and loads; the partial temporary is not the file
@@ -343,13 +343,13 @@ def test_command_line_info_and_verify(tmp_path, good):
     data[-1] ^= 0x10
     bad.write_bytes(bytes(data))
     cmd = [sys.executable, "-m", "replay_ops.router_replay"]
-    out = subprocess.run(cmd + ["info", str(good)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(cmd + ["info", str(good)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     assert (info["num_tokens"], info["num_sequences"], info["moe_layer_ids"], info["dtype"]) == (
         40, 2, MOE_IDS, "uint8")
     out = subprocess.run(cmd + ["verify", str(good), str(bad)], capture_output=True, text=True,
-                         timeout=60)
+                         timeout=300)
     assert out.returncode == 1 and f"OK   {good}" in out.stdout
     assert "bad.safetensors" in out.stderr and "checksum mismatch" in out.stderr
 
@@ -467,7 +467,7 @@ def test_readers_racing_a_real_writer_process(tmp_path):
             seen[_which(open_routing(p, verify=reads % 2 == 0), files_)] += 1
             reads += 1
     finally:
-        out, _ = proc.communicate(timeout=60)
+        out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0 and int(out.strip()) > 10, out
     assert seen["A"] + seen["B"] == reads and reads > 20, seen
 
@@ -486,7 +486,7 @@ def test_a_flipped_bit_in_the_header_is_refused(good, tmp_path):
                                                r"mismatch"):
         open_routing(p, verify=False)  # checked even without the data checksum
     out = subprocess.run([sys.executable, "-m", "replay_ops.router_replay", "verify", str(p)],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 1 and "header checksum mismatch" in out.stderr
 
 

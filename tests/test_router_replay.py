@@ -468,7 +468,7 @@ def test_r2_round_trip_through_file_in_new_process(tmp_path):
     script.write_text(R2_SCRIPT)
     env = dict(os.environ, PYTHONHASHSEED="0")
     subprocess.run([sys.executable, str(script), __file__, str(tmp_path)], check=True,
-                   env=env, timeout=120)
+                   env=env, timeout=300)
     got = torch.load(tmp_path / "replayed.pt")
     assert got["source"].startswith("file:") and got["mapping"] == "moe"
     assert torch.equal(got["routing"], ref_routing)
