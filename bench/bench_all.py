@@ -65,22 +65,15 @@ def main(argv=None):
                           "--dtypes", "float32", "bfloat16"])
     rows, summary = [], []
     env = None
-    for extra in gate_runs:
-        a = bench_gate.parser().parse_args(common + extra)
-        a.copy_bw = copy_bw
-        r, s = bench_gate.run(a)
-        rows += r
-        summary += s
-        env = a.env
-        print("\n".join(s), flush=True)
-    for extra in perm_runs:
-        a = bench_permute.parser().parse_args(common + extra)
-        a.copy_bw = copy_bw
-        r, s = bench_permute.run(a)
-        rows += r
-        summary += s
-        env = a.env
-        print("\n".join(s), flush=True)
+    for bench, runs in ((bench_gate, gate_runs), (bench_permute, perm_runs)):
+        for extra in runs:
+            a = bench.parser().parse_args(common + extra)
+            a.copy_bw = copy_bw
+            r, s = bench.run(a)
+            rows += r
+            summary += s
+            env = a.env
+            print("\n".join(s), flush=True)
     env["command"] = " ".join(["python"] + sys.argv)
     stem = args.out or f"{'cuda' if cuda else 'cpu'}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d_%H%M}"
     cols = ["op", "mode", "provider", "T", "E", "K", "H", "dtype", "score_func", "normalize",

@@ -198,8 +198,6 @@ def run(args):
     rows, summary = [], []
     for world in args.world:
         rows += _spawn(world, args)
-    for r in rows:
-        r["device"] = "cpu"
     for world in args.world:
         for align in args.align:
             for mode in args.modes:
@@ -215,7 +213,7 @@ def run(args):
     summary.append("gloo over loopback on one shared 2-core CPU: this measures the code path "
                    "(copies through socket buffers, W processes on 2 cores), not a network. "
                    "Multi-GPU NCCL is not available here; no GPU figure is given.")
-    args.env, args.copy_bw = env, copy_bw
+    harness.finish_run(args, rows, "cpu", env, copy_bw)
     return rows, summary
 
 

@@ -92,12 +92,10 @@ def providers(args, logits, idx, device):
 
 
 def run(args) -> tuple[list[dict], list[str]]:
-    device = args.device
+    device, env, copy_bw = harness.start_run(args, "bench_gate")
     dtype = DTYPES[args.dtype]
     index_dtype = {"int16": torch.int16, "int32": torch.int32, "int64": torch.int64}[args.index_dtype]
-    env = harness.env_info(device)
     rows, summary = [], []
-    copy_bw = args.copy_bw or harness.copy_bandwidth(device)
     for T in args.T:
         logits, idx = make_inputs(T, args.E, args.K, dtype, device, index_dtype)
         fns = providers(args, logits, idx, device)
@@ -141,10 +139,7 @@ def run(args) -> tuple[list[dict], list[str]]:
                         f"{res['native']['ms_median']:.3f} ms vs {base} "
                         f"{res[base]['ms_median']:.3f} ms = "
                         f"{res[base]['ms_median'] / res['native']['ms_median']:.2f}x")
-    for r in rows:
-        r["device"] = device
-    args.env = env
-    args.copy_bw = copy_bw
+    harness.finish_run(args, rows, device, env, copy_bw)
     return rows, summary
 
 

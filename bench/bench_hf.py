@@ -51,7 +51,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # this checkout's replay_ops, not an installed one
 sys.path.insert(0, str(HERE))
 import harness  # noqa: E402
-from launch_counter import LaunchCounter  # noqa: E402
+from launch_counter import LaunchCounter, counts, ops_str  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CASES = {
@@ -152,26 +152,8 @@ def block_step(fns, name, case, dtype, device, native, routing):
     return run
 
 
-def counts(fn):
-    prepare = getattr(fn, "prepare", None)
-    if prepare is not None:
-        prepare()
-    with LaunchCounter() as c:
-        getattr(fn, "counted", fn)()
-    return {"launches": c.launches, "syncs": c.syncs, "bytes": c.bytes,
-            "model_us": round(c.model_us(), 2), "ops": dict(c.ops)}
-
-
-def ops_str(ops: dict, n: int = 8) -> str:
-    return ", ".join(f"{k} {v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:n])
-
-
 def run(args):
-    device = args.device
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"bench_hf: --device {device}, but torch sees no CUDA device")
-    env = harness.env_info(device)
-    copy_bw = args.copy_bw or harness.copy_bandwidth(device)
+    device, env, copy_bw = harness.start_run(args, "bench_hf")
     rows, summary, targets = [], [], []
     for case_name in args.cases:
         case = CASES[case_name]
@@ -199,7 +181,7 @@ def run(args):
             base = times["native grouped_mm"]["ms_median"]
             for n in fns:
                 row = {"case": case_name, "dtype": dtype_name, "provider": n,
-                       **{k: v for k, v in cnt[n].items() if k != "ops"}, **times[n],
+                       **{k: v for k, v in cnt[n].items() if k not in ("ops", "op_bytes")}, **times[n],
                        "time_vs_native_grouped_mm": times[n]["ms_median"] / base,
                        "launches_vs_native_grouped_mm":
                            cnt[n]["launches"] / cnt["native grouped_mm"]["launches"]}
@@ -243,7 +225,7 @@ def run(args):
                 f"{nat['launches']} launches, {nat['syncs']} syncs, {base:.1f} ms; native eager "
                 f"{cnt['native eager']['launches']} launches, {cnt['native eager']['syncs']} "
                 f"syncs, {times['native eager']['ms_median']:.1f} ms")
-    args.env, args.copy_bw, args.targets = env, copy_bw, targets
+    harness.finish_run(args, rows, device, env, copy_bw, targets=targets)
     return rows, summary
 
 

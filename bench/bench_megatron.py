@@ -49,7 +49,7 @@ sys.path.insert(0, str(HERE.parent))  # this checkout's replay_ops, not an insta
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 import harness  # noqa: E402
-from launch_counter import LaunchCounter  # noqa: E402
+from launch_counter import counts, ops_str  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -170,23 +170,8 @@ def check_same(ops, logits0, hidden0):
                                        f"megatron by {err}")
 
 
-def ops_str(ops: dict) -> str:
-    return ", ".join(f"{k} x{v}" if v > 1 else k for k, v in sorted(ops.items()))
-
-
-def counts(fn):
-    with LaunchCounter() as c:
-        fn()
-    return {"launches": c.launches, "syncs": c.syncs, "bytes": c.bytes,
-            "model_us": round(c.model_us(), 2), "ops": dict(c.ops), "op_bytes": dict(c.op_bytes)}
-
-
 def run(args):
-    device = args.device
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"bench_megatron: --device {device}, but torch sees no CUDA device")
-    env = harness.env_info(device)
-    copy_bw = args.copy_bw or harness.copy_bandwidth(device)
+    device, env, copy_bw = harness.start_run(args, "bench_megatron")
     rows, summary, targets = [], [], []
     for E in args.E:
         routers, moe_utils = setup(E, args.K, args.H, device)
@@ -225,11 +210,7 @@ def run(args):
                     f"step full {o['speedup_vs_megatron']:.2f}x faster; step full launches "
                     f"{o['launches']} vs {m['launches']}, bytes "
                     f"{o['bytes'] / 1e6:.1f} MB vs {m['bytes'] / 1e6:.1f} MB")
-    for r in rows:
-        r["device"] = device
-    args.env = env
-    args.copy_bw = copy_bw
-    args.targets = targets
+    harness.finish_run(args, rows, device, env, copy_bw, targets=targets)
     return rows, summary
 
 

@@ -69,9 +69,7 @@ def fwd_providers(plan, R, device, compile_):
 
 
 def run(args) -> tuple[list[dict], list[str]]:
-    device = args.device
-    env = harness.env_info(device)
-    copy_bw = args.copy_bw or harness.copy_bandwidth(device)
+    device, env, copy_bw = harness.start_run(args, "bench_permute")
     rows, summary = [], []
     for dname in args.dtypes:
         dtype = DTYPES[dname]
@@ -129,9 +127,7 @@ def run(args) -> tuple[list[dict], list[str]]:
                                 + (f"; native {nb / (n['ms_median'] * 1e-3) / 1e9:.1f} GB/s = "
                                    f"{nb / (n['ms_median'] * 1e-3) / 1e9 / copy_bw['gbps']:.0%} "
                                    f"of copy" if mode == "fwd" and base == "torch" else ""))
-    for r in rows:
-        r["device"] = device
-    args.env, args.copy_bw = env, copy_bw
+    harness.finish_run(args, rows, device, env, copy_bw)
     return rows, summary
 
 

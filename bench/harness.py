@@ -223,6 +223,27 @@ def triton_available(device: str) -> bool:
     return bool(backends.available("triton", "cuda"))
 
 
+def start_run(args, name: str) -> tuple[str, dict, dict]:
+    """The start of every benchmark's run(): (device, environment record, copy bandwidth).
+    A CUDA device that torch does not see is refused; the copy bandwidth is the one the
+    caller measured (`args.copy_bw`, set by bench_all.py for all its runs) or measured here."""
+    device = args.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"{name}: --device {device}, but torch sees no CUDA device")
+    return device, env_info(device), getattr(args, "copy_bw", None) or copy_bandwidth(device)
+
+
+def finish_run(args, rows: list[dict], device: str, env: dict, copy_bw: dict, **extra) -> None:
+    """The end of every benchmark's run(): each row gets the device, and `args` carries the
+    environment record, the copy bandwidth and any `extra` (e.g. targets) back to the caller
+    (cli_main or bench_all.py), which writes the results."""
+    for r in rows:
+        r["device"] = device
+    args.env, args.copy_bw = env, copy_bw
+    for k, v in extra.items():
+        setattr(args, k, v)
+
+
 def add_run_args(ap, *, reps: int, warmup: int, runs: int = 3) -> None:
     """The options every bench script shares: repetitions, warm-up, independent runs, CPU
     threads and the results stem."""

@@ -201,3 +201,23 @@ def count(fn, *args, **kwargs) -> tuple[LaunchCounter, object]:
     with LaunchCounter() as c:
         out = fn(*args, **kwargs)
     return c, out
+
+
+def counts(fn) -> dict:
+    """One call of fn counted: launches, host syncs, bytes, the modelled time, and the ops
+    with their counts and bytes. A provider with a `prepare` attribute has it run first,
+    uncounted; one with a `counted` attribute has that part counted instead of the whole."""
+    prepare = getattr(fn, "prepare", None)
+    if prepare is not None:
+        prepare()
+    with LaunchCounter() as c:
+        getattr(fn, "counted", fn)()
+    return {"launches": c.launches, "syncs": c.syncs, "bytes": c.bytes,
+            "model_us": round(c.model_us(), 2), "ops": dict(c.ops), "op_bytes": dict(c.op_bytes)}
+
+
+def ops_str(ops: dict, n: int | None = None) -> str:
+    """The ops most launched first (then by name), `name xN` when launched more than once;
+    the first n of them, or all."""
+    ranked = sorted(ops.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
+    return ", ".join(f"{k} x{v}" if v > 1 else k for k, v in ranked)

@@ -38,7 +38,7 @@ def gate(
     (-1 = empty slot), plus the expert-major dispatch plan. Top-k is never recomputed,
     except for rows where `replay_mask` is False, which fall back to the native top-k of
     the scores. With `validate=False` the index values are not checked and a value
-    outside [0, E) is an empty slot. See the README for the exact semantics.
+    outside [0, E) is an empty slot. See docs/ops.md for the exact semantics.
     """
     out = torch.ops.replay.gate(
         logits,

@@ -1,6 +1,6 @@
 """Pure-PyTorch reference: the numerical oracle for every backend.
 
-Written from the math in the README (and Megatron-Core's gate semantics under replay),
+Written from the math in docs/ops.md (and Megatron-Core's gate semantics under replay),
 never from a kernel. It is differentiable through ordinary autograd, so it is the oracle
 for the backward ops too. It favours clarity over speed.
 

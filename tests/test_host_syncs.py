@@ -1,6 +1,6 @@
 """Host syncs: a Hugging Face MoE block patched by replay_ops with the "grouped_mm" experts
 reads no device memory from the host in its forward or backward, whatever the action (the
-routing's values are checked when it is set); the public calls sync as the README's table
+routing's values are checked when it is set); the public calls sync as the table in docs/ops.md
 says. Counted on the CPU with HostSyncCounter
 (aten ops that read device memory, plus tolist/numpy/cpu), and on a GPU with
 torch.cuda.set_sync_debug_mode."""

@@ -30,7 +30,7 @@ def _sqrtsoftplus(x):
 
 
 def weights_by_loops(logits, indices, score_func, normalize, scale):
-    """The README's gate semantics, one element at a time in Python floats."""
+    """The gate semantics of docs/ops.md, one element at a time in Python floats."""
     out = []
     for x, row in zip(logits, indices):
         valid = [e for e in row if e >= 0]
