@@ -26,7 +26,7 @@ TRITON_FLOOR_SPILL_BUDGET ?= 160
 TRITON_FLOOR_ENV = PYTHONPATH=$(CURDIR)/$(TRITON_FLOOR_DIR)$${PYTHONPATH:+:$$PYTHONPATH}
 PIP = $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install-torch install install-test install-vllm install-sglang test test-vllm test-sglang test-gpu gpu-check demo bench clean check-cuda score-header mutate test-cuda-build
+.PHONY: check install-torch install install-test install-vllm install-sglang test test-vllm test-sglang test-gpu gpu-check demo bench clean check-cuda score-header mutate test-cuda-build
 
 install-torch:
 	@$(PY) -c "import sys, torch; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(0 if v >= tuple(int(x) for x in '$(TORCH_MIN)'.split('.')) else 1)" 2>/dev/null \
@@ -232,6 +232,20 @@ gpu-wheels:
 		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d $(GPU_WHEELS) \
 		$(GPU_WHEEL_PINS)
 	@ls -l $(GPU_WHEELS)
+
+# The edit-test loop: no installs (needs `make install` once), under two minutes on 2 cores.
+# Every Python file compiles, the package and its subpackages import, and the fast unit
+# tests run (the ops on the torch and native backends, validation, the reference, the
+# score table, the codec's golden bytes, the rollout adapters, the config, the docs' links;
+# the Triton interpreter's cases are left to `make test`). `make test` stays the full suite.
+CHECK_TESTS = tests/test_gate.py tests/test_gate_dense.py tests/test_permute.py \
+	tests/test_unpermute.py tests/test_validation.py tests/test_reference.py tests/test_scores.py \
+	tests/test_codec_golden.py tests/test_adapters.py tests/test_config.py tests/test_doc_links.py
+check:
+	$(PY) -m compileall -q replay_ops triton_kernels tests tools bench examples
+	$(PY) -c "import importlib, pkgutil, replay_ops; [importlib.import_module(m.name) for m in \
+		pkgutil.walk_packages(replay_ops.__path__, 'replay_ops.') if m.ispkg]"
+	$(PY) -m pytest -q -x -p no:cacheprovider $(CHECK_TESTS) -k "not triton"
 
 demo: install
 	$(PY) -m replay_ops demo
