@@ -13,6 +13,8 @@ and for requests explicitly allowed to have no routing.
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import struct
@@ -107,6 +109,31 @@ class SequenceRouting:
     @property
     def num_tokens(self) -> int:
         return int(self.indices.shape[0])
+
+
+def b64_size(payload: str | bytes) -> int:
+    """The bytes that valid base64 `payload` decodes to, without decoding it (to bound a
+    payload by what the request can hold before decoding it)."""
+    tail = payload[-2:]
+    pad = tail.count("=") if isinstance(tail, str) else tail.count(b"=")
+    return len(payload) // 4 * 3 - pad
+
+
+def decode_b64(payload, who: str, what: str = "base64 text") -> bytes:
+    """An engine's base64 routing payload (ASCII text or bytes) -> the bytes, strictly
+    (`validate=True`: no stray characters); anything else raises RoutingMismatchError
+    naming `who` (`what`: the words for what was expected, for a payload of another type)."""
+    if isinstance(payload, str):
+        try:
+            payload = payload.encode("ascii")
+        except UnicodeEncodeError:
+            raise RoutingMismatchError(f"{who}: not valid base64 (non-ASCII text)") from None
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise RoutingMismatchError(f"{who}: expected {what}, got {type(payload).__name__}")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise RoutingMismatchError(f"{who}: not valid base64: {e}") from None
 
 
 def as_tensor(x, who: str) -> torch.Tensor:

@@ -64,7 +64,6 @@ SkyRL 0.4.0's generate endpoint and its batched generator):
 from __future__ import annotations
 
 import base64
-import binascii
 import io
 import math
 from typing import Any, Sequence
@@ -81,6 +80,7 @@ from .layout import (
     as_tensor,
     check_batch,
     check_dense_columns,
+    decode_b64,
     missing_sequence,
     pack,
 )
@@ -105,18 +105,7 @@ def decode_vllm(payload: str | bytes, *, who: str = "vllm routed_experts",
     and arrays that are not 3-D integer arrays. The `.npy` header is checked before
     anything is allocated: a 3-D integer shape of at most `max_rows` rows (the request's
     token count, when the caller knows it) whose bytes are exactly those present."""
-    if isinstance(payload, str):
-        try:
-            payload = payload.encode("ascii")
-        except UnicodeEncodeError:
-            raise RoutingMismatchError(f"{who}: not valid base64 (non-ASCII text)") from None
-    if not isinstance(payload, (bytes, bytearray, memoryview)):
-        raise RoutingMismatchError(f"{who}: expected base64 text of an .npy blob, got "
-                                   f"{type(payload).__name__}")
-    try:
-        raw = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise RoutingMismatchError(f"{who}: not valid base64: {e}") from None
+    raw = decode_b64(payload, who, "base64 text of an .npy blob")
     if not raw.startswith(b"\x93NUMPY"):
         raise RoutingMismatchError(f"{who}: the decoded {len(raw)} bytes are not an .npy blob "
                                    f"(they start with {raw[:8]!r})")
