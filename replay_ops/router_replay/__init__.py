@@ -26,15 +26,16 @@ from .config import (
     config_from_omegaconf,
     load_config,
 )
+import warnings
+
 from .replay import RouterReplay, RouterReplayError
 from .shape import ModelShape
 from . import adapters, codec, files
-from .adapters import ModelLayout, ReplayBatch, RoutingMismatchError
+from .adapters import ReplayBatch, RoutingMismatchError
 from .files import RecordMeta, RoutingFileError, RoutingShapeError, open_routing
 
 __all__ = [
     "ConfigError",
-    "ModelLayout",
     "ModelShape",
     "RecordMeta",
     "ReplayBatch",
@@ -54,3 +55,11 @@ __all__ = [
     "config_from_omegaconf",
     "load_config",
 ]
+
+
+def __getattr__(name: str):
+    if name == "ModelLayout":  # deprecated (one release): the model shape is ModelShape
+        warnings.warn(f"{__name__}.ModelLayout is deprecated; use ModelShape",
+                      DeprecationWarning, stacklevel=2)
+        return ModelShape
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

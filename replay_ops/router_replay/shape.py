@@ -2,7 +2,7 @@
 replayed, and the check of routing values against it.
 
 One type serves every part of the replay system: `RouterReplay`, the record files
-(`RecordMeta.shape`), the rollout adapters (`ModelLayout` is this type) and the Hugging Face
+(`RecordMeta.shape`), the rollout adapters and the Hugging Face
 integration (`MoELayout.shape`).
 
 Layers are identified by their absolute layer id (the index in the model's list of decoder

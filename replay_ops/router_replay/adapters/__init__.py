@@ -1,9 +1,9 @@
-"""Rollout adapters (R3): routing returned by the rollout engines, in the training layouts.
+"""Rollout adapters (R3): routing returned by the rollout engines, in the training formats.
 
-    from replay_ops.router_replay.adapters import ModelLayout, vllm_batch, sglang_batch
+    from replay_ops.router_replay.adapters import ModelShape, vllm_batch, sglang_batch
 
-    layout = ModelLayout(num_experts=64, top_k=8, moe_layer_ids=[1, 2, 3], num_hidden_layers=4)
-    batch = vllm_batch(routed_experts, prompt_lens, response_lens, layout, layout_kind="thd")
+    shape = ModelShape(num_experts=64, top_k=8, moe_layer_ids=[1, 2, 3], num_hidden_layers=4)
+    batch = vllm_batch(routed_experts, prompt_lens, response_lens, shape, packing="thd")
     batch.apply(router_replay)       # RouterReplay.set_routing(indices, replay_mask)
 
 Modules: `layout` (the types, checks and packing every engine shares), one module per
@@ -29,9 +29,12 @@ them with `layout.pack`. It must:
 Outputs are int16 `[n, L_moe, K]` with -1 for no route, indexed by MoE ordinal
 (`layer_index="moe"` for `RouterReplay.set_routing`). Ids are logical expert ids.
 """
+import warnings
+
 from .layout import (
     INDEX_DTYPE,
-    ModelLayout,
+    PACKINGS,
+    ModelShape,
     MultiTurnRouting,
     ReplayBatch,
     RoutingMismatchError,
@@ -49,7 +52,8 @@ from .vllm import decode_vllm, encode_vllm, vllm_batch, vllm_dtype, vllm_sequenc
 
 __all__ = [
     "INDEX_DTYPE",
-    "ModelLayout",
+    "ModelShape",
+    "PACKINGS",
     "MultiTurnRouting",
     "ReplayBatch",
     "RoutingMismatchError",
@@ -73,3 +77,11 @@ __all__ = [
     "vllm_dtype",
     "vllm_sequences",
 ]
+
+
+def __getattr__(name: str):
+    if name == "ModelLayout":  # deprecated (one release): the model shape is ModelShape
+        warnings.warn(f"{__name__}.ModelLayout is deprecated; use ModelShape",
+                      DeprecationWarning, stacklevel=2)
+        return ModelShape
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

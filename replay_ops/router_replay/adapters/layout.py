@@ -18,7 +18,9 @@ import binascii
 import json
 import math
 import struct
+import warnings
 import zlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -31,8 +33,9 @@ from ..shape import ModelShape, describe_bad_route, first_bad_route
 
 INDEX_DTYPE = torch.int16
 
-# The model shape, under the name the adapters' callers know it by (one type: ModelShape).
-ModelLayout = ModelShape
+# The training formats the packers produce (`packing=`): verl's padded [B, S, L, K], or
+# packed THD [N, L, K] with cu_seqlens.
+PACKINGS = ("padded", "thd")
 
 
 class RoutingMismatchError(ValueError):
@@ -266,16 +269,75 @@ class MultiTurnRouting:
 # ---------------------------------------------------------------------------- layouts
 @dataclass
 class ReplayBatch:
-    """Routing in a training layout, ready for `RouterReplay.set_routing`:
-    `indices` [B, S, L_moe, K] (padded) or [N, L_moe, K] (THD), int16 with -1 = none;
-    `replay_mask` [B, S] or [N]; `cu_seqlens` [B+1] for THD. `mappings[i]` is the layer
-    mapping request i arrived in ("absolute", "moe", or None when it had no routing)."""
+    """Routing in a training format: the one type for it, from the rollout adapters to the
+    trainer (`RouterReplay.set_routing`, Megatron's packing and CP split).
+
+    indices       [B, S, L_moe, K] (padded) or [N, L_moe, K] (THD), -1 = none; int16 from
+                  the packers (any integer dtype is carried as is)
+    replay_mask   [B, S] or [N] bool, False for padding and rows without a route
+    cu_seqlens    [B+1] int64 for THD: the real sequence boundaries (global packed frame)
+    mappings      mappings[i]: the layer mapping request i arrived in ("absolute", "moe",
+                  or None when it had no routing); may be empty
+    layer_index   how `indices` columns are indexed for `RouterReplay` ("moe")
+
+    After Megatron's padding step (`integrations.megatron.pad_thd`) and CP split:
+
+    cu_seqlens_padded [B+1] int64: the padded boundaries (what PackedSeqParams carries);
+                  None = not padded (the boundaries are `cu_seqlens`)
+    cp_size, cp_rank, cp_scheme: which share of the CP split this is (1, 0, None = whole)
+    """
 
     indices: torch.Tensor
     replay_mask: torch.Tensor
     cu_seqlens: torch.Tensor | None = None
     mappings: list = field(default_factory=list)
     layer_index: str = "moe"
+    cu_seqlens_padded: torch.Tensor | None = None
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_scheme: str | None = None
+
+    # -- the THD frame
+    @property
+    def padded_cu_seqlens(self) -> torch.Tensor:
+        """The row boundaries of the sequences in `indices`: `cu_seqlens_padded`, or
+        `cu_seqlens` when the batch is not padded. THD batches only."""
+        if self.cu_seqlens is None:
+            raise RoutingMismatchError(f"{self.describe()} is a padded [B, S] batch, not THD; "
+                                       f"it has no cu_seqlens")
+        return self.cu_seqlens if self.cu_seqlens_padded is None else self.cu_seqlens_padded
+
+    @property
+    def num_sequences(self) -> int:
+        if self.cu_seqlens is None:
+            return int(self.indices.shape[0])
+        return int(self.cu_seqlens.numel()) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.replay_mask.numel())
+
+    def seq_lens(self) -> list[int]:
+        cu = self.padded_cu_seqlens if self.cu_seqlens is None else self.cu_seqlens
+        return (cu[1:] - cu[:-1]).tolist()
+
+    def padded_lens(self) -> list[int]:
+        cup = self.padded_cu_seqlens
+        return (cup[1:] - cup[:-1]).tolist()
+
+    def describe(self) -> str:
+        return (f"ReplayBatch(tokens={self.num_tokens}, sequences={self.num_sequences}, "
+                f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, cp_scheme={self.cp_scheme})")
+
+    @property
+    def cp_layout(self) -> str | None:
+        """Deprecated name of `cp_scheme`."""
+        warnings.warn("ReplayBatch.cp_layout is deprecated; use ReplayBatch.cp_scheme",
+                      DeprecationWarning, stacklevel=2)
+        return self.cp_scheme
+
+    def _megatron_fields(self) -> bool:
+        return self.cu_seqlens_padded is not None or self.cp_size != 1 or self.cp_scheme is not None
 
     def apply(self, replay) -> None:
         replay.set_routing(self.indices, self.replay_mask, layer_index=self.layer_index)
@@ -291,6 +353,11 @@ class ReplayBatch:
         from .. import codec
 
         who = "ReplayBatch.to_bytes"
+        if self._megatron_fields():
+            raise RoutingMismatchError(
+                f"{who}: {self.describe()} is padded for Megatron or one CP rank's share; "
+                f"send the batch before `pad_thd` / `cp_split` and take those steps where "
+                f"it is used")
         idx = self.indices.detach().cpu()
         if idx.dim() not in (3, 4):
             raise RoutingMismatchError(f"{who}: indices must be [N, L, K] or "
@@ -396,6 +463,9 @@ class ReplayBatch:
                    list(head["mappings"]), head["layer_index"])
 
     def __reduce__(self):
+        if self._megatron_fields():  # a trainer-side stage: its tensors, as they are
+            return (_batch_from_fields, (
+                {f.name: getattr(self, f.name) for f in dataclasses.fields(self)},))
         return (_batch_from_bytes, (self.to_bytes(),))
 
 
@@ -492,6 +562,10 @@ def _batch_from_bytes(data: bytes) -> ReplayBatch:
     return ReplayBatch.from_bytes(data)
 
 
+def _batch_from_fields(fields: dict) -> ReplayBatch:
+    return ReplayBatch(**fields)
+
+
 def pack_thd(seqs: Sequence[SequenceRouting]) -> ReplayBatch:
     """Concatenate sequences (packed THD): `cu_seqlens` are the sequence boundaries."""
     if not seqs:
@@ -541,11 +615,31 @@ def pack_padded(
     return ReplayBatch(idx, mask, None, [s.mapping for s in seqs])
 
 
-def pack(seqs, prompt_lens, kind, max_prompt_len=None, max_response_len=None) -> ReplayBatch:
-    """`pack_thd` (kind="thd") or `pack_padded` (kind="padded")."""
-    if kind == "thd":
+def pack(seqs, prompt_lens, packing, max_prompt_len=None, max_response_len=None) -> ReplayBatch:
+    """`pack_thd` (packing="thd") or `pack_padded` (packing="padded")."""
+    if packing == "thd":
         return pack_thd(seqs)
-    if kind == "padded":
+    if packing == "padded":
         return pack_padded(seqs, prompt_lens, max_prompt_len=max_prompt_len,
                            max_response_len=max_response_len)
-    raise ValueError(f"unknown layout_kind={kind!r}; expected 'padded' or 'thd'")
+    raise ValueError(f"unknown packing={packing!r}; expected one of {PACKINGS}")
+
+
+def packing_arg(packing: str | None, layout_kind: str | None, who: str) -> str:
+    """`packing=`, or the deprecated `packing=` it replaces (which warns)."""
+    if layout_kind is not None:
+        warnings.warn(f"{who}(layout_kind=...) is deprecated; use packing=",
+                      DeprecationWarning, stacklevel=3)
+        if packing is not None and packing != layout_kind:
+            raise ValueError(f"{who}: packing={packing!r} and layout_kind={layout_kind!r} "
+                             f"disagree")
+        return layout_kind
+    return "padded" if packing is None else packing
+
+
+def __getattr__(name: str):
+    if name == "ModelLayout":  # deprecated (one release): the model shape is ModelShape
+        warnings.warn(f"{__name__}.ModelLayout is deprecated; use ModelShape",
+                      DeprecationWarning, stacklevel=2)
+        return ModelShape
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

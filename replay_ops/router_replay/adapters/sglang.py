@@ -63,6 +63,7 @@ from .layout import (
     decode_b64,
     missing_sequence,
     pack,
+    packing_arg,
 )
 
 SGLANG_KEY = "routed_experts"
@@ -465,11 +466,13 @@ def _fill_gap(acc: MultiTurnRouting, gaps: dict, i: int, j: int, start: int,
 
 
 def sglang_batch(meta_infos, seq_lens, prompt_lens, layout, *, starts=None, requests=None,
-                 num_layers=None, prefix_routing=None, omitted="error", layout_kind="padded",
+                 num_layers=None, prefix_routing=None, omitted="error", packing=None,
                  max_prompt_len=None, max_response_len=None,
-                 allow_missing=False) -> ReplayBatch:
-    """`sglang_sequences` then `pack_padded` or `pack_thd`."""
+                 allow_missing=False, layout_kind=None) -> ReplayBatch:
+    """`sglang_sequences` then `pack_padded` (packing="padded", the default) or `pack_thd`
+    ("thd"). `layout_kind` is the deprecated name of `packing`."""
+    packing = packing_arg(packing, layout_kind, "sglang_batch")
     seqs = sglang_sequences(meta_infos, seq_lens, layout, starts=starts, requests=requests,
                             num_layers=num_layers, prefix_routing=prefix_routing,
                             omitted=omitted, allow_missing=allow_missing)
-    return pack(seqs, prompt_lens, layout_kind, max_prompt_len, max_response_len)
+    return pack(seqs, prompt_lens, packing, max_prompt_len, max_response_len)

@@ -83,6 +83,7 @@ from .layout import (
     decode_b64,
     missing_sequence,
     pack,
+    packing_arg,
 )
 
 VLLM_KEY = "routed_experts"
@@ -365,13 +366,15 @@ def _turns(r: list, st, i: int) -> list[tuple[Any, int, int]]:
     return turns
 
 
-def vllm_batch(routed_experts, prompt_lens, response_lens, layout, *, layout_kind="padded",
+def vllm_batch(routed_experts, prompt_lens, response_lens, layout, *, packing=None,
                max_prompt_len=None, max_response_len=None, prompt_starts=None,
                prefix_routing=None, omitted="error", allow_missing=False, narrowed=False,
-               truncated=None) -> ReplayBatch:
-    """`vllm_sequences` then `pack_padded` (layout_kind="padded") or `pack_thd` ("thd")."""
+               truncated=None, layout_kind=None) -> ReplayBatch:
+    """`vllm_sequences` then `pack_padded` (packing="padded", the default) or `pack_thd`
+    ("thd"). `layout_kind` is the deprecated name of `packing`."""
+    packing = packing_arg(packing, layout_kind, "vllm_batch")
     seqs = vllm_sequences(routed_experts, prompt_lens, response_lens, layout,
                           prompt_starts=prompt_starts, prefix_routing=prefix_routing,
                           omitted=omitted, allow_missing=allow_missing, narrowed=narrowed,
                           truncated=truncated)
-    return pack(seqs, prompt_lens, layout_kind, max_prompt_len, max_response_len)
+    return pack(seqs, prompt_lens, packing, max_prompt_len, max_response_len)
