@@ -35,7 +35,7 @@ from typing import Sequence
 
 import torch
 
-from ..._validate import int16_routing, signed_routing, unsigned_note
+from ..._validate import first_bad_route, int16_routing, signed_routing, unsigned_note
 from ...router_replay.adapters.layout import ReplayBatch, SequenceRouting
 from ...router_replay.adapters.layout import pack_thd as _concat_thd
 
@@ -104,16 +104,19 @@ def check_expert_range(indices, num_experts: int, *, who: str,
     dtype = arrived_as or dtype
     if indices.numel() == 0:
         return
-    bad = (indices < -1) | (indices >= num_experts)
-    if bool(bad.any()):
-        pos = [int(v) for v in bad.nonzero()[0]]
-        val = int(indices[tuple(pos)])
-        where = f"token {pos[0]}"
-        if indices.dim() == 3:
-            lid = layer_ids[pos[1]] if layer_ids is not None else pos[1]
-            where += f", layer column {pos[1]} (layer {lid}), slot {pos[2]}"
-        elif indices.dim() == 2:
-            where += f", slot {pos[1]}"
+    # the one scan (`_validate.first_bad_route`), range only, on a [tokens, L, K] view
+    dim = indices.dim()
+    view = indices.reshape(indices.shape[0], -1, indices.shape[-1]) if dim >= 2 else \
+        indices.reshape(-1, 1, 1)
+    bad = first_bad_route(view, num_experts, repeats=False)
+    if bad is not None:
+        val = bad.value
+        where = f"token {bad.token}"
+        if dim == 3:
+            lid = layer_ids[bad.layer] if layer_ids is not None else bad.layer
+            where += f", layer column {bad.layer} (layer {lid}), slot {bad.slot}"
+        elif dim == 2:
+            where += f", slot {bad.slot}"
         raise LayoutError(
             f"{who}: {where} holds expert id {val}, outside 0..{num_experts - 1} (-1 = no "
             f"route); recordings must hold logical expert ids (before any EPLB remapping)"
