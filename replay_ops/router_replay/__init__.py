@@ -26,8 +26,7 @@ from .config import (
     config_from_omegaconf,
     load_config,
 )
-import warnings
-
+from .._deprecated import deprecated_names
 from .replay import RouterReplay, RouterReplayError
 from .shape import ModelShape
 from . import adapters, codec, files
@@ -57,9 +56,5 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    if name == "ModelLayout":  # deprecated (one release): the model shape is ModelShape
-        warnings.warn(f"{__name__}.ModelLayout is deprecated; use ModelShape",
-                      DeprecationWarning, stacklevel=2)
-        return ModelShape
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# deprecated (one release): the model shape is ModelShape
+__getattr__ = deprecated_names(__name__, {"ModelLayout": ("ModelShape", ModelShape)})

@@ -35,6 +35,7 @@ from typing import Sequence
 
 import torch
 
+from ..._deprecated import deprecated_names
 from ..._validate import first_bad_route, int16_routing, signed_routing, unsigned_note
 from ...router_replay.adapters.layout import ReplayBatch, SequenceRouting
 from ...router_replay.adapters.layout import pack_thd as _concat_thd
@@ -67,13 +68,7 @@ _DEPRECATED = {
 }
 
 
-def __getattr__(name: str):
-    if name in _DEPRECATED:
-        new, value = _DEPRECATED[name]
-        warnings.warn(f"replay_ops.integrations.megatron.{name} is deprecated; use {new}",
-                      DeprecationWarning, stacklevel=2)
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = deprecated_names(__name__, _DEPRECATED)
 
 
 def _scheme(scheme, layout, who: str, default=None):

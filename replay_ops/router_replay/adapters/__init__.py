@@ -29,8 +29,7 @@ them with `layout.pack`. It must:
 Outputs are int16 `[n, L_moe, K]` with -1 for no route, indexed by MoE ordinal
 (`layer_index="moe"` for `RouterReplay.set_routing`). Ids are logical expert ids.
 """
-import warnings
-
+from ..._deprecated import deprecated_names
 from .layout import (
     INDEX_DTYPE,
     PACKINGS,
@@ -79,9 +78,5 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    if name == "ModelLayout":  # deprecated (one release): the model shape is ModelShape
-        warnings.warn(f"{__name__}.ModelLayout is deprecated; use ModelShape",
-                      DeprecationWarning, stacklevel=2)
-        return ModelShape
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# deprecated (one release): the model shape is ModelShape
+__getattr__ = deprecated_names(__name__, {"ModelLayout": ("ModelShape", ModelShape)})

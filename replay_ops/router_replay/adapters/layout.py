@@ -20,13 +20,13 @@ import math
 import struct
 import warnings
 import zlib
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from ..._deprecated import deprecated_names
 from ..._validate import int16_routing, signed_routing, unsigned_note
 from .._bounds import MAX_LAYER_SLOTS, MAX_LAYERS, MAX_TOP_K, check_limits
 from ..shape import ModelShape, describe_bad_route, first_bad_route
@@ -465,7 +465,7 @@ class ReplayBatch:
     def __reduce__(self):
         if self._megatron_fields():  # a trainer-side stage: its tensors, as they are
             return (_batch_from_fields, (
-                {f.name: getattr(self, f.name) for f in dataclasses.fields(self)},))
+                {f.name: getattr(self, f.name) for f in fields(self)},))
         return (_batch_from_bytes, (self.to_bytes(),))
 
 
@@ -637,9 +637,5 @@ def packing_arg(packing: str | None, layout_kind: str | None, who: str) -> str:
     return "padded" if packing is None else packing
 
 
-def __getattr__(name: str):
-    if name == "ModelLayout":  # deprecated (one release): the model shape is ModelShape
-        warnings.warn(f"{__name__}.ModelLayout is deprecated; use ModelShape",
-                      DeprecationWarning, stacklevel=2)
-        return ModelShape
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# deprecated (one release): the model shape is ModelShape
+__getattr__ = deprecated_names(__name__, {"ModelLayout": ("ModelShape", ModelShape)})
