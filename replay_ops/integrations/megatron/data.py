@@ -1,5 +1,5 @@
 """The replay tensor follows the tokens: THD packing, context-parallel and sequence-parallel
-splits, in the layouts Megatron-Core gives the tokens.
+splits, in the order Megatron-Core gives the tokens.
 
 Plain PyTorch (plus `torch.distributed` for the collective forms): nothing here imports
 megatron-core, so the data path can be prepared in a data loader or a trainer process
