@@ -29,7 +29,7 @@ import torch
 from ..._deprecated import deprecated_names
 from ..._validate import int16_routing, signed_routing, unsigned_note
 from .._bounds import MAX_LAYER_SLOTS, MAX_LAYERS, MAX_TOP_K, check_limits
-from ..shape import ModelShape, describe_bad_route, first_bad_route
+from ..shape import MAPPINGS, ModelShape, describe_bad_route, first_bad_route
 
 INDEX_DTYPE = torch.int16
 
@@ -480,7 +480,7 @@ BATCH_DTYPES = {
 }
 _BATCH_KEYS = {"indices_shape", "indices_dtype", "mask_shape", "cu_seqlens", "mappings",
                "layer_index"}
-_BATCH_MAPPINGS = (None, "moe", "absolute")
+_BATCH_MAPPINGS = (None,) + MAPPINGS  # None: a request without routing
 
 
 def _is_int(v) -> bool:
