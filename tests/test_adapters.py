@@ -509,9 +509,9 @@ def test_replay_batch_bytes_are_compact_and_checked():
 def test_deprecated_adapter_names_warn_and_still_work():
     import replay_ops.router_replay as rr
     from replay_ops.router_replay import adapters
-    from replay_ops.router_replay.adapters import layout as lay
+    from replay_ops.router_replay.adapters import batch
 
-    for mod in (adapters, rr, lay):
+    for mod in (adapters, rr, batch):
         with pytest.warns(DeprecationWarning, match="ModelLayout is deprecated; use ModelShape"):
             assert mod.ModelLayout is ModelShape
     shape = ModelShape(8, 2, (0, 1), 2)
@@ -528,3 +528,18 @@ def test_deprecated_adapter_names_warn_and_still_work():
     assert torch.equal(old.indices, new.indices) and old.cu_seqlens.tolist() == [0, 4]
     with pytest.raises(ValueError, match="unknown packing='bshd'"):
         adapters.vllm_batch(routed, [2], [2], shape, packing="bshd")
+
+
+def test_deprecated_layout_module_warns_and_still_works():
+    import importlib
+    import sys
+
+    from replay_ops.router_replay.adapters import batch
+
+    sys.modules.pop("replay_ops.router_replay.adapters.layout", None)
+    with pytest.warns(DeprecationWarning, match=r"adapters.layout is deprecated; use "
+                                                r"replay_ops.router_replay.adapters.batch"):
+        old = importlib.import_module("replay_ops.router_replay.adapters.layout")
+    assert old.ReplayBatch is batch.ReplayBatch and old.pack_thd is batch.pack_thd
+    with pytest.warns(DeprecationWarning, match="use ModelShape"):
+        assert old.ModelLayout is ModelShape

@@ -37,8 +37,8 @@ import torch
 
 from ..._deprecated import deprecated_names
 from ..._validate import first_bad_route, int16_routing, signed_routing, unsigned_note
-from ...router_replay.adapters.layout import ReplayBatch, SequenceRouting
-from ...router_replay.adapters.layout import pack_thd as _concat_thd
+from ...router_replay.adapters.batch import ReplayBatch, SequenceRouting
+from ...router_replay.adapters.batch import pack_thd as _concat_thd
 
 INDEX_DTYPE = torch.int16
 # How CP splits each sequence's rows over the ranks (`scheme=`).

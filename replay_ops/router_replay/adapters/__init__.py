@@ -6,14 +6,15 @@
     batch = vllm_batch(routed_experts, prompt_lens, response_lens, shape, packing="thd")
     batch.apply(router_replay)       # RouterReplay.set_routing(indices, replay_mask)
 
-Modules: `layout` (the types, checks and packing every engine shares), one module per
+Modules: `batch` (the types, checks and packing into the training formats that every
+engine shares), one module per
 engine (`vllm`, `sglang`), and `verl` (verl's own padded layout and batch key).
 
 ## The adapter contract (a new rollout engine is a new module)
 
 An engine module turns one batch of the engine's per-request routing into a list of
 `SequenceRouting`, one per request in batch order, and offers a `<engine>_batch` that packs
-them with `layout.pack`. It must:
+them with `batch.pack`. It must:
 
 1. call `check_batch(payloads, batch_size, who, allow_missing)` first: one entry per
    request, None for a request without routing, which is an error unless `allow_missing`;
@@ -30,7 +31,7 @@ Outputs are int16 `[n, L_moe, K]` with -1 for no route, indexed by MoE ordinal
 (`layer_index="moe"` for `RouterReplay.set_routing`). Ids are logical expert ids.
 """
 from ..._deprecated import deprecated_names
-from .layout import (
+from .batch import (
     INDEX_DTYPE,
     PACKINGS,
     ModelShape,

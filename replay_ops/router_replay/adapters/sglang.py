@@ -51,7 +51,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from .layout import (
+from .batch import (
     ModelShape,
     MultiTurnRouting,
     ReplayBatch,

@@ -71,7 +71,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .layout import (
+from .batch import (
     ModelShape,
     MultiTurnRouting,
     ReplayBatch,
