@@ -228,12 +228,15 @@ CHECK_CHUNK_TOKENS = 1 << 16  # tokens checked per step: bounds the temporaries
 
 
 def first_bad_route(routing: torch.Tensor, num_experts: int,
-                    mask: torch.Tensor | None = None) -> BadRoute | None:
-    """Check routing values [n, L, K] (-1 = no route): every id in [-1, E), no expert twice
-    in a token's layer. Tokens where `mask` [n] is False are not checked. One host read
-    when the routing is valid (the tokens are checked in chunks, the flags read together);
-    the location of the first bad entry otherwise (range errors first, then repeats, each
-    in token order)."""
+                    mask: torch.Tensor | None = None, *, repeats: bool = True
+                    ) -> BadRoute | None:
+    """The one scan of routing values [n, L, K] (-1 = no route): every id in [-1, E), and
+    (with `repeats`) no expert twice in a token's layer. Tokens where `mask` [n] is False
+    are not checked. One host read when the routing is valid (the tokens are checked in
+    chunks, the flags read together); the location of the first bad entry otherwise (range
+    errors first, then repeats, each in token order). Each caller words the error for its
+    own argument (`describe_bad_route`, `check_index_values`, Megatron's
+    `check_expert_range`)."""
     n = routing.shape[0]
     if routing.numel() == 0:
         return None
@@ -243,7 +246,8 @@ def first_bad_route(routing: torch.Tensor, num_experts: int,
     flags = []
     for t0 in range(0, n, CHECK_CHUNK_TOKENS):
         bad, dup = _bad_entries(routing[t0:t0 + CHECK_CHUNK_TOKENS], num_experts,
-                                None if keep is None else keep[t0:t0 + CHECK_CHUNK_TOKENS])
+                                None if keep is None else keep[t0:t0 + CHECK_CHUNK_TOKENS],
+                                repeats)
         flags += [bad.any(), dup.any()]
     flags = torch.stack(flags).view(-1, 2).tolist()
     for kind, col in (("range", 0), ("repeat", 1)):
@@ -253,7 +257,8 @@ def first_bad_route(routing: torch.Tensor, num_experts: int,
             t0 = c * CHECK_CHUNK_TOKENS
             r = routing[t0:t0 + CHECK_CHUNK_TOKENS].to(torch.int64)
             bad, dup = _bad_entries(r, num_experts,
-                                    None if keep is None else keep[t0:t0 + CHECK_CHUNK_TOKENS])
+                                    None if keep is None else keep[t0:t0 + CHECK_CHUNK_TOKENS],
+                                    repeats)
             if kind == "range":
                 t, layer, k = (int(v) for v in bad.nonzero()[0])
                 return BadRoute(kind, t0 + t, layer, k, int(r[t, layer, k]), r[t, layer].tolist())
@@ -264,11 +269,22 @@ def first_bad_route(routing: torch.Tensor, num_experts: int,
     return None
 
 
-def _bad_entries(r: torch.Tensor, num_experts: int, keep: torch.Tensor | None):
+def outside_experts(r: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The range predicate, elementwise on the device: ids outside [-1, E) (-1 = no route).
+    Used by every range check (the host scans above, the deferred check of
+    `replay_ops.distributed.gate`)."""
+    return (r < -1) | (r >= num_experts)
+
+
+def _bad_entries(r: torch.Tensor, num_experts: int, keep: torch.Tensor | None,
+                 repeats: bool = True):
     """([n, L, K] ids outside [-1, E), [n, L] layers that repeat an expert), masked."""
-    bad = (r < -1) | (r >= num_experts)
-    s = r.sort(dim=2).values
-    dup = ((s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)).any(dim=2)
+    bad = outside_experts(r, num_experts)
+    if repeats:
+        s = r.sort(dim=2).values
+        dup = ((s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)).any(dim=2)
+    else:
+        dup = torch.zeros(r.shape[:2], dtype=torch.bool, device=r.device)
     if keep is not None:
         bad = bad & keep[:, None, None]
         dup = dup & keep[:, None]

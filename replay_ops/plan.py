@@ -104,6 +104,21 @@ def describe_row_flags(flags: int) -> str:
     return ", ".join(name for bit, name in ROW_FLAG_NAMES.items() if flags & bit) or "none"
 
 
+# The rotation of padding="spread": W(c) = ((c * _SPREAD_HASH) mod 2^32) * E // 2^32.
+_SPREAD_HASH = 2654435769
+
+
+def spread_rows(T: int, E: int, K: int, ep_size: int, offset: int, device) -> torch.Tensor:
+    """int64 [T, K]: the experts of every row under padding="spread" (the formula of
+    replay_ops.reference.spread_expert), computed for all rows at once, no host read."""
+    s = torch.arange(T, device=device, dtype=torch.long)[:, None] * K
+    c = torch.div(s, E, rounding_mode="floor")
+    w = torch.bitwise_right_shift((c * _SPREAD_HASH) % (1 << 32) * E, 32)
+    i = (offset % E + s + torch.arange(K, device=device) + w) % E
+    local = E // ep_size
+    return (i % ep_size) * local + torch.div(i, ep_size, rounding_mode="floor")
+
+
 class DenseRouting(NamedTuple):
     """The result of `replay_ops.gate_dense`: Megatron-Core's routing contract plus the
     per-row flags and the dispatch plan of the same routing."""

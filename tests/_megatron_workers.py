@@ -108,9 +108,9 @@ def phase_cp2(rank, world):
     routes = [torch.stack([env.random_routes(n - 1, E, K, seed=60 + i + 10 * j) for j in range(3)],
                           dim=1) for i, n in enumerate(lens)]
     align, _ = rom.megatron_thd_alignment(1, 2)
-    packed = rom.pack_thd(routes, lens, align=align, num_experts=E)
-    for layout in rom.CP_LAYOUTS:
-        local = rom.cp_split(packed, 2, rank, layout)
+    packed = rom.pack_megatron_thd(routes, lens, align=align, num_experts=E)
+    for scheme in rom.CP_SCHEMES:
+        local = rom.cp_split(packed, 2, rank, scheme)
         back = rom.cp_all_gather(local, cp_group)
         assert torch.equal(back.indices, packed.indices) and torch.equal(back.replay_mask,
                                                                           packed.replay_mask)

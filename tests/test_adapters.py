@@ -15,7 +15,7 @@ import torch
 
 from replay_ops.router_replay import ReplayAction, RouterReplay, RouterReplayConfig
 from replay_ops.router_replay.adapters import (
-    ModelLayout,
+    ModelShape,
     MultiTurnRouting,
     RoutingMismatchError,
     decode_sglang,
@@ -31,7 +31,7 @@ from replay_ops.router_replay.adapters import (
 E, K = 8, 2
 KINDS = ("dense", "moe", "moe", "dense", "moe")  # dense first layer, as in DeepSeek-V3
 MOE_IDS = (1, 2, 4)
-LAYOUT = ModelLayout(num_experts=E, top_k=K, moe_layer_ids=MOE_IDS, num_hidden_layers=5)
+LAYOUT = ModelShape(num_experts=E, top_k=K, moe_layer_ids=MOE_IDS, num_hidden_layers=5)
 PROMPTS = [3, 1, 4]
 RESPONSES = [2, 4, 1]
 
@@ -78,7 +78,7 @@ def test_vllm_padded_layout_token_by_token(L, dtype):
 
 def test_vllm_thd_layout_and_boundaries():
     reqs = requests(5)
-    b = vllm_batch(reqs, PROMPTS, RESPONSES, LAYOUT, layout_kind="thd")
+    b = vllm_batch(reqs, PROMPTS, RESPONSES, LAYOUT, packing="thd")
     lens = [p + g for p, g in zip(PROMPTS, RESPONSES)]
     assert b.cu_seqlens.tolist() == [0, 5, 10, 15]
     ref = []
@@ -96,7 +96,7 @@ def test_vllm_missing_routing_is_an_error_unless_allowed():
     reqs[1] = None
     with pytest.raises(RoutingMismatchError, match=r"requests \[1\] have no routing \(2 of 3"):
         vllm_batch(reqs, PROMPTS, RESPONSES, LAYOUT)
-    b = vllm_batch(reqs, PROMPTS, RESPONSES, LAYOUT, layout_kind="thd", allow_missing=True)
+    b = vllm_batch(reqs, PROMPTS, RESPONSES, LAYOUT, packing="thd", allow_missing=True)
     s1 = slice(5, 10)
     assert not b.replay_mask[s1].any() and (b.indices[s1] == -1).all()  # never expert 0
     assert b.replay_mask[:5].sum() == 4 and b.replay_mask[10:].sum() == 4
@@ -323,7 +323,7 @@ def test_sglang_payload_that_fits_two_layer_counts_is_refused():
     be read as 61 rows of 58 MoE layers, the routes landing on the wrong layers. The
     engine's layer count settles it; without it the payload is refused."""
     Kd = 2
-    ds = ModelLayout(num_experts=16, top_k=Kd, moe_layer_ids=tuple(range(3, 61)),
+    ds = ModelShape(num_experts=16, top_k=Kd, moe_layer_ids=tuple(range(3, 61)),
                      num_hidden_layers=61)
     rng = np.random.default_rng(0)
     true = np.stack([rng.permutation(16)[:Kd] for _ in range(58 * 61)]).reshape(58, 61, Kd)
@@ -355,7 +355,7 @@ def verl_multi_turn(k: int):
     from 1..15, so no routed row is zero by chance. Returns the layout, routed int16
     [2, 8, 3, k] (absolute layers; layer 1 dense), attention_mask, and the rows that hold
     routing."""
-    layout = ModelLayout(num_experts=16, top_k=k, moe_layer_ids=(0, 2), num_hidden_layers=3)
+    layout = ModelShape(num_experts=16, top_k=k, moe_layer_ids=(0, 2), num_hidden_layers=3)
     rng = np.random.default_rng(k)
     routed = np.stack([rng.permutation(np.arange(1, 16))[:k] for _ in range(2 * 8 * 3)])
     routed = routed.reshape(2, 8, 3, k)
@@ -475,7 +475,7 @@ def test_replay_batch_bytes_and_pickle_round_trip(kind):
 
     reqs = requests(5)
     reqs[1] = None
-    b = vllm_batch(reqs, PROMPTS, RESPONSES, LAYOUT, layout_kind=kind, allow_missing=True)
+    b = vllm_batch(reqs, PROMPTS, RESPONSES, LAYOUT, packing=kind, allow_missing=True)
     _same_batch(b, ReplayBatch.from_bytes(b.to_bytes(num_experts=E)))
     _same_batch(b, pickle.loads(pickle.dumps(b)))  # Ray pickles task arguments
     # the order of each row's experts is kept (replay must not sort it)
@@ -504,3 +504,42 @@ def test_replay_batch_bytes_are_compact_and_checked():
             ReplayBatch.from_bytes(bytes(bad))
     with pytest.raises(RoutingMismatchError, match="not a ReplayBatch payload"):
         ReplayBatch.from_bytes(b"RRCODEC\x00" + bytes(40))
+
+
+def test_deprecated_adapter_names_warn_and_still_work():
+    import replay_ops.router_replay as rr
+    from replay_ops.router_replay import adapters
+    from replay_ops.router_replay.adapters import batch
+
+    for mod in (adapters, rr, batch):
+        with pytest.warns(DeprecationWarning, match="ModelLayout is deprecated; use ModelShape"):
+            assert mod.ModelLayout is ModelShape
+    shape = ModelShape(8, 2, (0, 1), 2)
+    routed = [torch.tensor([[[0, 1], [2, 3]]] * 3)]
+    new = adapters.vllm_batch(routed, [2], [2], shape, packing="thd")
+    with pytest.warns(DeprecationWarning, match=r"vllm_batch\(layout_kind=...\) is deprecated; "
+                                                r"use packing="):
+        old = adapters.vllm_batch(routed, [2], [2], shape, layout_kind="thd")
+    assert torch.equal(old.indices, new.indices) and torch.equal(old.cu_seqlens, new.cu_seqlens)
+    meta = [{"routed_experts": adapters.encode_sglang(routed[0])}]
+    new = adapters.sglang_batch(meta, [4], [2], shape, packing="thd")
+    with pytest.warns(DeprecationWarning, match=r"sglang_batch\(layout_kind=...\)"):
+        old = adapters.sglang_batch(meta, [4], [2], shape, layout_kind="thd")
+    assert torch.equal(old.indices, new.indices) and old.cu_seqlens.tolist() == [0, 4]
+    with pytest.raises(ValueError, match="unknown packing='bshd'"):
+        adapters.vllm_batch(routed, [2], [2], shape, packing="bshd")
+
+
+def test_deprecated_layout_module_warns_and_still_works():
+    import importlib
+    import sys
+
+    from replay_ops.router_replay.adapters import batch
+
+    sys.modules.pop("replay_ops.router_replay.adapters.layout", None)
+    with pytest.warns(DeprecationWarning, match=r"adapters.layout is deprecated; use "
+                                                r"replay_ops.router_replay.adapters.batch"):
+        old = importlib.import_module("replay_ops.router_replay.adapters.layout")
+    assert old.ReplayBatch is batch.ReplayBatch and old.pack_thd is batch.pack_thd
+    with pytest.warns(DeprecationWarning, match="use ModelShape"):
+        assert old.ModelLayout is ModelShape

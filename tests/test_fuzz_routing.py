@@ -29,7 +29,7 @@ import torch
 from _capped import run_capped
 from replay_ops.router_replay import files
 from replay_ops.router_replay.adapters import (
-    ModelLayout,
+    ModelShape,
     ReplayBatch,
     RoutingMismatchError,
     sglang_sequences,
@@ -39,7 +39,7 @@ from replay_ops.router_replay.files import RecordMeta, RoutingFileError, open_ro
 
 E, K, MOE_IDS, H = 8, 2, (0, 2, 3), 4
 L = len(MOE_IDS)
-LAYOUT = ModelLayout(num_experts=E, top_k=K, moe_layer_ids=MOE_IDS, num_hidden_layers=H)
+LAYOUT = ModelShape(num_experts=E, top_k=K, moe_layer_ids=MOE_IDS, num_hidden_layers=H)
 SEED = 20261126
 
 

@@ -18,7 +18,7 @@ import torch
 from replay_ops.integrations.megatron import data as md
 from replay_ops.router_replay import RouterReplay, RouterReplayConfig, RouterReplayError
 from replay_ops.router_replay.adapters import (
-    ModelLayout,
+    ModelShape,
     RoutingMismatchError,
     SequenceRouting,
     from_verl_padded,
@@ -31,7 +31,7 @@ from replay_ops.router_replay.adapters import (
 E, K = 8, 2
 MOE_IDS = (1, 2, 4)
 NUM_LAYERS = 5
-LAYOUT = ModelLayout(num_experts=E, top_k=K, moe_layer_ids=MOE_IDS, num_hidden_layers=NUM_LAYERS)
+LAYOUT = ModelShape(num_experts=E, top_k=K, moe_layer_ids=MOE_IDS, num_hidden_layers=NUM_LAYERS)
 PROMPTS, RESPONSES = [3, 2], [2, 3]
 
 DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
@@ -81,14 +81,14 @@ def requests(seed=0):
 @pytest.mark.parametrize("layout_kind", ["padded", "thd"])
 def test_vllm_batch_every_integer_dtype(dtype, kind, layout_kind):
     reqs = requests()
-    want = vllm_batch(reqs, PROMPTS, RESPONSES, LAYOUT, layout_kind=layout_kind)
+    want = vllm_batch(reqs, PROMPTS, RESPONSES, LAYOUT, packing=layout_kind)
     if dtype == "uint16":  # vLLM sends uint8 for <= 256 experts: uint16 is another model's
         with pytest.raises(RoutingMismatchError, match="request 0 turn 0: routing arrived as "
                                                        "uint16, but vLLM sends uint8"):
             vllm_batch([cast(r, dtype, kind) for r in reqs], PROMPTS, RESPONSES, LAYOUT)
         return
     got = vllm_batch([cast(r, dtype, kind) for r in reqs], PROMPTS, RESPONSES, LAYOUT,
-                     layout_kind=layout_kind)
+                     packing=layout_kind)
     assert got.indices.dtype == torch.int16
     assert torch.equal(got.indices, want.indices)
     assert torch.equal(got.replay_mask, want.replay_mask)
@@ -176,19 +176,19 @@ def test_adapter_pack_thd_and_padded_every_integer_dtype(dtype):
 def test_megatron_pack_thd_every_integer_dtype(dtype, kind):
     lens = [5, 4]
     idx = [routes(n - 1, 3, seed=n) for n in lens]  # rollout rows: one fewer than tokens
-    want = md.pack_thd([torch.from_numpy(i) for i in idx], lens, align=4, num_experts=E)
-    got = md.pack_thd([cast(i, dtype, kind) for i in idx], lens, align=4, num_experts=E)
+    want = md.pack_megatron_thd([torch.from_numpy(i) for i in idx], lens, align=4, num_experts=E)
+    got = md.pack_megatron_thd([cast(i, dtype, kind) for i in idx], lens, align=4, num_experts=E)
     assert got.indices.dtype == torch.int16
     assert torch.equal(got.indices, want.indices)
     assert torch.equal(got.replay_mask, want.replay_mask)
     bad = [cast(i, dtype, kind, (2, 1, 0) if j == 1 else None) for j, i in enumerate(idx)]
     with pytest.raises(md.LayoutError) as e:
-        md.pack_thd(bad, lens, num_experts=E)
+        md.pack_megatron_thd(bad, lens, num_experts=E)
     assert "sequence 1" in str(e.value)
     check_message(e.value, 2, top(dtype), dtype)
     if top(dtype) > np.iinfo(np.int16).max:  # without num_experts: does not fit int16
         with pytest.raises(md.LayoutError) as e:
-            md.pack_thd(bad, lens)
+            md.pack_megatron_thd(bad, lens)
         check_message(e.value, 2, top(dtype), dtype)
 
 
@@ -238,4 +238,4 @@ def test_float_and_bool_routing_are_refused_naming_the_argument():
         vllm_batch([np.zeros((4, 5, K), dtype=bool), requests()[1]], PROMPTS, RESPONSES, LAYOUT)
     with pytest.raises(md.LayoutError, match=r"sequence 0: routing must hold integer expert ids "
                                              r".*got torch.float64"):
-        md.pack_thd([np.zeros((4, 3, K))], [5])
+        md.pack_megatron_thd([np.zeros((4, 3, K))], [5])

@@ -32,7 +32,7 @@ from replay_ops.demo import (  # noqa: E402
 )
 from replay_ops.demo.engine_server import HttpError  # noqa: E402
 from replay_ops.router_replay.adapters import (  # noqa: E402
-    ModelLayout,
+    ModelShape,
     RoutingMismatchError,
     sglang_batch,
     sglang_sequences,
@@ -123,8 +123,8 @@ def prompts(seed: int):
     return h.prompts(seed, MODEL["vocab_size"], PROMPT_LENS)
 
 
-def layout(eng) -> ModelLayout:
-    return ModelLayout.of(eng.layout)
+def layout(eng) -> ModelShape:
+    return ModelShape.of(eng.layout)
 
 
 def test_generate_routing_replays_with_zero_mismatch(server, trainer):
@@ -230,7 +230,7 @@ def test_multi_turn_start_is_previous_length_minus_one(server, trainer):
                           prefix_routing=[{1: row}])[0]
     assert np.array_equal(s3.indices[:n2 - 1].numpy(), np.concatenate([a1, row, a3]))
     b = sglang_batch(conv3, [[n1, n2]], [len(p2)], lay, starts=[[0, n1]], omitted="mask",
-                     layout_kind="thd")
+                     packing="thd")
     assert b.replay_mask.tolist() == [True] * (n1 - 1) + [False] + [True] * (n2 - 1 - n1) \
         + [False]
 
@@ -375,7 +375,7 @@ def test_dense_layer_rows_and_replay_deepseek(servers):
               f"{[f'{v:.2f}%' for v in (100 * per_layer_r3 / rows).tolist()]}")
         assert per_layer_r3.tolist() == [0.0, 0.0]
         assert per_layer_own.sum() < 0.3 * rows * 2
-        misaligned = ModelLayout(E, K, (0, 2), L)  # a layout whose dense layer is 1
+        misaligned = ModelShape(E, K, (0, 2), L)  # a model shape whose dense layer is 1
         with pytest.raises(RoutingMismatchError, match=r"request 0 turn 0: token 0, layer 1 "
                                                        r"routes to experts .* but the model's "
                                                        r"layer 1 is dense"):
@@ -402,10 +402,10 @@ def test_payload_refused_for_another_model(server, trainer):
     routed (what SGLang's Qwen3-MoE, which ignores mlp_only_layers, sends for a checkpoint
     with a dense layer), and another top_k; both refused by name."""
     g = server.generate(prompts(6)[1], 4)
-    dense1 = ModelLayout(E, K, (0, 2), L)
+    dense1 = ModelShape(E, K, (0, 2), L)
     with pytest.raises(RoutingMismatchError, match=r"request 0 turn 0: token 0, layer 1 routes "
                                                    r"to experts .* but the model's layer 1 is "
                                                    r"dense"):
         sglang_sequences([g.meta_info], [g.seq_len], dense1, num_layers=L)
     with pytest.raises(RoutingMismatchError, match=r"do not fit the expected"):
-        sglang_sequences([g.meta_info], [g.seq_len], ModelLayout(E, 4, (0, 1, 2), L))
+        sglang_sequences([g.meta_info], [g.seq_len], ModelShape(E, 4, (0, 1, 2), L))

@@ -14,7 +14,7 @@ import struct
 import numpy as np
 import pytest
 
-from replay_ops.router_replay.adapters import ModelLayout, RoutingMismatchError, sglang_batch
+from replay_ops.router_replay.adapters import ModelShape, RoutingMismatchError, sglang_batch
 from replay_ops.router_replay.adapters import sglang_sequences
 from replay_ops.router_replay.adapters.sglang import (
     decode_sglang,
@@ -24,7 +24,7 @@ from replay_ops.router_replay.adapters.sglang import (
 )
 
 L, E, K = 3, 16, 2
-LAYOUT = ModelLayout(E, K, (0, 1, 2), L)
+LAYOUT = ModelShape(E, K, (0, 1, 2), L)
 # the keys of a real 0.5.23 /generate meta_info with routing (and without: the field is gone)
 META_KEYS = ["cached_tokens", "cached_tokens_details", "completion_tokens", "dp_rank",
              "e2e_latency", "finish_reason", "id", "input_token_logprobs", "num_retractions",
@@ -97,7 +97,7 @@ def test_multi_turn_gap_of_one_token_is_named_and_filled_or_masked():
         sglang_sequences(conv, [[n1, n2]], LAYOUT, starts=[[0, n1]],
                          prefix_routing=[{1: b64(rows(2, 6))}])
     b = sglang_batch(conv, [[n1, n2]], [9], LAYOUT, starts=[[0, n1]], omitted="mask",
-                     layout_kind="thd")
+                     packing="thd")
     assert b.replay_mask.tolist() == [True] * 6 + [False] + [True] * 4 + [False]
     assert (b.indices[6] == -1).all()
     # the gap-free start: previous length - 1
@@ -222,7 +222,7 @@ def test_dense_layer_rows_zero_or_minus_one_are_accepted_routes_refused():
     dense layer's rows are [0, 0] for every token: accepted (-1 also means no route), the MoE
     layers' rows taken by absolute id. Routes there mean another model (e.g. SGLang's
     Qwen3-MoE ignoring mlp_only_layers): refused."""
-    dense0 = ModelLayout(E, K, (1, 2), L)  # DeepSeek-V3-style first_k_dense_replace=1
+    dense0 = ModelShape(E, K, (1, 2), L)  # DeepSeek-V3-style first_k_dense_replace=1
     a = rows(4, 15)
     a[:, 0] = 0
     s = sglang_sequences([meta(a)], [5], dense0, num_layers=L)[0]
@@ -230,7 +230,7 @@ def test_dense_layer_rows_zero_or_minus_one_are_accepted_routes_refused():
     assert s.mask[:4].all()
     # the same rows read with layer 1 dense (misaligned layers): layer 1 holds routes
     with pytest.raises(RoutingMismatchError, match=r"token 0, layer 1 routes to experts"):
-        sglang_sequences([meta(a)], [5], ModelLayout(E, K, (0, 2), L), num_layers=L)
+        sglang_sequences([meta(a)], [5], ModelShape(E, K, (0, 2), L), num_layers=L)
     a[1, 0] = -1
     sglang_sequences([{"routed_experts": b64(a)}], [5], dense0, num_layers=L)
     a[2, 0] = [3, 5]

@@ -73,9 +73,9 @@ def _vllm_rows(n, E, k=2, seed=0, high=None):
 
 
 def _layout(E):
-    from replay_ops.router_replay.adapters import ModelLayout
+    from replay_ops.router_replay.adapters import ModelShape
 
-    return ModelLayout(num_experts=E, top_k=2, moe_layer_ids=(0, 2, 3), num_hidden_layers=4)
+    return ModelShape(num_experts=E, top_k=2, moe_layer_ids=(0, 2, 3), num_hidden_layers=4)
 
 
 def test_skyrl_narrowed_uint8_routes_for_more_than_256_experts():

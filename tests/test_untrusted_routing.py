@@ -23,7 +23,7 @@ import torch
 from replay_ops import _atomic
 from replay_ops.router_replay import files
 from replay_ops.router_replay.adapters import (
-    ModelLayout,
+    ModelShape,
     ReplayBatch,
     RoutingMismatchError,
     decode_vllm,
@@ -43,7 +43,7 @@ from replay_ops.router_replay.files import (
 from _capped import run_capped
 
 E, K, MOE_IDS, H = 8, 2, (0, 2, 3), 4
-LAYOUT = ModelLayout(num_experts=E, top_k=K, moe_layer_ids=MOE_IDS, num_hidden_layers=H)
+LAYOUT = ModelShape(num_experts=E, top_k=K, moe_layer_ids=MOE_IDS, num_hidden_layers=H)
 META = RecordMeta(num_experts=E, top_k=K, moe_layer_ids=list(MOE_IDS), num_hidden_layers=H,
                   model_name="tiny")
 

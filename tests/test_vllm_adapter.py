@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from replay_ops.router_replay.adapters import (
-    ModelLayout,
+    ModelShape,
     RoutingMismatchError,
     decode_vllm,
     encode_vllm,
@@ -28,8 +28,8 @@ MOE_IDS = (0, 2, 3)  # layer 1 is dense, as in a Qwen3-MoE with mlp_only_layers=
 L_ALL = 4
 
 
-def layout(E: int = 8, k: int = K) -> ModelLayout:
-    return ModelLayout(num_experts=E, top_k=k, moe_layer_ids=MOE_IDS, num_hidden_layers=L_ALL)
+def layout(E: int = 8, k: int = K) -> ModelShape:
+    return ModelShape(num_experts=E, top_k=k, moe_layer_ids=MOE_IDS, num_hidden_layers=L_ALL)
 
 
 def vllm_rows(n: int, seed: int, E: int = 8, k: int = K) -> np.ndarray:
@@ -69,7 +69,7 @@ def test_in_process_arrays_uint8_and_uint16(E):
         reqs[0][1, 2] = [255, 0]  # the top uint8 value is an expert id, not a sentinel
     reqs[1] = reqs[1][::-1]  # a read-only / negative-stride view is taken as it is
     reqs[1].setflags(write=False)
-    b = vllm_batch(reqs, [2, 3], [3, 4], lay, layout_kind="thd")
+    b = vllm_batch(reqs, [2, 3], [3, 4], lay, packing="thd")
     assert b.indices.dtype == torch.int16 and b.mappings == ["absolute", "absolute"]
     ref = np.full((5 + 7, 3, K), -1)
     ref[0:4] = reqs[0][:, list(MOE_IDS)]
@@ -171,7 +171,7 @@ def test_prompt_start_past_the_prompt_is_clamped_as_vllm_does():
 def test_prompt_start_masked_explicitly():
     full = vllm_rows(10, seed=4)
     b = vllm_batch([full[3:]], [7], [4], layout(), prompt_starts=[3], omitted="mask",
-                   layout_kind="thd")
+                   packing="thd")
     ref = np.full((11, 3, K), -1)
     ref[3:10] = full[3:, list(MOE_IDS)]
     assert np.array_equal(b.indices.numpy(), ref)

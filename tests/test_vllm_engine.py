@@ -30,7 +30,7 @@ pytest.importorskip("transformers")
 
 from replay_ops.demo import metrics, vllm_engine, vllm_rollout  # noqa: E402
 from replay_ops.router_replay.adapters import (  # noqa: E402
-    ModelLayout,
+    ModelShape,
     RoutingMismatchError,
     vllm_batch,
     vllm_sequences,
@@ -208,7 +208,7 @@ def test_second_turn_with_routed_experts_prompt_start(engines):
     assert np.array_equal(decode(full.routed_experts)[start:], a2)
 
     eng = training_engine(srv.model_dir)
-    layout = ModelLayout.of(eng.layout)
+    layout = ModelShape.of(eng.layout)
     conv = [(t1.routed_experts, n1, 0), (t2.routed_experts, n2, start)]
     seq = vllm_sequences([conv], [len(p2)], [5], layout)[0]
     moe_ids = list(layout.moe_layer_ids)
@@ -225,7 +225,7 @@ def test_second_turn_with_routed_experts_prompt_start(engines):
     with pytest.raises(RoutingMismatchError, match=rf"{start} rows fewer"):
         vllm_sequences([t2.routed_experts], [len(p2)], [5], layout)
     b = vllm_batch([t2.routed_experts], [len(p2)], [5], layout, prompt_starts=[start],
-                   omitted="mask", layout_kind="thd")
+                   omitted="mask", packing="thd")
     assert b.replay_mask.tolist() == [False] * start + [True] * (n2 - 1 - start) + [False]
     # or supplied from turn 1 (the cached prefix's rows)
     s2 = vllm_sequences([t2.routed_experts], [len(p2)], [5], layout, prompt_starts=[start],
@@ -244,7 +244,7 @@ def test_server_payload_round_trip(engines):
     qa = decode(q.routed_experts)
     assert qa.dtype == np.uint8
     n = len(prompts(3)[0])
-    q_layout = ModelLayout(16, 2, (0, 2), 3)
+    q_layout = ModelShape(16, 2, (0, 2), 3)
     from_text = vllm_sequences([q.routed_experts], [n], [4], q_layout)[0]
     from_array = vllm_sequences([qa], [n], [4], q_layout)[0]
     assert torch.equal(from_text.indices, from_array.indices)
@@ -252,7 +252,7 @@ def test_server_payload_round_trip(engines):
     m = engines["mixtral"][0]
     ma = m.routed_experts
     assert ma.dtype == np.uint16
-    m_layout = ModelLayout(264, 2, (0, 1), 2)
+    m_layout = ModelShape(264, 2, (0, 1), 2)
     mseq = vllm_sequences([ma], [len(m.prompt_ids)], [GEN], m_layout)[0]
     assert np.array_equal(mseq.indices[:-1].numpy(), ma)
     # the same array through the server's encoding (numpy's .npy writer, as vLLM's server)
@@ -263,9 +263,9 @@ def test_server_payload_round_trip(engines):
                        mseq.indices)
     # the Mixtral's uint16 routing given to a 16-expert model: refused by its dtype
     with pytest.raises(RoutingMismatchError, match="arrived as uint16, but vLLM sends uint8"):
-        vllm_sequences([ma], [len(m.prompt_ids)], [GEN], ModelLayout(16, 2, (0, 1), 2))
+        vllm_sequences([ma], [len(m.prompt_ids)], [GEN], ModelShape(16, 2, (0, 1), 2))
     # the Qwen3 routing given to a layout where layer 1 is MoE and 0 dense: refused
     with pytest.raises(RoutingMismatchError, match=r"request 0 turn 0: token 0, layer 0 routes "
                                                    r"to experts .* but the model's layer 0 is "
                                                    r"dense"):
-        vllm_sequences([q.routed_experts], [n], [4], ModelLayout(16, 2, (1, 2), 3))
+        vllm_sequences([q.routed_experts], [n], [4], ModelShape(16, 2, (1, 2), 3))

@@ -12,7 +12,7 @@ import torch
 
 from .. import scores
 from ..fallback import in_range_or_empty
-from ..plan import plan_capacity
+from ..plan import plan_capacity, spread_rows
 from .protocol import YES, Support
 
 NAME = "torch"
@@ -199,18 +199,6 @@ def unpermute_bwd(grad_out, expert_out, row_id_map, sorted_slots, weights):
 # ------------------------------------------------------------------------- dense mode
 # The row flags of replay_ops.plan (ROW_EMPTY_SLOT, ROW_OUT_OF_RANGE, ROW_REPEAT, ROW_MASKED).
 _EMPTY, _RANGE, _REPEAT, _MASKED = 1, 2, 4, 8
-_SPREAD_HASH = 2654435769
-
-
-def spread_rows(T: int, E: int, K: int, ep_size: int, offset: int, device) -> torch.Tensor:
-    """int64 [T, K]: the experts of every row under padding="spread" (the formula of
-    replay_ops.reference.spread_expert), computed for all rows at once, no host read."""
-    s = torch.arange(T, device=device, dtype=torch.long)[:, None] * K
-    c = torch.div(s, E, rounding_mode="floor")
-    w = torch.bitwise_right_shift((c * _SPREAD_HASH) % (1 << 32) * E, 32)
-    i = (offset % E + s + torch.arange(K, device=device) + w) % E
-    local = E // ep_size
-    return (i % ep_size) * local + torch.div(i, ep_size, rounding_mode="floor")
 
 
 def row_flags(expert_indices, replay_mask, E: int) -> torch.Tensor:

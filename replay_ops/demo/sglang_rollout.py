@@ -27,14 +27,14 @@ from .vllm_rollout import build_checkpoint, sequences, train_and_compare
 def routing_from_generations(gens: dict, layout):
     """The payloads through the SGLang adapter (packed THD), the start of each taken from the
     request that was sent: ({seq: int16 [n, L_moe, K]}, {seq: bool [n]}, the ReplayBatch)."""
-    from ..router_replay.adapters import ModelLayout, sglang_batch
+    from ..router_replay.adapters import ModelShape, sglang_batch
 
     ids = sorted(gens)
-    shape = ModelLayout.of(layout)
+    shape = ModelShape.of(layout)
     batch = sglang_batch([gens[i].meta_info for i in ids], [gens[i].seq_len for i in ids],
                          [len(gens[i].prompt_ids) for i in ids], shape,
                          requests=[_single(gens[i]) for i in ids],
-                         num_layers=shape.num_hidden_layers, layout_kind="thd")
+                         num_layers=shape.num_hidden_layers, packing="thd")
     cu = batch.cu_seqlens.tolist()
     routing = {i: batch.indices[cu[j]:cu[j + 1]] for j, i in enumerate(ids)}
     mask = {i: batch.replay_mask[cu[j]:cu[j + 1]] for j, i in enumerate(ids)}
@@ -97,7 +97,7 @@ def run(cfg: DemoConfig, device: torch.device, timing: dict, *,
 
 def _layers(batch, layout) -> int:
     """L of the payloads: every hidden layer ("absolute") or the MoE layers ("moe")."""
-    from ..router_replay.adapters import ModelLayout
+    from ..router_replay.adapters import ModelShape
 
-    shape = ModelLayout.of(layout)
+    shape = ModelShape.of(layout)
     return shape.num_hidden_layers if batch.mappings[0] == "absolute" else shape.num_moe_layers

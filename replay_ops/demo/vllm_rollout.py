@@ -73,12 +73,12 @@ def build_checkpoint(cfg: DemoConfig, path: str, *, vllm: bool = True) -> str:
 def routing_from_completions(completions, prompt_lens: dict, resp_lens: dict, layout):
     """The payloads through the vLLM adapter (packed THD): ({seq: int16 [n, L_moe, K]},
     {seq: bool [n]} rows routed by vLLM, the ReplayBatch)."""
-    from ..router_replay.adapters import ModelLayout, vllm_batch
+    from ..router_replay.adapters import ModelShape, vllm_batch
 
     ids = sorted(completions)
     batch = vllm_batch([completions[i].routed_experts for i in ids],
                        [prompt_lens[i] for i in ids], [resp_lens[i] for i in ids],
-                       ModelLayout.of(layout), layout_kind="thd")
+                       ModelShape.of(layout), packing="thd")
     cu = batch.cu_seqlens.tolist()
     routing = {i: batch.indices[cu[j]:cu[j + 1]] for j, i in enumerate(ids)}
     mask = {i: batch.replay_mask[cu[j]:cu[j + 1]] for j, i in enumerate(ids)}

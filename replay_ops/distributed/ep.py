@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 import replay_ops
+from replay_ops._validate import outside_experts
 from replay_ops.plan import RoutingPlan
 
 from . import _header as hd
@@ -293,7 +294,7 @@ def gate(
     T, K = idx.shape
     checked = (replay_mask if replay_mask is not None and replay_mask.shape == (T,)
                else torch.ones(T, dtype=torch.bool, device=idx.device))
-    bad = ((idx < -1) | (idx >= E)) & checked[:, None]
+    bad = outside_experts(idx, E) & checked[:, None]
     earlier = torch.ones(K, K, dtype=torch.bool, device=idx.device).tril(-1)  # [k, j]: j < k
     same = (idx[:, :, None] == idx[:, None, :]) & earlier & (idx >= 0)[:, :, None]
     dup = same.any(dim=2) & checked[:, None] & ~bad.any(dim=1, keepdim=True)

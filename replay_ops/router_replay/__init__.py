@@ -26,15 +26,15 @@ from .config import (
     config_from_omegaconf,
     load_config,
 )
+from .._deprecated import deprecated_names
 from .replay import RouterReplay, RouterReplayError
 from .shape import ModelShape
 from . import adapters, codec, files
-from .adapters import ModelLayout, ReplayBatch, RoutingMismatchError
+from .adapters import ReplayBatch, RoutingMismatchError
 from .files import RecordMeta, RoutingFileError, RoutingShapeError, open_routing
 
 __all__ = [
     "ConfigError",
-    "ModelLayout",
     "ModelShape",
     "RecordMeta",
     "ReplayBatch",
@@ -54,3 +54,7 @@ __all__ = [
     "config_from_omegaconf",
     "load_config",
 ]
+
+
+# deprecated (one release): the model shape is ModelShape
+__getattr__ = deprecated_names(__name__, {"ModelLayout": ("ModelShape", ModelShape)})

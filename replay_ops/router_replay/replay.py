@@ -32,9 +32,9 @@ import torch
 from ..plan import RoutingPlan
 from .config import ConfigError, ReplayAction, ReplayMode, RouterReplayConfig, check_combination
 from .._validate import UNSIGNED, signed_routing, unsigned_note
-from .shape import ModelShape, describe_bad_route, first_bad_route
+from .shape import LAYER_INDEX, ModelShape, describe_bad_route, first_bad_route
 
-LAYER_MAPPINGS = ("auto", "absolute", "moe")
+LAYER_MAPPINGS = LAYER_INDEX  # the choices of layer_index=
 
 
 class RouterReplayError(RuntimeError):

@@ -2,7 +2,7 @@
 replayed, and the check of routing values against it.
 
 One type serves every part of the replay system: `RouterReplay`, the record files
-(`RecordMeta.shape`), the rollout adapters (`ModelLayout` is this type) and the Hugging Face
+(`RecordMeta.shape`), the rollout adapters and the Hugging Face
 integration (`MoELayout.shape`).
 
 Layers are identified by their absolute layer id (the index in the model's list of decoder
@@ -17,7 +17,36 @@ from typing import Sequence
 
 from .._validate import BadRoute, first_bad_route  # noqa: F401  (the one value check)
 
-MAPPINGS = ("moe", "absolute")
+# How a routing tensor's layer columns are indexed (`layer_index=`): "moe" (one column per
+# MoE layer, in order), "absolute" (one per layer id, dense ones ignored), or "auto" (chosen
+# by the number of columns). The one list of the choices; MAPPINGS are the resolved ones.
+LAYER_INDEX = ("auto", "moe", "absolute")
+MAPPINGS = LAYER_INDEX[1:]
+
+
+def resolve_mapping(L: int, n_moe: int, n_abs: int, who: str, layer_index: str = "auto", *,
+                    error: type[Exception] = ValueError, moe_need: str | None = None,
+                    abs_need: str | None = None, neither: str | None = None) -> str:
+    """"moe" or "absolute": how a routing tensor with L layer columns is indexed, for a
+    model with `n_moe` MoE layers and `n_abs` layers. `layer_index` "auto" picks by L;
+    "moe"/"absolute" insist. An unknown `layer_index` raises ValueError; an L that does not
+    fit raises `error`, worded by the caller: `moe_need`/`abs_need` say what L must be,
+    `neither` what the model has (each has a plain default)."""
+    if layer_index not in LAYER_INDEX:
+        raise ValueError(f"{who}: unknown layer_index={layer_index!r}; expected one of "
+                         f"{LAYER_INDEX}")
+    if layer_index == "moe" or (layer_index == "auto" and L == n_moe):
+        if L != n_moe:
+            raise error(f"{who}: layer_index='moe' needs {moe_need or f'L={n_moe}'}, got L={L}")
+        return "moe"
+    if layer_index == "absolute" or (layer_index == "auto" and L == n_abs):
+        if L != n_abs:
+            raise error(f"{who}: layer_index='absolute' needs {abs_need or f'L={n_abs}'}, "
+                        f"got L={L}")
+        return "absolute"
+    raise error(f"{who}: " + (neither or f"routing has L={L} layer columns, but the model has "
+                                         f"{n_moe} MoE layers and {n_abs} layers; L must be "
+                                         f"one of them"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,26 +94,15 @@ class ModelShape:
 
     def mapping_for(self, L: int, who: str, layer_index: str = "auto",
                     error: type[Exception] = ValueError) -> str:
-        """"moe" or "absolute" for a routing tensor with L layers (`layer_index` "auto" picks
-        by L; "moe"/"absolute" insist); raises `error` when L fits neither."""
-        if layer_index not in ("auto",) + MAPPINGS:
-            raise ValueError(f"{who}: unknown layer_index={layer_index!r}; expected one of "
-                             f"{('auto',) + MAPPINGS}")
+        """"moe" or "absolute" for a routing tensor with L layers (`resolve_mapping`)."""
         n_moe, n_all = self.num_moe_layers, self.num_hidden_layers
-        if layer_index == "moe" or (layer_index == "auto" and L == n_moe):
-            if L != n_moe:
-                raise error(f"{who}: layer_index='moe' needs L={n_moe} (MoE layers "
-                            f"{list(self.moe_layer_ids)}), got L={L}")
-            return "moe"
-        if layer_index == "absolute" or (layer_index == "auto" and L == n_all):
-            if L != n_all:
-                raise error(f"{who}: layer_index='absolute' needs L=num_hidden_layers={n_all}, "
-                            f"got L={L}")
-            return "absolute"
-        raise error(
-            f"{who}: routing has L={L} layers, but the model has {n_moe} MoE layers (ids "
-            f"{list(self.moe_layer_ids)}) and {n_all} hidden layers; L must be one of them"
-        )
+        ids = list(self.moe_layer_ids)
+        return resolve_mapping(
+            L, n_moe, n_all, who, layer_index, error=error,
+            moe_need=f"L={n_moe} (MoE layers {ids})",
+            abs_need=f"L=num_hidden_layers={n_all}",
+            neither=f"routing has L={L} layers, but the model has {n_moe} MoE layers (ids "
+                    f"{ids}) and {n_all} hidden layers; L must be one of them")
 
     def columns(self, mapping: str) -> list[int]:
         """The column of each MoE layer (in moe_layer_ids order) in a routing tensor."""

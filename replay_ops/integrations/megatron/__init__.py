@@ -9,7 +9,7 @@ the replay data sharded like the tokens under packing, CP, SP, PP and EP.
 
 Or, for a model that is already built: `rom.install(model)`. The data path:
 
-    packed = rom.pack_thd(rollout_routes, seq_lens, align=a, total_align=t)   # THD
+    packed = rom.pack_megatron_thd(rollout_routes, seq_lens, align=a, total_align=t)  # THD
     local = rom.cp_split(packed, cp_size, cp_rank, "zigzag")                   # CP
     rows = rom.sp_scatter(local.indices, tp_group)                              # SP
     rom.set_replay_routing(model_chunks, rows)       # PP: each stage's routers, by layer
@@ -23,16 +23,17 @@ from __future__ import annotations
 import importlib
 
 from .data import (  # noqa: F401  (torch only)
-    CP_LAYOUTS,
+    CP_SCHEMES,
     LayoutError,
-    PackedRouting,
+    ReplayBatch,
     check_expert_range,
     cp_all_gather,
     cp_gather,
     cp_partition_index,
     cp_split,
     megatron_thd_alignment,
-    pack_thd,
+    pack_megatron_thd,
+    pad_thd,
     sp_gather,
     sp_scatter,
     unpack_thd,
@@ -73,13 +74,23 @@ _LAZY = {
 }
 
 __all__ = sorted(list(_LAZY) + [
-    "CP_LAYOUTS", "LayoutError", "PackedRouting", "check_expert_range", "cp_all_gather",
-    "cp_gather", "cp_partition_index", "cp_split", "megatron_thd_alignment", "pack_thd",
-    "sp_gather", "sp_scatter", "unpack_thd",
+    "CP_SCHEMES", "LayoutError", "ReplayBatch", "check_expert_range", "cp_all_gather",
+    "cp_gather", "cp_partition_index", "cp_split", "megatron_thd_alignment",
+    "pack_megatron_thd", "pad_thd", "sp_gather", "sp_scatter", "unpack_thd",
 ])
 
 
+# Deprecated names (one release), each warning with its new name: see data._DEPRECATED.
+_DEPRECATED = ("CP_LAYOUTS", "PackedRouting", "pack_thd")
+
+
 def __getattr__(name: str):
+    if name in _DEPRECATED:
+        from . import data
+
+        if name == "pack_thd":
+            return data.pack_thd  # warns when called
+        return getattr(data, name)  # warns
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -89,7 +100,7 @@ def __getattr__(name: str):
         if (getattr(e, "name", None) or "").split(".")[0] == "megatron":
             raise ImportError(
                 f"replay_ops.integrations.megatron.{name} needs megatron-core (pip install "
-                f"megatron-core); the data-path helpers (pack_thd, cp_split, sp_scatter, ...) "
+                f"megatron-core); the data-path helpers (pack_megatron_thd, cp_split, sp_scatter, ...) "
                 f"work without it. ({e})") from e
         raise
     value = getattr(module, name)

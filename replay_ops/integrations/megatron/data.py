@@ -1,5 +1,5 @@
 """The replay tensor follows the tokens: THD packing, context-parallel and sequence-parallel
-splits, in the layouts Megatron-Core gives the tokens.
+splits, in the order Megatron-Core gives the tokens.
 
 Plain PyTorch (plus `torch.distributed` for the collective forms): nothing here imports
 megatron-core, so the data path can be prepared in a data loader or a trainer process
@@ -8,13 +8,19 @@ that does not hold a model.
 The order Megatron-Core applies to the tokens, and so to the routing:
 
     per-sequence routing [n_i, L, K]            (rollout: n_i = len_i - 1, + placeholder row)
-      -> pack_thd             [N_pad, L, K]     each sequence padded to a multiple (FP8 too)
+      -> pack_megatron_thd    [N_pad, L, K]     the adapters' THD batch (`adapters.pack_thd`),
+                                                then `pad_thd`: each sequence padded to a
+                                                multiple (FP8 too)
       -> cp_split             [N_pad/CP, L, K]  zigzag (2*CP chunks per sequence) or contiguous
       -> sp_scatter           [N_pad/(CP*TP), L, K]  along the packed token dimension, TP group
       -> set_replay_routing   each MoE router of the stage gets its layer's [T, K] view
 
 R2 goes back: `sp_gather` over the TP group, `cp_gather`/`cp_all_gather` over the CP group,
 `unpack_thd` to per-sequence routing.
+
+Every step takes and returns the one type for routing in a training format,
+`router_replay.adapters.ReplayBatch` (its `cu_seqlens_padded` and `cp_*` fields say how far
+along the steps it is).
 
 Every routing tensor here holds **logical** expert ids (the ids the router's top-k picks,
 before any EPLB/physical-replica remapping), `-1` for an empty slot, and is int16 unless
@@ -23,31 +29,57 @@ stated otherwise. Padding rows are -1 with `replay_mask` False, never 0.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+import warnings
+from dataclasses import replace
 from typing import Sequence
 
 import torch
 
-from ..._validate import int16_routing, signed_routing, unsigned_note
+from ..._deprecated import deprecated_names
+from ..._validate import first_bad_route, int16_routing, signed_routing, unsigned_note
+from ...router_replay.adapters.batch import ReplayBatch, SequenceRouting
+from ...router_replay.adapters.batch import pack_thd as _concat_thd
 
 INDEX_DTYPE = torch.int16
-CP_LAYOUTS = ("zigzag", "contiguous")
+# How CP splits each sequence's rows over the ranks (`scheme=`).
+CP_SCHEMES = ("zigzag", "contiguous")
 
 __all__ = [
-    "CP_LAYOUTS",
+    "CP_SCHEMES",
     "LayoutError",
-    "PackedRouting",
+    "ReplayBatch",
     "check_expert_range",
     "cp_all_gather",
     "cp_gather",
     "cp_partition_index",
     "cp_split",
     "megatron_thd_alignment",
-    "pack_thd",
+    "pack_megatron_thd",
+    "pad_thd",
     "sp_gather",
     "sp_scatter",
     "unpack_thd",
 ]
+
+# Deprecated names (one release): old name -> (new name, value).
+_DEPRECATED = {
+    "PackedRouting": ("ReplayBatch", ReplayBatch),
+    "CP_LAYOUTS": ("CP_SCHEMES", CP_SCHEMES),
+}
+
+
+__getattr__ = deprecated_names(__name__, _DEPRECATED)
+
+
+def _scheme(scheme, layout, who: str, default=None):
+    """The CP split scheme from `scheme=`, or from the deprecated `layout=`."""
+    if layout is not None:
+        warnings.warn(f"{who}(layout=...) is deprecated; use scheme=", DeprecationWarning,
+                      stacklevel=3)
+        if scheme is not None and scheme != layout:
+            raise ValueError(f"{who}: scheme={scheme!r} and layout={layout!r} disagree")
+        return layout
+    return default if scheme is None else scheme
 
 
 class LayoutError(ValueError):
@@ -67,16 +99,19 @@ def check_expert_range(indices, num_experts: int, *, who: str,
     dtype = arrived_as or dtype
     if indices.numel() == 0:
         return
-    bad = (indices < -1) | (indices >= num_experts)
-    if bool(bad.any()):
-        pos = [int(v) for v in bad.nonzero()[0]]
-        val = int(indices[tuple(pos)])
-        where = f"token {pos[0]}"
-        if indices.dim() == 3:
-            lid = layer_ids[pos[1]] if layer_ids is not None else pos[1]
-            where += f", layer column {pos[1]} (layer {lid}), slot {pos[2]}"
-        elif indices.dim() == 2:
-            where += f", slot {pos[1]}"
+    # the one scan (`_validate.first_bad_route`), range only, on a [tokens, L, K] view
+    dim = indices.dim()
+    view = indices.reshape(indices.shape[0], -1, indices.shape[-1]) if dim >= 2 else \
+        indices.reshape(-1, 1, 1)
+    bad = first_bad_route(view, num_experts, repeats=False)
+    if bad is not None:
+        val = bad.value
+        where = f"token {bad.token}"
+        if dim == 3:
+            lid = layer_ids[bad.layer] if layer_ids is not None else bad.layer
+            where += f", layer column {bad.layer} (layer {lid}), slot {bad.slot}"
+        elif dim == 2:
+            where += f", slot {bad.slot}"
         raise LayoutError(
             f"{who}: {where} holds expert id {val}, outside 0..{num_experts - 1} (-1 = no "
             f"route); recordings must hold logical expert ids (before any EPLB remapping)"
@@ -89,46 +124,6 @@ def _as_index_tensor(x, who: str) -> tuple[torch.Tensor, torch.dtype]:
 
 
 # ----------------------------------------------------------------------------- packing
-@dataclass
-class PackedRouting:
-    """Routing in Megatron's packed THD layout (possibly one CP rank's share of it).
-
-    indices       [N, L, K] int16 logical expert ids, -1 = none (padding rows are all -1)
-    replay_mask   [N] bool, False for padding and for rows without a route (the last token
-                  of a rollout sequence); `RouterReplay` / the router's padding policy
-                  decides what those rows do
-    cu_seqlens        [B+1] int64: real sequence boundaries in the global packed frame
-    cu_seqlens_padded [B+1] int64: padded boundaries (what PackedSeqParams carries)
-    cp_size, cp_rank, cp_layout: which share of the CP split this is (1, 0, None = whole)
-    """
-
-    indices: torch.Tensor
-    replay_mask: torch.Tensor
-    cu_seqlens: torch.Tensor
-    cu_seqlens_padded: torch.Tensor
-    cp_size: int = 1
-    cp_rank: int = 0
-    cp_layout: str | None = None
-
-    @property
-    def num_sequences(self) -> int:
-        return int(self.cu_seqlens.numel()) - 1
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.indices.shape[0])
-
-    def seq_lens(self) -> list[int]:
-        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
-
-    def padded_lens(self) -> list[int]:
-        return (self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]).tolist()
-
-    def describe(self) -> str:
-        return (f"PackedRouting(tokens={self.num_tokens}, sequences={self.num_sequences}, "
-                f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, cp_layout={self.cp_layout})")
-
-
 def megatron_thd_alignment(tp_size: int = 1, cp_size: int = 1, *, fp8: bool = False
                            ) -> tuple[int, int]:
     """(align, total_align) for THD packing with Megatron-Core, as RL trainers pad the
@@ -196,7 +191,7 @@ def _sequence_parts(routings, seq_lens, who):
     return out
 
 
-def pack_thd(
+def pack_megatron_thd(
     routings: Sequence,
     seq_lens: Sequence[int] | None = None,
     *,
@@ -204,13 +199,15 @@ def pack_thd(
     total_align: int = 1,
     cu_seqlens_padded: torch.Tensor | Sequence[int] | None = None,
     num_experts: int | None = None,
-) -> PackedRouting:
-    """Pack per-sequence routing into Megatron's THD layout.
+) -> ReplayBatch:
+    """Per-sequence routing in Megatron's padded THD format: the adapters' THD batch
+    (`adapters.pack_thd`), then Megatron's padding (`pad_thd`).
 
     `routings[i]` is an `adapters.SequenceRouting` (its rows include the placeholder last
     row), or a tensor `[n_i, L, K]` with `seq_lens[i]` tokens: `n_i == seq_lens[i] - 1`
     (vLLM/SGLang rows; a placeholder -1 row with replay_mask False is appended) or
-    `n_i == seq_lens[i]` (rows that are all -1 get replay_mask False).
+    `n_i == seq_lens[i]` (rows that are all -1 get replay_mask False). With `num_experts`
+    the ids are checked against it first.
 
     Padding follows the tokens: each sequence is padded to a multiple of `align` and the
     packed total to a multiple of `total_align` (the last sequence grows), see
@@ -218,22 +215,49 @@ def pack_thd(
     packing produced (PackedSeqParams.cu_seqlens_q_padded) and the routing uses exactly
     those boundaries. Padding rows are -1 with replay_mask False.
     """
-    who = "pack_thd"
+    who = "pack_megatron_thd"
     if not routings:
         raise LayoutError(f"{who}: no sequences")
-    if not isinstance(align, int) or align < 1 or not isinstance(total_align, int) or total_align < 1:
-        raise ValueError(f"{who}: align and total_align must be integers >= 1, got align={align!r}, "
-                         f"total_align={total_align!r}")
+    _check_align(align, total_align, who)
     parts = _sequence_parts(routings, seq_lens, who)
     L, K = parts[0][0].shape[1:]
-    for i, (idx, _, _, _) in enumerate(parts):
+    seqs = []
+    for i, (idx, m, n, dtype) in enumerate(parts):
         if tuple(idx.shape[1:]) != (L, K):
             raise LayoutError(f"{who}: sequence {i} routing is [*, {idx.shape[1]}, {idx.shape[2]}] "
                               f"but sequence 0 is [*, {L}, {K}]; one model has one [L, K]")
-    lens = [n for _, _, n, _ in parts]
-    B = len(parts)
-    cu = torch.zeros(B + 1, dtype=torch.int64)
-    cu[1:] = torch.tensor(lens, dtype=torch.int64).cumsum(0)
+        if num_experts is not None:
+            check_expert_range(idx, num_experts, who=f"{who}: sequence {i}", arrived_as=dtype)
+        idx, _ = int16_routing(idx, f"{who}: sequence {i}", "routing", LayoutError,
+                               arrived_as=dtype)
+        seqs.append(SequenceRouting(idx, m, getattr(routings[i], "mapping", None)))
+    return pad_thd(_concat_thd(seqs), align=align, total_align=total_align,
+                   cu_seqlens_padded=cu_seqlens_padded, who=who)
+
+
+def _check_align(align, total_align, who: str) -> None:
+    if not isinstance(align, int) or align < 1 or not isinstance(total_align, int) or total_align < 1:
+        raise ValueError(f"{who}: align and total_align must be integers >= 1, got align={align!r}, "
+                         f"total_align={total_align!r}")
+
+
+def pad_thd(batch: ReplayBatch, *, align: int = 1, total_align: int = 1,
+            cu_seqlens_padded: torch.Tensor | Sequence[int] | None = None,
+            who: str = "pad_thd") -> ReplayBatch:
+    """Megatron's padding of a THD batch (`adapters.pack_thd`, not padded yet): each
+    sequence padded to a multiple of `align`, the packed total to a multiple of
+    `total_align` (the last sequence grows), or exactly to the `cu_seqlens_padded` the
+    token packing produced. Padding rows are -1 with replay_mask False; the result carries
+    both boundaries (`cu_seqlens`, `cu_seqlens_padded`)."""
+    _check_align(align, total_align, who)
+    if batch.cu_seqlens is None or batch.indices.dim() != 3:
+        raise LayoutError(f"{who}: needs a THD batch ([N, L, K] with cu_seqlens), got indices "
+                          f"{tuple(batch.indices.shape)}, cu_seqlens={batch.cu_seqlens}")
+    if batch.cu_seqlens_padded is not None or batch.cp_size != 1:
+        raise LayoutError(f"{who}: {batch.describe()} is padded or split already")
+    cu = batch.cu_seqlens.detach().to(torch.int64).cpu()
+    lens = (cu[1:] - cu[:-1]).tolist()
+    B = len(lens)
     if cu_seqlens_padded is None:
         padded = [-(-n // align) * align for n in lens]
         total = sum(padded)
@@ -258,20 +282,26 @@ def pack_thd(
             raise LayoutError(f"{who}: packed total {int(cup[-1])} is not a multiple of "
                               f"total_align={total_align}")
     N = int(cup[-1])
-    indices = torch.full((N, L, K), -1, dtype=INDEX_DTYPE)
+    L, K = batch.indices.shape[1:]
+    indices = torch.full((N, L, K), -1, dtype=batch.indices.dtype)
     mask = torch.zeros(N, dtype=torch.bool)
-    for i, (idx, m, n, dtype) in enumerate(parts):
-        if num_experts is not None:
-            check_expert_range(idx, num_experts, who=f"{who}: sequence {i}", arrived_as=dtype)
-        idx, _ = int16_routing(idx, f"{who}: sequence {i}", "routing", LayoutError,
-                               arrived_as=dtype)
-        s = int(cup[i])
-        indices[s:s + n] = idx
-        mask[s:s + n] = m
-    return PackedRouting(indices, mask, cu, cup)
+    for i, n in enumerate(lens):
+        s, f = int(cup[i]), int(cu[i])
+        indices[s:s + n] = batch.indices[f:f + n]
+        mask[s:s + n] = batch.replay_mask[f:f + n]
+    return replace(batch, indices=indices, replay_mask=mask, cu_seqlens=cu,
+                   cu_seqlens_padded=cup)
 
 
-def unpack_thd(packed: PackedRouting, *, with_placeholder: bool = True) -> list[torch.Tensor]:
+def pack_thd(*args, **kwargs) -> ReplayBatch:
+    """Deprecated name of `pack_megatron_thd` (`adapters.pack_thd` is the unpadded THD
+    packing; this one pads for Megatron)."""
+    warnings.warn("replay_ops.integrations.megatron.pack_thd is deprecated; use "
+                  "pack_megatron_thd", DeprecationWarning, stacklevel=2)
+    return pack_megatron_thd(*args, **kwargs)
+
+
+def unpack_thd(packed: ReplayBatch, *, with_placeholder: bool = True) -> list[torch.Tensor]:
     """Per-sequence routing from a whole (not CP-split) THD pack: `[len_i, L, K]` each, or
     `[len_i - 1, L, K]` (the rollout form) with `with_placeholder=False`."""
     if packed.cp_size != 1:
@@ -279,7 +309,7 @@ def unpack_thd(packed: PackedRouting, *, with_placeholder: bool = True) -> list[
                           f"first (cp_gather / cp_all_gather)")
     out = []
     for i in range(packed.num_sequences):
-        s = int(packed.cu_seqlens_padded[i])
+        s = int(packed.padded_cu_seqlens[i])
         n = int(packed.cu_seqlens[i + 1] - packed.cu_seqlens[i])
         e = s + n - (0 if with_placeholder else 1)
         out.append(packed.indices[s:e])
@@ -288,7 +318,7 @@ def unpack_thd(packed: PackedRouting, *, with_placeholder: bool = True) -> list[
 
 # ----------------------------------------------------------------------------- context parallel
 def cp_partition_index(cu_seqlens_padded, cp_size: int, cp_rank: int,
-                       layout: str = "zigzag") -> torch.Tensor:
+                       scheme: str | None = None, *, layout: str | None = None) -> torch.Tensor:
     """int64 row indices of the packed THD tensor that CP rank `cp_rank` holds.
 
     zigzag (Megatron-Core's default, TransformerEngine's `thd_get_partitioned_indices`):
@@ -296,23 +326,24 @@ def cp_partition_index(cu_seqlens_padded, cp_size: int, cp_rank: int,
     rows; rank r takes chunk r and chunk 2*cp-1-r. contiguous: each sequence (P a multiple
     of cp) is cut into cp chunks; rank r takes chunk r. Sequences stay in order."""
     who = "cp_partition_index"
-    if layout not in CP_LAYOUTS:
-        raise ValueError(f"{who}: unknown layout={layout!r}; expected one of {CP_LAYOUTS}")
+    scheme = _scheme(scheme, layout, who, "zigzag")
+    if scheme not in CP_SCHEMES:
+        raise ValueError(f"{who}: unknown scheme={scheme!r}; expected one of {CP_SCHEMES}")
     if not isinstance(cp_size, int) or cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise ValueError(f"{who}: need cp_size >= 1 and 0 <= cp_rank < cp_size, got "
                          f"cp_size={cp_size!r}, cp_rank={cp_rank!r}")
     cup = torch.as_tensor(cu_seqlens_padded).to(torch.int64).cpu().tolist()
-    chunks = 2 * cp_size if layout == "zigzag" else cp_size
+    chunks = 2 * cp_size if scheme == "zigzag" else cp_size
     pieces = []
     for i in range(len(cup) - 1):
         s, p = cup[i], cup[i + 1] - cup[i]
         if p % chunks:
             raise LayoutError(
                 f"{who}: sequence {i} is padded to {p} rows, not a multiple of {chunks} "
-                f"({'2*cp' if layout == 'zigzag' else 'cp'} with cp={cp_size}, layout={layout!r}); "
+                f"({'2*cp' if scheme == 'zigzag' else 'cp'} with cp={cp_size}, scheme={scheme!r}); "
                 f"pad with megatron_thd_alignment(tp, cp) like the tokens")
         c = p // chunks
-        if layout == "zigzag":
+        if scheme == "zigzag":
             for j in (cp_rank, 2 * cp_size - 1 - cp_rank):
                 pieces.append(torch.arange(s + j * c, s + (j + 1) * c))
         else:
@@ -322,59 +353,61 @@ def cp_partition_index(cu_seqlens_padded, cp_size: int, cp_rank: int,
     return torch.cat(pieces)
 
 
-def cp_split(packed: PackedRouting, cp_size: int, cp_rank: int, layout: str = "zigzag"
-             ) -> PackedRouting:
+def cp_split(packed: ReplayBatch, cp_size: int, cp_rank: int, scheme: str | None = None,
+             *, layout: str | None = None) -> ReplayBatch:
     """CP rank `cp_rank`'s share of a whole THD pack, split like the tokens
     (`cp_partition_index`)."""
     if packed.cp_size != 1:
         raise LayoutError(f"cp_split: {packed.describe()} is already split; split the whole pack")
+    scheme = _scheme(scheme, layout, "cp_split", "zigzag")
     if cp_size == 1:
-        return replace(packed, cp_layout=layout)
-    idx = cp_partition_index(packed.cu_seqlens_padded, cp_size, cp_rank, layout)
+        return replace(packed, cp_scheme=scheme)
+    idx = cp_partition_index(packed.padded_cu_seqlens, cp_size, cp_rank, scheme)
     return replace(packed, indices=packed.indices.index_select(0, idx.to(packed.indices.device)),
                    replay_mask=packed.replay_mask.index_select(0, idx.to(packed.replay_mask.device)),
-                   cp_size=cp_size, cp_rank=cp_rank, cp_layout=layout)
+                   cp_size=cp_size, cp_rank=cp_rank, cp_scheme=scheme)
 
 
-def cp_gather(parts: Sequence[PackedRouting], layout: str | None = None) -> PackedRouting:
+def cp_gather(parts: Sequence[ReplayBatch], scheme: str | None = None, *,
+              layout: str | None = None) -> ReplayBatch:
     """Inverse of `cp_split`: the whole pack from every CP rank's share, in rank order.
-    Shares from another split (layout, CP size, rank order, sequence boundaries) raise."""
+    Shares from another split (scheme, CP size, rank order, sequence boundaries) raise."""
     who = "cp_gather"
     if not parts:
         raise LayoutError(f"{who}: no parts")
     cp = len(parts)
     first = parts[0]
-    lay = layout if layout is not None else first.cp_layout
+    lay = _scheme(scheme, layout, who, first.cp_scheme)
     for r, p in enumerate(parts):
         if p.cp_size != cp or p.cp_rank != r:
             raise LayoutError(f"{who}: part {r} is {p.describe()}; expected cp_size={cp}, "
                               f"cp_rank={r} (parts must be every rank's share, in rank order)")
-        if p.cp_layout != lay:
-            raise LayoutError(f"{who}: part {r} was split with layout={p.cp_layout!r} but the "
-                              f"gather is for layout={lay!r}; the routing would land on other "
+        if p.cp_scheme != lay:
+            raise LayoutError(f"{who}: part {r} was split with scheme={p.cp_scheme!r} but the "
+                              f"gather is for scheme={lay!r}; the routing would land on other "
                               f"tokens")
-        if not torch.equal(p.cu_seqlens_padded.cpu(), first.cu_seqlens_padded.cpu()) or \
+        if not torch.equal(p.padded_cu_seqlens.cpu(), first.padded_cu_seqlens.cpu()) or \
                 not torch.equal(p.cu_seqlens.cpu(), first.cu_seqlens.cpu()):
             raise LayoutError(f"{who}: part {r} has other sequence boundaries than part 0")
-        if p.num_tokens * cp != int(first.cu_seqlens_padded[-1]):
+        if p.num_tokens * cp != int(first.padded_cu_seqlens[-1]):
             raise LayoutError(f"{who}: part {r} has {p.num_tokens} rows; {cp} parts of a pack of "
-                              f"{int(first.cu_seqlens_padded[-1])} rows need "
-                              f"{int(first.cu_seqlens_padded[-1]) // cp} each")
-    N = int(first.cu_seqlens_padded[-1])
+                              f"{int(first.padded_cu_seqlens[-1])} rows need "
+                              f"{int(first.padded_cu_seqlens[-1]) // cp} each")
+    N = int(first.padded_cu_seqlens[-1])
     L, K = first.indices.shape[1:]
     dev = first.indices.device
     indices = torch.empty((N, L, K), dtype=first.indices.dtype, device=dev)
     mask = torch.empty(N, dtype=torch.bool, device=dev)
     if cp == 1:
-        return replace(first, cp_size=1, cp_rank=0, cp_layout=None)
+        return replace(first, cp_size=1, cp_rank=0, cp_scheme=None)
     for r, p in enumerate(parts):
-        idx = cp_partition_index(first.cu_seqlens_padded, cp, r, lay).to(dev)
+        idx = cp_partition_index(first.padded_cu_seqlens, cp, r, lay).to(dev)
         indices.index_copy_(0, idx, p.indices.to(dev))
         mask.index_copy_(0, idx, p.replay_mask.to(dev))
-    return replace(first, indices=indices, replay_mask=mask, cp_size=1, cp_rank=0, cp_layout=None)
+    return replace(first, indices=indices, replay_mask=mask, cp_size=1, cp_rank=0, cp_scheme=None)
 
 
-def cp_all_gather(local: PackedRouting, group) -> PackedRouting:
+def cp_all_gather(local: ReplayBatch, group) -> ReplayBatch:
     """`cp_gather` over the CP process group (R2 recording back to the whole pack)."""
     import torch.distributed as dist
 
@@ -411,7 +444,7 @@ def sp_scatter(x: torch.Tensor, tp_group, *, who: str = "sp_scatter") -> torch.T
     if T % tp:
         raise LayoutError(f"{who}: {T} tokens do not split over TP={tp} ranks; the tokens are "
                           f"padded to a multiple of TP (megatron_thd_alignment), pad the routing "
-                          f"the same way (pack_thd(align=...))")
+                          f"the same way (pack_megatron_thd(align=...))")
     n = T // tp
     return x[rank * n:(rank + 1) * n]
 

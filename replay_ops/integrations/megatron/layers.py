@@ -30,6 +30,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 
 from ..._validate import UNSIGNED, signed_routing
 from .data import LayoutError, check_expert_range
+from ...router_replay.shape import LAYER_INDEX, resolve_mapping  # noqa: F401  (LAYER_INDEX: the choices)
 
 __all__ = [
     "RouterSlot",
@@ -42,7 +43,6 @@ __all__ = [
     "set_replay_routing",
 ]
 
-LAYER_INDEX = ("auto", "absolute", "moe")
 
 
 @dataclasses.dataclass
@@ -132,19 +132,12 @@ def _layout(slots: Sequence[RouterSlot], config, include_mtp: bool):
 
 
 def _resolve_mapping(L: int, layer_index: str, n_moe: int, n_abs: int, who: str) -> str:
-    if layer_index not in LAYER_INDEX:
-        raise ValueError(f"{who}: unknown layer_index={layer_index!r}; expected one of {LAYER_INDEX}")
-    if layer_index == "moe" or (layer_index == "auto" and L == n_moe):
-        if L != n_moe:
-            raise LayoutError(f"{who}: layer_index='moe' needs L={n_moe} columns, got L={L}")
-        return "moe"
-    if layer_index == "absolute" or (layer_index == "auto" and L == n_abs):
-        if L != n_abs:
-            raise LayoutError(f"{who}: layer_index='absolute' needs L={n_abs} columns, got L={L}")
-        return "absolute"
-    raise LayoutError(f"{who}: the routing has L={L} layer columns, but the model has {n_moe} MoE "
-                      f"layers and {n_abs} layers (MTP layers counted only with include_mtp=True); "
-                      f"L must be one of them")
+    return resolve_mapping(
+        L, n_moe, n_abs, who, layer_index, error=LayoutError,
+        moe_need=f"L={n_moe} columns", abs_need=f"L={n_abs} columns",
+        neither=f"the routing has L={L} layer columns, but the model has {n_moe} MoE layers "
+                f"and {n_abs} layers (MTP layers counted only with include_mtp=True); L must "
+                f"be one of them")
 
 
 def _flatten_tokens(routing: torch.Tensor, batch_first, who: str) -> torch.Tensor:

@@ -79,6 +79,7 @@ from replay_ops.plan import (
     ROW_REPEAT,
     DenseRouting,
     RoutingPlan,
+    spread_rows,
 )
 
 from megatron.core.transformer.moe import moe_utils
@@ -107,7 +108,7 @@ MASKED_ROWS = ("replay", "padding")
 SEQUENCE_FIRST_MARK = "_replay_ops_sequence_first"
 # megatron-core >= 0.17 builds routers with `is_mtp_layer=`; 0.16 does not know it.
 _BASE_TAKES_MTP = "is_mtp_layer" in inspect.signature(TopKRouter.__init__).parameters
-SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+SCORE_FUNCTIONS = scores_table.NAMES  # the score functions replay_ops.gate implements
 
 
 class UnsupportedConfigError(ValueError):
@@ -292,8 +293,6 @@ def spread_experts(num_tokens: int, num_experts: int, top_k: int, ep_size: int,
     per cycle (never piling onto expert 0 or rank 0), and the rotation keeps periodic
     padding rows (one per packed sequence) from repeating the same experts. Computed on
     the device with no host read (replay_ops.reference.spread_expert is the oracle)."""
-    from replay_ops.backends.torch import spread_rows
-
     E, K = num_experts, top_k
     if ep_size < 1 or E % ep_size:
         raise ValueError(f"spread_experts: ep_size={ep_size} must divide num_experts={E}")

@@ -1,19 +1,20 @@
-"""Rollout adapters (R3): routing returned by the rollout engines, in the training layouts.
+"""Rollout adapters (R3): routing returned by the rollout engines, in the training formats.
 
-    from replay_ops.router_replay.adapters import ModelLayout, vllm_batch, sglang_batch
+    from replay_ops.router_replay.adapters import ModelShape, vllm_batch, sglang_batch
 
-    layout = ModelLayout(num_experts=64, top_k=8, moe_layer_ids=[1, 2, 3], num_hidden_layers=4)
-    batch = vllm_batch(routed_experts, prompt_lens, response_lens, layout, layout_kind="thd")
+    shape = ModelShape(num_experts=64, top_k=8, moe_layer_ids=[1, 2, 3], num_hidden_layers=4)
+    batch = vllm_batch(routed_experts, prompt_lens, response_lens, shape, packing="thd")
     batch.apply(router_replay)       # RouterReplay.set_routing(indices, replay_mask)
 
-Modules: `layout` (the types, checks and packing every engine shares), one module per
+Modules: `batch` (the types, checks and packing into the training formats that every
+engine shares), one module per
 engine (`vllm`, `sglang`), and `verl` (verl's own padded layout and batch key).
 
 ## The adapter contract (a new rollout engine is a new module)
 
 An engine module turns one batch of the engine's per-request routing into a list of
 `SequenceRouting`, one per request in batch order, and offers a `<engine>_batch` that packs
-them with `layout.pack`. It must:
+them with `batch.pack`. It must:
 
 1. call `check_batch(payloads, batch_size, who, allow_missing)` first: one entry per
    request, None for a request without routing, which is an error unless `allow_missing`;
@@ -29,9 +30,11 @@ them with `layout.pack`. It must:
 Outputs are int16 `[n, L_moe, K]` with -1 for no route, indexed by MoE ordinal
 (`layer_index="moe"` for `RouterReplay.set_routing`). Ids are logical expert ids.
 """
-from .layout import (
+from ..._deprecated import deprecated_names
+from .batch import (
     INDEX_DTYPE,
-    ModelLayout,
+    PACKINGS,
+    ModelShape,
     MultiTurnRouting,
     ReplayBatch,
     RoutingMismatchError,
@@ -49,7 +52,8 @@ from .vllm import decode_vllm, encode_vllm, vllm_batch, vllm_dtype, vllm_sequenc
 
 __all__ = [
     "INDEX_DTYPE",
-    "ModelLayout",
+    "ModelShape",
+    "PACKINGS",
     "MultiTurnRouting",
     "ReplayBatch",
     "RoutingMismatchError",
@@ -73,3 +77,7 @@ __all__ = [
     "vllm_dtype",
     "vllm_sequences",
 ]
+
+
+# deprecated (one release): the model shape is ModelShape
+__getattr__ = deprecated_names(__name__, {"ModelLayout": ("ModelShape", ModelShape)})

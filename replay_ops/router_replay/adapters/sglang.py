@@ -47,22 +47,24 @@ The forms a real SGLang (0.5.23, measured) sends, and how they are taken:
 from __future__ import annotations
 
 import base64
-import binascii
 from typing import Mapping, Sequence
 
 import numpy as np
 import torch
 
-from .layout import (
+from .batch import (
     ModelShape,
     MultiTurnRouting,
     ReplayBatch,
     RoutingMismatchError,
     SequenceRouting,
     as_tensor,
+    b64_size,
     check_batch,
+    decode_b64,
     missing_sequence,
     pack,
+    packing_arg,
 )
 
 SGLANG_KEY = "routed_experts"
@@ -93,7 +95,7 @@ def decode_sglang(payload: str | bytes, *, num_layers: int, top_k: int, dtype="i
     by `meta_info["routed_experts_dtype"]`; a meta_info mapping may be given as `dtype`)
     -> [n, num_layers, top_k] of that dtype."""
     dt = wire_dtype(dtype, who)
-    raw = _b64(payload, who)
+    raw = decode_b64(payload, who)
     row = dt.itemsize * num_layers * top_k
     if len(raw) % row:
         raise RoutingMismatchError(
@@ -102,25 +104,6 @@ def decode_sglang(payload: str | bytes, *, num_layers: int, top_k: int, dtype="i
         )
     arr = np.frombuffer(raw, dtype=dt).reshape(-1, num_layers, top_k)
     return torch.from_numpy(arr.astype(dt.newbyteorder("="), copy=True))
-
-
-def _b64(payload: str | bytes, who: str) -> bytes:
-    if isinstance(payload, str):
-        try:
-            payload = payload.encode("ascii")
-        except UnicodeEncodeError:
-            raise RoutingMismatchError(f"{who}: not valid base64 (non-ASCII text)") from None
-    try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise RoutingMismatchError(f"{who}: not valid base64: {e}") from None
-
-
-def _b64_size(payload: str | bytes) -> int:
-    """The bytes that valid base64 `payload` decodes to, without decoding it."""
-    tail = payload[-2:]
-    pad = tail.count("=") if isinstance(tail, str) else tail.count(b"=")
-    return len(payload) // 4 * 3 - pad
 
 
 def encode_sglang(routing, dtype: str = "int32") -> str:
@@ -261,12 +244,12 @@ def _turn_routing(mi, rows: int, layout: ModelShape, who: str,
         # little: a payload slightly off is decoded and refused below with its row count)
         need = dt.itemsize * rows * max(layout.num_hidden_layers, layout.num_moe_layers) * \
             layout.top_k
-        if _b64_size(payload) > 2 * need + 4096:
+        if b64_size(payload) > 2 * need + 4096:
             raise RoutingMismatchError(
                 f"{who}: routed_experts is {len(payload)} base64 characters, far more than the "
                 f"{4 * -(-need // 3)} that {rows} token rows of {dt.name} [L, K={layout.top_k}] "
                 f"take")
-        raw = _b64(payload, who)
+        raw = decode_b64(payload, who)
         if len(raw) % dt.itemsize:
             raise RoutingMismatchError(f"{who}: {len(raw)} bytes is not a whole number "
                                        f"of {dt.name} values")
@@ -386,7 +369,7 @@ def sglang_sequences(
                 p = mi[SGLANG_KEY]
                 if s or not isinstance(p, (str, bytes)):
                     raise
-                raw_len = _b64_size(p) // wire_dtype(mi, tw).itemsize
+                raw_len = b64_size(p) // wire_dtype(mi, tw).itemsize
                 raise RoutingMismatchError(
                     f"{e}{_start_hint(raw_len, rows, layout, num_layers)}") from None
             if arr.shape[0] != rows:
@@ -484,11 +467,13 @@ def _fill_gap(acc: MultiTurnRouting, gaps: dict, i: int, j: int, start: int,
 
 
 def sglang_batch(meta_infos, seq_lens, prompt_lens, layout, *, starts=None, requests=None,
-                 num_layers=None, prefix_routing=None, omitted="error", layout_kind="padded",
+                 num_layers=None, prefix_routing=None, omitted="error", packing=None,
                  max_prompt_len=None, max_response_len=None,
-                 allow_missing=False) -> ReplayBatch:
-    """`sglang_sequences` then `pack_padded` or `pack_thd`."""
+                 allow_missing=False, layout_kind=None) -> ReplayBatch:
+    """`sglang_sequences` then `pack_padded` (packing="padded", the default) or `pack_thd`
+    ("thd"). `layout_kind` is the deprecated name of `packing`."""
+    packing = packing_arg(packing, layout_kind, "sglang_batch")
     seqs = sglang_sequences(meta_infos, seq_lens, layout, starts=starts, requests=requests,
                             num_layers=num_layers, prefix_routing=prefix_routing,
                             omitted=omitted, allow_missing=allow_missing)
-    return pack(seqs, prompt_lens, layout_kind, max_prompt_len, max_response_len)
+    return pack(seqs, prompt_lens, packing, max_prompt_len, max_response_len)

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 import torch
 
 from ..._validate import signed_routing
-from .layout import ModelShape, ReplayBatch, RoutingMismatchError, as_tensor, to_moe
+from .batch import ModelShape, ReplayBatch, RoutingMismatchError, as_tensor, to_moe
 
 
 ZERO_ROWS = ("error", "missing", "expert0")

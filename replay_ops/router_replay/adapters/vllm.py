@@ -64,7 +64,6 @@ SkyRL 0.4.0's generate endpoint and its batched generator):
 from __future__ import annotations
 
 import base64
-import binascii
 import io
 import math
 from typing import Any, Sequence
@@ -72,7 +71,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .layout import (
+from .batch import (
     ModelShape,
     MultiTurnRouting,
     ReplayBatch,
@@ -81,8 +80,10 @@ from .layout import (
     as_tensor,
     check_batch,
     check_dense_columns,
+    decode_b64,
     missing_sequence,
     pack,
+    packing_arg,
 )
 
 VLLM_KEY = "routed_experts"
@@ -105,18 +106,7 @@ def decode_vllm(payload: str | bytes, *, who: str = "vllm routed_experts",
     and arrays that are not 3-D integer arrays. The `.npy` header is checked before
     anything is allocated: a 3-D integer shape of at most `max_rows` rows (the request's
     token count, when the caller knows it) whose bytes are exactly those present."""
-    if isinstance(payload, str):
-        try:
-            payload = payload.encode("ascii")
-        except UnicodeEncodeError:
-            raise RoutingMismatchError(f"{who}: not valid base64 (non-ASCII text)") from None
-    if not isinstance(payload, (bytes, bytearray, memoryview)):
-        raise RoutingMismatchError(f"{who}: expected base64 text of an .npy blob, got "
-                                   f"{type(payload).__name__}")
-    try:
-        raw = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise RoutingMismatchError(f"{who}: not valid base64: {e}") from None
+    raw = decode_b64(payload, who, "base64 text of an .npy blob")
     if not raw.startswith(b"\x93NUMPY"):
         raise RoutingMismatchError(f"{who}: the decoded {len(raw)} bytes are not an .npy blob "
                                    f"(they start with {raw[:8]!r})")
@@ -376,13 +366,15 @@ def _turns(r: list, st, i: int) -> list[tuple[Any, int, int]]:
     return turns
 
 
-def vllm_batch(routed_experts, prompt_lens, response_lens, layout, *, layout_kind="padded",
+def vllm_batch(routed_experts, prompt_lens, response_lens, layout, *, packing=None,
                max_prompt_len=None, max_response_len=None, prompt_starts=None,
                prefix_routing=None, omitted="error", allow_missing=False, narrowed=False,
-               truncated=None) -> ReplayBatch:
-    """`vllm_sequences` then `pack_padded` (layout_kind="padded") or `pack_thd` ("thd")."""
+               truncated=None, layout_kind=None) -> ReplayBatch:
+    """`vllm_sequences` then `pack_padded` (packing="padded", the default) or `pack_thd`
+    ("thd"). `layout_kind` is the deprecated name of `packing`."""
+    packing = packing_arg(packing, layout_kind, "vllm_batch")
     seqs = vllm_sequences(routed_experts, prompt_lens, response_lens, layout,
                           prompt_starts=prompt_starts, prefix_routing=prefix_routing,
                           omitted=omitted, allow_missing=allow_missing, narrowed=narrowed,
                           truncated=truncated)
-    return pack(seqs, prompt_lens, layout_kind, max_prompt_len, max_response_len)
+    return pack(seqs, prompt_lens, packing, max_prompt_len, max_response_len)

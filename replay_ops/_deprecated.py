@@ -1,0 +1,19 @@
+"""Names kept for one release after a rename: a module's `__getattr__` that returns the new
+object under the old name and warns (DeprecationWarning) with the new name."""
+from __future__ import annotations
+
+import warnings
+
+
+def deprecated_names(module: str, renamed: dict):
+    """A module `__getattr__` for `renamed` {old name: (new name, the object)}."""
+
+    def __getattr__(name: str):
+        if name in renamed:
+            new, value = renamed[name]
+            warnings.warn(f"{module}.{name} is deprecated; use {new}", DeprecationWarning,
+                          stacklevel=2)
+            return value
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__

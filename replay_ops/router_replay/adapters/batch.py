@@ -1,0 +1,640 @@
+"""What every rollout adapter shares: the per-sequence routing type, the checks of a batch,
+multi-turn assembly, and the packing into the training formats (`packing=`):
+
+* `pack_padded`: verl's `[B, S, L, K]`, the prompt left-padded to `max_prompt_len` and the
+  response right-padded to `max_response_len`, plus `replay_mask [B, S]`.
+* `pack_thd`: packed tokens `[N, L, K]` with `cu_seqlens [B+1]` and `replay_mask [N]`.
+
+Empty slots and padding are -1 (never 0: a zero row would send the token to expert 0), and
+`replay_mask` is False for padding, for the final token of each sequence (it has no route)
+and for requests explicitly allowed to have no routing.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+import struct
+import warnings
+import zlib
+from dataclasses import dataclass, field, fields
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..._deprecated import deprecated_names
+from ..._validate import int16_routing, signed_routing, unsigned_note
+from .._bounds import MAX_LAYER_SLOTS, MAX_LAYERS, MAX_TOP_K, check_limits
+from ..shape import MAPPINGS, ModelShape, describe_bad_route, first_bad_route
+
+INDEX_DTYPE = torch.int16
+
+# The training formats the packers produce (`packing=`): verl's padded [B, S, L, K], or
+# packed THD [N, L, K] with cu_seqlens.
+PACKINGS = ("padded", "thd")
+
+
+class RoutingMismatchError(ValueError):
+    """Rollout routing that does not line up with the batch it belongs to."""
+
+
+def to_moe(layout: ModelShape, routing: torch.Tensor, who: str,
+           arrived_as: torch.dtype | None = None) -> tuple[torch.Tensor, str]:
+    """[n, L, K] routing (absolute or MoE layers) of any integer dtype (`signed_routing`)
+    -> ([n, L_moe, K] int16, the mapping), with the values checked (range -1..E-1, no
+    repeated expert in a token's layer; an unsigned maximum is an expert id, so out of
+    range unless E exceeds it; `arrived_as`: the dtype it came in, when converted already)."""
+    if routing.dim() != 3:
+        raise RoutingMismatchError(f"{who}: routing must be [tokens, L, K], got shape "
+                                   f"{tuple(routing.shape)}")
+    n, L, K = routing.shape
+    if K != layout.top_k:
+        raise RoutingMismatchError(f"{who}: routing has K={K} experts per token, the model "
+                                   f"has top_k={layout.top_k} (shape {tuple(routing.shape)})")
+    mapping = layout.mapping_for(L, who, error=RoutingMismatchError)
+    routing, dtype = signed_routing(routing, who, "routing", RoutingMismatchError)
+    dtype = arrived_as or dtype
+    if layout.num_experts > torch.iinfo(INDEX_DTYPE).max:
+        raise RoutingMismatchError(f"{who}: num_experts={layout.num_experts} does not fit the "
+                                   f"int16 training layout")
+    if mapping == "absolute":
+        check_dense_columns(layout, routing, who)
+    routing = routing[:, layout.columns(mapping), :]
+    bad = first_bad_route(routing, layout.num_experts)
+    if bad is not None:
+        raise RoutingMismatchError(
+            f"{who}: {describe_bad_route(bad, layout.num_experts, layout.moe_layer_ids)}"
+            f"{unsigned_note(dtype, bad.value)}")
+    return routing.to(INDEX_DTYPE), mapping
+
+
+def check_dense_columns(layout: ModelShape, routing: torch.Tensor, who: str) -> None:
+    """In routing indexed by absolute layer id, the columns of the layers the model says are
+    dense hold no route: 0 (what vLLM and SGLang write there; SGLang measured with DeepSeek-V3's
+    first_k_dense_replace) or -1. Anything else means the engine's
+    model has MoE layers where this layout has dense ones (another model, or a wrong
+    `moe_layer_ids`), and the MoE columns cannot be trusted either."""
+    moe = set(layout.moe_layer_ids)
+    dense = [lid for lid in range(layout.num_hidden_layers) if lid not in moe]
+    if not dense or routing.shape[0] == 0:
+        return
+    cols = routing[:, dense, :]
+    bad = (cols != 0) & (cols != -1)
+    if not bool(bad.any()):
+        return
+    t, c, k = (int(v) for v in bad.nonzero()[0])
+    rows = int(bad.any(2).any(1).sum())
+    raise RoutingMismatchError(
+        f"{who}: token {t}, layer {dense[c]} routes to experts {cols[t, c].tolist()}, but the "
+        f"model's layer {dense[c]} is dense (MoE layers {list(layout.moe_layer_ids)} of "
+        f"{layout.num_hidden_layers}); {rows} of {routing.shape[0]} token rows have routes in "
+        f"dense layers. The routing comes from a model with other MoE layers"
+    )
+
+
+@dataclass
+class SequenceRouting:
+    """Routing of one training sequence: `indices [n, L_moe, K]` (int16, -1 = none) and
+    `mask [n]` (True where the token has a route to replay)."""
+
+    indices: torch.Tensor
+    mask: torch.Tensor
+    mapping: str | None = None
+
+    def __post_init__(self) -> None:
+        # one dtype for every sequence, whatever integer type the indices were built from
+        self.indices, _ = int16_routing(self.indices, "SequenceRouting", "indices",
+                                        RoutingMismatchError)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.indices.shape[0])
+
+
+def b64_size(payload: str | bytes) -> int:
+    """The bytes that valid base64 `payload` decodes to, without decoding it (to bound a
+    payload by what the request can hold before decoding it)."""
+    tail = payload[-2:]
+    pad = tail.count("=") if isinstance(tail, str) else tail.count(b"=")
+    return len(payload) // 4 * 3 - pad
+
+
+def decode_b64(payload, who: str, what: str = "base64 text") -> bytes:
+    """An engine's base64 routing payload (ASCII text or bytes) -> the bytes, strictly
+    (`validate=True`: no stray characters); anything else raises RoutingMismatchError
+    naming `who` (`what`: the words for what was expected, for a payload of another type)."""
+    if isinstance(payload, str):
+        try:
+            payload = payload.encode("ascii")
+        except UnicodeEncodeError:
+            raise RoutingMismatchError(f"{who}: not valid base64 (non-ASCII text)") from None
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise RoutingMismatchError(f"{who}: expected {what}, got {type(payload).__name__}")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise RoutingMismatchError(f"{who}: not valid base64: {e}") from None
+
+
+def as_tensor(x, who: str) -> torch.Tensor:
+    """An array, list or tensor of routing as a CPU tensor."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(x))
+    if isinstance(x, (list, tuple)):
+        return torch.as_tensor(np.asarray(x))
+    raise RoutingMismatchError(f"{who}: routing must be an array or tensor, got {type(x).__name__}")
+
+
+def missing_sequence(layout: ModelShape, n: int) -> SequenceRouting:
+    """A sequence of n tokens without routing: every slot -1, every mask entry False."""
+    return SequenceRouting(
+        torch.full((n, layout.num_moe_layers, layout.top_k), -1, dtype=INDEX_DTYPE),
+        torch.zeros(n, dtype=torch.bool),
+        None,
+    )
+
+
+def check_batch(routings: Sequence, batch_size: int, who: str, allow_missing: bool) -> None:
+    """One entry per request (None for no routing); missing entries are an error unless
+    `allow_missing` (the requests then run with native top-k)."""
+    if len(routings) != batch_size:
+        raise RoutingMismatchError(
+            f"{who}: got routing for {len(routings)} requests but the batch has {batch_size}; "
+            f"every request needs an entry (None for no routing) or later requests would take "
+            f"their neighbour's routing"
+        )
+    missing = [i for i, r in enumerate(routings) if r is None]
+    if missing and not allow_missing:
+        have = batch_size - len(missing)
+        raise RoutingMismatchError(
+            f"{who}: requests {missing[:16]}{'...' if len(missing) > 16 else ''} have no routing "
+            f"({have} of {batch_size} requests do); the routing was lost between rollout and "
+            f"training. Pass allow_missing=True to run those requests with native top-k"
+        )
+
+
+# ---------------------------------------------------------------------------- multi-turn
+class MultiTurnRouting:
+    """Routing of one conversation built turn by turn, appended in order.
+
+    Turn i is a request of `seq_len` tokens (the whole conversation so far, generated
+    tokens included) whose routing covers tokens `[start, seq_len - 1)`. Rows already
+    held are kept (never overwritten); the turn contributes the rows after them. A turn
+    that starts after the rows held (a gap) or ends before them raises.
+    """
+
+    def __init__(self, layout: ModelShape, *, request: int | str = 0) -> None:
+        self.layout = layout
+        self.request = request
+        self._parts: list[torch.Tensor] = []
+        self._masks: list[torch.Tensor] = []
+        self.rows = 0
+        self.turns = 0
+        self.mapping: str | None = None
+        self.masked: list[tuple[int, int, str]] = []  # (first row, end row, why)
+
+    def add_turn(self, routing, seq_len: int, start: int = 0) -> None:
+        who = f"request {self.request} turn {self.turns}"
+        r = as_tensor(routing, who)
+        if r.dim() != 3:
+            raise RoutingMismatchError(f"{who}: routing must be [tokens, L, K], got "
+                                       f"{tuple(r.shape)}")
+        want = seq_len - 1 - start
+        if not 0 <= start <= max(seq_len - 1, 0):
+            raise RoutingMismatchError(f"{who}: start={start} is outside 0..seq_len-1="
+                                       f"{seq_len - 1}")
+        if r.shape[0] != want:
+            raise RoutingMismatchError(
+                f"{who}: routing has {r.shape[0]} token rows but seq_len - 1 - start = {want} "
+                f"(seq_len={seq_len}, start={start})"
+            )
+        if start > self.rows:
+            raise RoutingMismatchError(
+                f"{who}: routing starts at token {start} but the earlier turns cover only "
+                f"{self.rows} tokens; tokens {self.rows}..{start - 1} would have no routing"
+            )
+        if seq_len - 1 < self.rows:
+            raise RoutingMismatchError(
+                f"{who}: seq_len={seq_len} is shorter than the {self.rows + 1} tokens of the "
+                f"earlier turns; turns must be added in order"
+            )
+        moe, mapping = to_moe(self.layout, r, who)
+        if self.mapping is not None and mapping != self.mapping:
+            raise RoutingMismatchError(f"{who}: layer mapping {mapping!r} differs from earlier "
+                                       f"turns ({self.mapping!r})")
+        self.mapping = mapping
+        new = moe[self.rows - start:]
+        if new.shape[0]:
+            self._parts.append(new)
+            self._masks.append(torch.ones(new.shape[0], dtype=torch.bool))
+            self.rows += int(new.shape[0])
+        self.turns += 1
+
+    def add_masked(self, n: int, why: str) -> None:
+        """Append `n` rows without routing (-1, replay mask False: native top-k), e.g. a
+        prompt prefix the engine omitted and nobody supplied, under an explicit policy.
+        `why` is kept in `masked` for the caller's report."""
+        if n < 0:
+            raise RoutingMismatchError(f"request {self.request}: cannot mask {n} rows")
+        if n:
+            L, K = self.layout.num_moe_layers, self.layout.top_k
+            self._parts.append(torch.full((n, L, K), -1, dtype=INDEX_DTYPE))
+            self._masks.append(torch.zeros(n, dtype=torch.bool))
+            self.masked.append((self.rows, self.rows + n, why))
+            self.rows += n
+
+    def sequence(self, num_tokens: int) -> SequenceRouting:
+        """The conversation's routing for its `num_tokens` training tokens, which must be
+        the routed rows plus the final token (which has no route)."""
+        who = f"request {self.request}"
+        if self.turns == 0:
+            raise RoutingMismatchError(f"{who}: no turn was added")
+        if num_tokens != self.rows + 1:
+            raise RoutingMismatchError(
+                f"{who}: the sequence has {num_tokens} tokens but its routing covers "
+                f"{self.rows} tokens (+1 final token without route = {self.rows + 1})"
+            )
+        L, K = self.layout.num_moe_layers, self.layout.top_k
+        tail = torch.full((1, L, K), -1, dtype=INDEX_DTYPE)
+        idx = torch.cat(self._parts + [tail], dim=0)
+        mask = torch.cat(self._masks + [torch.zeros(1, dtype=torch.bool)])
+        return SequenceRouting(idx, mask, self.mapping)
+
+
+# ---------------------------------------------------------------------------- layouts
+@dataclass
+class ReplayBatch:
+    """Routing in a training format: the one type for it, from the rollout adapters to the
+    trainer (`RouterReplay.set_routing`, Megatron's packing and CP split).
+
+    indices       [B, S, L_moe, K] (padded) or [N, L_moe, K] (THD), -1 = none; int16 from
+                  the packers (any integer dtype is carried as is)
+    replay_mask   [B, S] or [N] bool, False for padding and rows without a route
+    cu_seqlens    [B+1] int64 for THD: the real sequence boundaries (global packed frame)
+    mappings      mappings[i]: the layer mapping request i arrived in ("absolute", "moe",
+                  or None when it had no routing); may be empty
+    layer_index   how `indices` columns are indexed for `RouterReplay` ("moe")
+
+    After Megatron's padding step (`integrations.megatron.pad_thd`) and CP split:
+
+    cu_seqlens_padded [B+1] int64: the padded boundaries (what PackedSeqParams carries);
+                  None = not padded (the boundaries are `cu_seqlens`)
+    cp_size, cp_rank, cp_scheme: which share of the CP split this is (1, 0, None = whole)
+    """
+
+    indices: torch.Tensor
+    replay_mask: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+    mappings: list = field(default_factory=list)
+    layer_index: str = "moe"
+    cu_seqlens_padded: torch.Tensor | None = None
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_scheme: str | None = None
+
+    # -- the THD frame
+    @property
+    def padded_cu_seqlens(self) -> torch.Tensor:
+        """The row boundaries of the sequences in `indices`: `cu_seqlens_padded`, or
+        `cu_seqlens` when the batch is not padded. THD batches only."""
+        if self.cu_seqlens is None:
+            raise RoutingMismatchError(f"{self.describe()} is a padded [B, S] batch, not THD; "
+                                       f"it has no cu_seqlens")
+        return self.cu_seqlens if self.cu_seqlens_padded is None else self.cu_seqlens_padded
+
+    @property
+    def num_sequences(self) -> int:
+        if self.cu_seqlens is None:
+            return int(self.indices.shape[0])
+        return int(self.cu_seqlens.numel()) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.replay_mask.numel())
+
+    def seq_lens(self) -> list[int]:
+        cu = self.padded_cu_seqlens if self.cu_seqlens is None else self.cu_seqlens
+        return (cu[1:] - cu[:-1]).tolist()
+
+    def padded_lens(self) -> list[int]:
+        cup = self.padded_cu_seqlens
+        return (cup[1:] - cup[:-1]).tolist()
+
+    def describe(self) -> str:
+        return (f"ReplayBatch(tokens={self.num_tokens}, sequences={self.num_sequences}, "
+                f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, cp_scheme={self.cp_scheme})")
+
+    @property
+    def cp_layout(self) -> str | None:
+        """Deprecated name of `cp_scheme`."""
+        warnings.warn("ReplayBatch.cp_layout is deprecated; use ReplayBatch.cp_scheme",
+                      DeprecationWarning, stacklevel=2)
+        return self.cp_scheme
+
+    def _megatron_fields(self) -> bool:
+        return self.cu_seqlens_padded is not None or self.cp_size != 1 or self.cp_scheme is not None
+
+    def apply(self, replay) -> None:
+        replay.set_routing(self.indices, self.replay_mask, layer_index=self.layer_index)
+
+    # -- bytes (transport from rollout workers to trainers)
+    def to_bytes(self, *, num_experts: int | None = None, level: int = 3) -> bytes:
+        """The batch as compact bytes: the indices as a `codec` blob (order kept exactly;
+        one chunk run per sequence: a THD batch's sequences, a padded batch's rows), the
+        mask bit-packed, and a small JSON header, each checksummed. `num_experts` defaults
+        to the largest id + 1. `ReplayBatch.from_bytes` inverts it; pickling (Ray) uses it.
+        A batch that `from_bytes` would refuse (an index dtype outside `BATCH_DTYPES`,
+        cu_seqlens that are not the sequences' boundaries...) raises here."""
+        from .. import codec
+
+        who = "ReplayBatch.to_bytes"
+        if self._megatron_fields():
+            raise RoutingMismatchError(
+                f"{who}: {self.describe()} is padded for Megatron or one CP rank's share; "
+                f"send the batch before `pad_thd` / `cp_split` and take those steps where "
+                f"it is used")
+        idx = self.indices.detach().cpu()
+        if idx.dim() not in (3, 4):
+            raise RoutingMismatchError(f"{who}: indices must be [N, L, K] or "
+                                       f"[B, S, L, K], got {tuple(idx.shape)}")
+        flat = idx.reshape(-1, *idx.shape[-2:])
+        mask = self.replay_mask.detach().cpu()
+        head = {
+            "indices_shape": list(idx.shape), "indices_dtype": str(idx.dtype).split(".")[-1],
+            "mask_shape": list(mask.shape),
+            "cu_seqlens": None if self.cu_seqlens is None else
+            [int(v) for v in self.cu_seqlens.detach().cpu().reshape(-1).tolist()],
+            "mappings": list(self.mappings), "layer_index": self.layer_index,
+        }
+        lens = _check_batch_head(head, who)
+        if num_experts is None:
+            num_experts = max(int(flat.max()) + 1, 1) if flat.numel() else 1
+        try:
+            blob = codec.encode(flat, num_experts=num_experts, order="keep", level=level,
+                                seq_lens=lens)
+        except codec.CodecError as e:
+            raise RoutingMismatchError(f"{who}: {e}") from None
+        _check_batch_dtype(head["indices_dtype"], num_experts, who)
+        head = json.dumps(head, separators=(",", ":")).encode()
+        bits = np.packbits(mask.numpy().astype(bool).reshape(-1)).tobytes()
+        body = struct.pack("<QQ", len(head), len(bits)) + head + bits
+        return _BATCH_MAGIC + struct.pack("<I", zlib.crc32(body)) + body + blob
+
+    @classmethod
+    def from_bytes(cls, data, *, max_tokens: int | None = None,
+                   max_bytes: int | None = None) -> "ReplayBatch":
+        """Inverse of `to_bytes`, the safe way to take a batch from another process (never
+        unpickle bytes from a peer you do not trust). Every header field is checked against
+        a whitelist and against the data before anything is allocated: the index dtype (a
+        fixed table), the shapes, L and K (bounded), the mask length against the tokens,
+        cu_seqlens against the blob's sequences. `max_tokens` / `max_bytes` bound the
+        decoded batch further (tokens; bytes of indices). A corrupt, foreign or crafted
+        payload raises RoutingMismatchError naming the problem (the codec's errors name the
+        offset within the blob)."""
+        from .. import codec
+
+        who = "ReplayBatch.from_bytes"
+        try:
+            buf = memoryview(data).cast("B")
+        except TypeError as e:
+            raise RoutingMismatchError(f"{who}: expected bytes, got {type(data).__name__} "
+                                       f"({e})") from None
+        m = len(_BATCH_MAGIC)
+        if len(buf) < m + 20 or bytes(buf[:m]) != _BATCH_MAGIC:
+            raise RoutingMismatchError(f"{who}: not a ReplayBatch payload (magic or length)")
+        (crc,) = struct.unpack_from("<I", buf, m)
+        nh, nb = struct.unpack_from("<QQ", buf, m + 4)
+        end = m + 4 + 16 + nh + nb
+        if len(buf) < end or zlib.crc32(buf[m + 4:end]) != crc:
+            raise RoutingMismatchError(f"{who}: truncated or corrupt header (checksum "
+                                       f"mismatch)")
+        try:
+            head = json.loads(bytes(buf[m + 20:m + 20 + nh]))
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+            raise RoutingMismatchError(f"{who}: the JSON header does not parse: "
+                                       f"{type(e).__name__}: {str(e)[:200]}") from None
+        lens = _check_batch_head(head, who, nb)
+        shape = head["indices_shape"]
+        n, L, K = math.prod(shape[:-2]), shape[-2], shape[-1]
+        dtype, decode_dtype = BATCH_DTYPES[head["indices_dtype"]]
+        row_bytes = L * K * dtype.itemsize
+        out_bytes = n * L * K * decode_dtype.itemsize  # what the codec decodes into
+        check_limits(who, n, row_bytes, max_tokens, max_bytes, RoutingMismatchError,
+                     "indices_shape tokens")
+        blob = buf[end:]
+        try:
+            inf = codec.info(blob, max_tokens=n)  # bytes: checked by decode, in its dtype
+        except codec.CodecError as e:
+            raise RoutingMismatchError(f"{who}: {e}") from None
+        got = (inf.order, inf.num_layers, inf.top_k, inf.num_tokens, list(inf.seq_lens),
+               inf.has_token_ids)
+        want = ("keep", L, K, n, lens, False)
+        if got != want:
+            raise RoutingMismatchError(
+                f"{who}: the routing blob holds (order, L, K, tokens, sequence lengths, token "
+                f"ids) = {_short(got)}, the header says {_short(want)}")
+        _check_batch_dtype(head["indices_dtype"], inf.num_experts, who)
+        try:
+            flat = torch.empty((n, L, K), dtype=decode_dtype)
+        except (RuntimeError, MemoryError) as e:
+            raise RoutingMismatchError(f"{who}: indices_shape {shape} ({n * row_bytes} "
+                                       f"bytes) cannot be allocated: {e}") from None
+        try:
+            codec.decode(blob, out=flat, max_tokens=n, max_bytes=out_bytes)
+        except codec.CodecError as e:
+            raise RoutingMismatchError(f"{who}: {e}") from None
+        if decode_dtype != dtype:  # an unsigned batch: every id fits, no -1 was encoded
+            if n and bool((flat < 0).any()):
+                raise RoutingMismatchError(f"{who}: indices_dtype {head['indices_dtype']!r} "
+                                           f"but the blob holds empty slots (-1)")
+            flat = flat.to(dtype)
+        bits = np.frombuffer(buf[m + 20 + nh:end], dtype=np.uint8)
+        if n % 8 and int(bits[-1]) & (0xFF >> (n % 8)):
+            raise RoutingMismatchError(f"{who}: the mask's padding bits are set (corrupt)")
+        mask = np.unpackbits(bits, count=n).astype(bool).reshape(shape[:-2])
+        cu = head["cu_seqlens"]
+        return cls(flat.reshape(shape), torch.from_numpy(mask),
+                   None if cu is None else torch.tensor(cu, dtype=torch.int64),
+                   list(head["mappings"]), head["layer_index"])
+
+    def __reduce__(self):
+        if self._megatron_fields():  # a trainer-side stage: its tensors, as they are
+            return (_batch_from_fields, (
+                {f.name: getattr(self, f.name) for f in fields(self)},))
+        return (_batch_from_bytes, (self.to_bytes(),))
+
+
+_BATCH_MAGIC = b"RRBATCH1"
+# indices_dtype name -> (the batch's dtype, the signed dtype the codec decodes into)
+BATCH_DTYPES = {
+    "int8": (torch.int8, torch.int8),
+    "int16": (torch.int16, torch.int16),
+    "int32": (torch.int32, torch.int32),
+    "int64": (torch.int64, torch.int64),
+    "uint8": (torch.uint8, torch.int16),
+}
+_BATCH_KEYS = {"indices_shape", "indices_dtype", "mask_shape", "cu_seqlens", "mappings",
+               "layer_index"}
+_BATCH_MAPPINGS = (None,) + MAPPINGS  # None: a request without routing
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _short(v) -> str:
+    s = repr(v)
+    return s if len(s) <= 300 else s[:300] + "..."
+
+
+def _check_batch_dtype(name: str, num_experts: int, who: str) -> None:
+    dtype = BATCH_DTYPES[name][0]
+    if num_experts - 1 > torch.iinfo(dtype).max:
+        raise RoutingMismatchError(f"{who}: indices_dtype {name!r} cannot hold the blob's "
+                                   f"expert ids 0..{num_experts - 1}")
+
+
+def _check_batch_head(head, who: str, mask_bytes: int | None = None) -> list[int]:
+    """The header of a `ReplayBatch` payload, checked field by field (types, whitelists,
+    bounds, consistency between the fields and with the `mask_bytes` of mask bits the
+    payload carries: one bit per token, so the token count is bounded by data that is
+    there); returns the sequence lengths its blob must hold. Raises RoutingMismatchError
+    naming the field."""
+    if not isinstance(head, dict) or set(head) != _BATCH_KEYS:
+        keys = sorted(head) if isinstance(head, dict) else type(head).__name__
+        raise RoutingMismatchError(f"{who}: the header must have exactly the fields "
+                                   f"{sorted(_BATCH_KEYS)}, got {_short(keys)}")
+    name = head["indices_dtype"]
+    if not isinstance(name, str) or name not in BATCH_DTYPES:
+        raise RoutingMismatchError(f"{who}: indices_dtype {_short(name)} is not one of "
+                                   f"{sorted(BATCH_DTYPES)}")
+    shape = head["indices_shape"]
+    if (not isinstance(shape, list) or len(shape) not in (3, 4)
+            or not all(_is_int(v) and v >= 0 for v in shape)):
+        raise RoutingMismatchError(f"{who}: indices_shape {_short(shape)} is not [N, L, K] or "
+                                   f"[B, S, L, K] of non-negative integers")
+    L, K = shape[-2], shape[-1]
+    if not (1 <= L <= MAX_LAYERS and 1 <= K <= MAX_TOP_K and L * K <= MAX_LAYER_SLOTS):
+        raise RoutingMismatchError(f"{who}: indices_shape {shape}: L={L}, K={K} is outside "
+                                   f"1..{MAX_LAYERS} layers, 1..{MAX_TOP_K} experts per token, "
+                                   f"L*K <= {MAX_LAYER_SLOTS}")
+    if head["mask_shape"] != shape[:-2]:
+        raise RoutingMismatchError(f"{who}: mask_shape {_short(head['mask_shape'])} is not "
+                                   f"the tokens of indices_shape {shape} ({shape[:-2]})")
+    n = math.prod(shape[:-2])
+    if mask_bytes is not None and mask_bytes != (n + 7) // 8:
+        raise RoutingMismatchError(f"{who}: mask_shape {shape[:-2]} holds {n} tokens, which "
+                                   f"take {(n + 7) // 8} bytes of mask bits, but the payload "
+                                   f"carries {mask_bytes}")
+    cu = head["cu_seqlens"]
+    if len(shape) == 4:
+        if cu is not None:
+            raise RoutingMismatchError(f"{who}: a padded [B, S, L, K] batch has no cu_seqlens, "
+                                       f"got {_short(cu)}")
+        lens, nseq = [shape[1]] * shape[0], shape[0]
+    elif cu is None:
+        lens, nseq = [n], None
+    else:
+        if (not isinstance(cu, list) or not cu or not all(_is_int(v) for v in cu)
+                or cu[0] != 0 or cu[-1] != n or any(b < a for a, b in zip(cu, cu[1:]))):
+            raise RoutingMismatchError(f"{who}: cu_seqlens {_short(cu)} must be integers from 0 "
+                                       f"to the token count N={n}, never decreasing")
+        lens, nseq = [b - a for a, b in zip(cu, cu[1:])], len(cu) - 1
+    maps = head["mappings"]
+    if (not isinstance(maps, list) or any(v not in _BATCH_MAPPINGS or isinstance(v, bool)
+                                          for v in maps)
+            or (maps and nseq is not None and len(maps) != nseq)):
+        raise RoutingMismatchError(f"{who}: mappings {_short(maps)} must be a list of "
+                                   f"{_BATCH_MAPPINGS[1:]} or None, one per sequence "
+                                   f"({nseq}) or empty")
+    if head["layer_index"] not in ("moe", "absolute") or not isinstance(head["layer_index"], str):
+        raise RoutingMismatchError(f"{who}: layer_index {_short(head['layer_index'])} is not "
+                                   f"'moe' or 'absolute'")
+    return lens
+
+
+def _batch_from_bytes(data: bytes) -> ReplayBatch:
+    return ReplayBatch.from_bytes(data)
+
+
+def _batch_from_fields(fields: dict) -> ReplayBatch:
+    return ReplayBatch(**fields)
+
+
+def pack_thd(seqs: Sequence[SequenceRouting]) -> ReplayBatch:
+    """Concatenate sequences (packed THD): `cu_seqlens` are the sequence boundaries."""
+    if not seqs:
+        raise RoutingMismatchError("pack_thd: no sequences")
+    lens = [s.num_tokens for s in seqs]
+    cu = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+    cu[1:] = torch.tensor(lens, dtype=torch.int64).cumsum(0)
+    return ReplayBatch(torch.cat([s.indices for s in seqs], 0),
+                       torch.cat([s.mask for s in seqs], 0), cu, [s.mapping for s in seqs])
+
+
+def pack_padded(
+    seqs: Sequence[SequenceRouting],
+    prompt_lens: Sequence[int],
+    *,
+    max_prompt_len: int | None = None,
+    max_response_len: int | None = None,
+) -> ReplayBatch:
+    """verl's layout: `[B, max_prompt_len + max_response_len, L, K]`, sequence i's first
+    `prompt_lens[i]` tokens end at column `max_prompt_len` (left padding) and its
+    remaining tokens start there (right padding)."""
+    if not seqs:
+        raise RoutingMismatchError("pack_padded: no sequences")
+    if len(prompt_lens) != len(seqs):
+        raise RoutingMismatchError(f"pack_padded: {len(prompt_lens)} prompt lengths for "
+                                   f"{len(seqs)} sequences")
+    P = [int(p) for p in prompt_lens]
+    R = [s.num_tokens - p for s, p in zip(seqs, P)]
+    for i, (p, r) in enumerate(zip(P, R)):
+        if p < 0 or r < 0:
+            raise RoutingMismatchError(f"request {i}: prompt_len={p} is outside the sequence's "
+                                       f"{seqs[i].num_tokens} tokens")
+    Pm = max(P) if max_prompt_len is None else int(max_prompt_len)
+    Rm = max(R) if max_response_len is None else int(max_response_len)
+    for i, (p, r) in enumerate(zip(P, R)):
+        if p > Pm:
+            raise RoutingMismatchError(f"request {i}: prompt_len={p} exceeds max_prompt_len={Pm}")
+        if r > Rm:
+            raise RoutingMismatchError(f"request {i}: response has {r} tokens, exceeds "
+                                       f"max_response_len={Rm}")
+    B, L, K = len(seqs), seqs[0].indices.shape[1], seqs[0].indices.shape[2]
+    idx = torch.full((B, Pm + Rm, L, K), -1, dtype=INDEX_DTYPE)
+    mask = torch.zeros(B, Pm + Rm, dtype=torch.bool)
+    for i, (s, p, r) in enumerate(zip(seqs, P, R)):
+        idx[i, Pm - p:Pm + r] = s.indices
+        mask[i, Pm - p:Pm + r] = s.mask
+    return ReplayBatch(idx, mask, None, [s.mapping for s in seqs])
+
+
+def pack(seqs, prompt_lens, packing, max_prompt_len=None, max_response_len=None) -> ReplayBatch:
+    """`pack_thd` (packing="thd") or `pack_padded` (packing="padded")."""
+    if packing == "thd":
+        return pack_thd(seqs)
+    if packing == "padded":
+        return pack_padded(seqs, prompt_lens, max_prompt_len=max_prompt_len,
+                           max_response_len=max_response_len)
+    raise ValueError(f"unknown packing={packing!r}; expected one of {PACKINGS}")
+
+
+def packing_arg(packing: str | None, layout_kind: str | None, who: str) -> str:
+    """`packing=`, or the deprecated `packing=` it replaces (which warns)."""
+    if layout_kind is not None:
+        warnings.warn(f"{who}(layout_kind=...) is deprecated; use packing=",
+                      DeprecationWarning, stacklevel=3)
+        if packing is not None and packing != layout_kind:
+            raise ValueError(f"{who}: packing={packing!r} and layout_kind={layout_kind!r} "
+                             f"disagree")
+        return layout_kind
+    return "padded" if packing is None else packing
+
+
+# deprecated (one release): the model shape is ModelShape
+__getattr__ = deprecated_names(__name__, {"ModelLayout": ("ModelShape", ModelShape)})
