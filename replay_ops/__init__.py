@@ -4,8 +4,12 @@
     x = replay_ops.permute(hidden, plan)                      # expert-major rows
     y = replay_ops.unpermute(expert_mlp(x), plan)             # weighted combine per token
 
-Importing the package registers `torch.ops.replay.{gate, permute, unpermute}` and their
-backward ops (`ops.py`); the wrappers above live in `api.py`. `replay_ops.backends()` says
+    d = replay_ops.gate_dense(logits, recorded_indices)       # dense probs + routing_map, plan
+    x, row_probs = replay_ops.permute(hidden, d.plan, probs=d.probs)  # + each row's probability
+
+Importing the package registers `torch.ops.replay.{gate, permute, unpermute, gate_dense,
+permute_probs}` and their backward ops (`ops.OPS`, the one list; `ops.py`); the wrappers
+above live in `api.py`. `replay_ops.backends()` says
 which implementation serves each device; `replay_ops.reference` (imported on demand) is
 the pure-PyTorch oracle the tests hold every backend to.
 """

@@ -30,6 +30,10 @@ from .fallback import resolve_indices
 from .plan import plan_capacity
 
 LIB = "replay"
+# Every op this module registers as torch.ops.replay.<name>: the one list the package, its
+# backends' docs and the tests name them from (a new op is added here first).
+FORWARD_OPS = ("gate", "permute", "unpermute", "gate_dense", "permute_probs")
+OPS = FORWARD_OPS + tuple(f"{name}_backward" for name in FORWARD_OPS)
 
 
 # ----------------------------------------------------------------------------- gate

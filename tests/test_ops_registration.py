@@ -19,13 +19,18 @@ from _helpers import (
 )
 
 BACKENDS = backend_params()
-OPS = ("gate", "permute", "unpermute", "gate_backward", "permute_backward", "unpermute_backward")
+OPS = replay_ops.ops.OPS
 
 
 def test_all_ops_registered():
     for name in OPS:
         op = getattr(torch.ops.replay, name)
         assert op.default._schema.name == f"replay::{name}"
+    # and the list names every op the namespace holds (the dense ops included)
+    registered = {n for n in dir(torch.ops.replay)
+                  if isinstance(getattr(torch.ops.replay, n), torch._ops.OpOverloadPacket)}
+    assert registered == set(OPS), sorted(registered ^ set(OPS))
+    assert {"gate_dense", "permute_probs", "gate_dense_backward"} <= set(OPS)
 
 
 def _gate_args(device, backend, *, T=6, E=5, K=2, align=4, dtype=torch.float32, mask=False,
