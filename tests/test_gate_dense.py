@@ -322,11 +322,7 @@ def test_dense_bitwise_deterministic(dev_backend):
 
 def test_integer_outputs_get_no_zero_gradients():
     """The integer outputs of the gates get no materialised zero gradient in backward."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from launch_counter import LaunchCounter
+    from launch_counter import LaunchCounter  # bench/ (pytest pythonpath)
 
     lg = make_logits(12, 8).requires_grad_(True)
     idx = make_indices(12, 8, 2)

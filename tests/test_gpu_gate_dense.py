@@ -10,8 +10,6 @@ CUDA kernels and the Triton kernels (CUDA only: they skip without a GPU, saying 
   forward and backward, captured in a CUDA graph (no host sync) and replayed."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +19,7 @@ from replay_ops import reference as ref
 
 from _helpers import assert_fa_close, assert_int_equal, make_indices, make_logits
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import gpu_workloads as W  # noqa: E402
+import gpu_workloads as W  # tools/ (pyproject's pytest pythonpath)
 
 
 def on_cuda(backend):

@@ -14,8 +14,6 @@ only: they skip without a GPU, saying why):
 Integers are compared exactly, floats with the flash-attention rule (`assert_fa_close`)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,8 +31,7 @@ from _helpers import (
     ref_gate64,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import gpu_workloads as W  # noqa: E402
+import gpu_workloads as W  # tools/ (pyproject's pytest pythonpath)
 
 TIME_LIMIT_S = 300
 

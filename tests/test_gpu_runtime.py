@@ -11,8 +11,6 @@ GPU, saying why):
 The count of host syncs per patched Hugging Face MoE block is tested in test_host_syncs.py."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,8 +26,7 @@ from _helpers import (
     make_logits,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import gpu_workloads as W  # noqa: E402
+import gpu_workloads as W  # tools/ (pyproject's pytest pythonpath)
 
 TIME_LIMIT_S = 300
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2

@@ -30,8 +30,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-import gpu_workloads as W  # noqa: E402
+import gpu_workloads as W  # tools/ (pyproject's pytest pythonpath)
 
 # Per run; a run that hangs fails with its output instead of stalling the whole check.
 RUN_TIMEOUT_S = int(os.environ.get("REPLAY_OPS_SANITIZER_TIMEOUT_S", "300"))

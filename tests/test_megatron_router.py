@@ -404,11 +404,7 @@ def test_launch_counts_against_megatron():
     (plus the one read of its row flags with validate=True), forward + backward at most 6
     launches; the routing step (router + permute + unpermute, experts excluded) at most
     half of Megatron's launches, with no host read when validate=False."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import bench_megatron as bm
+    import bench_megatron as bm  # bench/ (pyproject's pytest pythonpath)
 
     Tn, En, Kn, Hn = 64, 16, 4, 8
     routers, mu = bm.setup(En, Kn, Hn)

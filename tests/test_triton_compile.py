@@ -18,9 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "triton_compile_check.py"
-sys.path.insert(0, str(TOOL.parent))
 
-import triton_compile_check as tcc  # noqa: E402  (imports no triton: safe here)
+import triton_compile_check as tcc  # tools/ (pytest pythonpath); imports no triton
 
 pytest.importorskip("triton")
 
