@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from .options import DENSE_FIELDS, GATE_FIELDS, GateOptions, resolve
 from .plan import DenseRouting, RoutingPlan
 
 
@@ -33,24 +34,20 @@ def gate(
     replay_mask: torch.Tensor | None = None,
     validate: bool = True,
     backend: str | None = None,
+    options: GateOptions | None = None,
 ) -> RoutingPlan:
     """Gate weights from the current `logits` [T, E] at recorded `expert_indices` [T, K]
     (-1 = empty slot), plus the expert-major dispatch plan. Top-k is never recomputed,
     except for rows where `replay_mask` is False, which fall back to the native top-k of
     the scores. With `validate=False` the index values are not checked and a value
     outside [0, E) is an empty slot. See docs/ops.md for the exact semantics.
+
+    The four options may come as one `options=replay_ops.GateOptions(...)` instead.
     """
-    out = torch.ops.replay.gate(
-        logits,
-        expert_indices,
-        replay_mask,
-        score_func,
-        bool(normalize),
-        float(scaling_factor),
-        align,
-        bool(validate),
-        backend or "auto",
-    )
+    opts = resolve(options, "gate", GATE_FIELDS, score_func=score_func, normalize=normalize,
+                   scaling_factor=scaling_factor, align=align)
+    out = torch.ops.replay.gate(logits, expert_indices, replay_mask, *opts.flat(GATE_FIELDS),
+                                bool(validate), backend or "auto")
     return RoutingPlan(*out)
 
 
@@ -71,6 +68,7 @@ def gate_dense(
     with_plan: bool = True,
     validate: bool = True,
     backend: str | None = None,
+    options: GateOptions | None = None,
 ) -> DenseRouting:
     """Megatron-Core's routing contract written by the gate kernel itself: dense `probs`
     [T, E] (logits dtype) and a bool `routing_map` [T, E], with per-row flags and the
@@ -95,13 +93,18 @@ def gate_dense(
     probs at the routed experts inside the kernel.
 
     `validate=True` reads the row flags once and raises for an id outside [-1, E), and with
-    padding="empty" for a repeated expert; `validate=False` reads nothing."""
-    out = torch.ops.replay.gate_dense(
-        logits, expert_indices, replay_mask, fallback, score_func, bool(normalize),
-        float(scaling_factor), padding, int(ep_size), int(spread_offset),
-        bool(underflow_guard), align, bool(with_plan), bool(validate), backend or "auto")
+    padding="empty" for a repeated expert; `validate=False` reads nothing.
+
+    The nine options may come as one `options=replay_ops.GateOptions(...)` instead."""
+    opts = resolve(options, "gate_dense", DENSE_FIELDS, score_func=score_func,
+                   normalize=normalize, scaling_factor=scaling_factor, padding=padding,
+                   ep_size=ep_size, spread_offset=spread_offset,
+                   underflow_guard=underflow_guard, align=align, with_plan=with_plan)
+    out = torch.ops.replay.gate_dense(logits, expert_indices, replay_mask, fallback,
+                                      *opts.flat(DENSE_FIELDS), bool(validate),
+                                      backend or "auto")
     probs, rmap, flags, idx = out[:4]
-    plan = RoutingPlan(None, idx, *out[4:]) if with_plan else None
+    plan = RoutingPlan(None, idx, *out[4:]) if opts.with_plan else None
     return DenseRouting(probs, rmap, flags, idx, plan)
 
 

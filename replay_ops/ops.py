@@ -27,6 +27,7 @@ from ._validate import (
 )
 from .backends import OpShape, select
 from .fallback import resolve_indices
+from .options import BACKWARD_FIELDS, DENSE_FIELDS, GATE_FIELDS, GateOptions
 from .plan import plan_capacity
 
 LIB = "replay"
@@ -59,8 +60,9 @@ def gate(
             logits.detach(), expert_indices, replay_mask, score_func, sync_free=not validate
         )
     (T, E), K = logits.shape, expert_indices.shape[1]
+    opts = GateOptions.from_flat(GATE_FIELDS, (score_func, normalize, scaling_factor, align))
     impl = select("gate_fwd", logits.device.type, OpShape(T, E, K), logits.dtype, backend)
-    return impl.gate_fwd(logits, expert_indices, score_func, normalize, scaling_factor, align)
+    return impl.gate_fwd(logits, expert_indices, opts)
 
 
 @gate.register_fake
@@ -119,9 +121,9 @@ def gate_backward(
 ) -> Tensor:
     """Dense [T, E] gradient of the logits, given the gradient of the [T, K] weights."""
     (T, E), K = logits.shape, expert_indices.shape[1]
+    opts = GateOptions.from_flat(BACKWARD_FIELDS, (score_func, normalize, scaling_factor))
     impl = select("gate_bwd", logits.device.type, OpShape(T, E, K), logits.dtype, backend)
-    return impl.gate_bwd(grad_weights, logits, expert_indices, score_func, normalize,
-                         scaling_factor)
+    return impl.gate_bwd(grad_weights, logits, expert_indices, opts)
 
 
 @gate_backward.register_fake
@@ -307,10 +309,11 @@ def gate_dense(
     check_dense_inputs(logits, expert_indices, replay_mask, fallback, score_func, align,
                        padding, ep_size, spread_offset)
     (T, E), K = logits.shape, expert_indices.shape[1]
+    opts = GateOptions.from_flat(DENSE_FIELDS, (
+        score_func, normalize, scaling_factor, padding, ep_size, spread_offset % max(E, 1),
+        underflow_guard, align, with_plan))
     impl = select("gate_dense_fwd", logits.device.type, OpShape(T, E, K), logits.dtype, backend)
-    out = impl.gate_dense_fwd(logits, expert_indices, replay_mask, fallback, score_func,
-                              normalize, scaling_factor, padding, ep_size,
-                              spread_offset % max(E, 1), underflow_guard, align, with_plan)
+    out = impl.gate_dense_fwd(logits, expert_indices, replay_mask, fallback, opts)
     if validate:
         check_row_flags(out[2], expert_indices, E, replay_mask, padding)
     return out
@@ -361,9 +364,9 @@ def gate_dense_backward(
     """Dense [T, E] gradient of the logits given the gradient of the dense [T, E] probs (read
     at the routed experts inside the kernel; any strides)."""
     (T, E), K = logits.shape, expert_indices.shape[1]
+    opts = GateOptions.from_flat(BACKWARD_FIELDS, (score_func, normalize, scaling_factor))
     impl = select("gate_dense_bwd", logits.device.type, OpShape(T, E, K), logits.dtype, backend)
-    return impl.gate_dense_bwd(grad_probs.to(logits.dtype), logits, expert_indices, score_func,
-                               normalize, scaling_factor)
+    return impl.gate_dense_bwd(grad_probs.to(logits.dtype), logits, expert_indices, opts)
 
 
 @gate_dense_backward.register_fake

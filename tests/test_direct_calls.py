@@ -10,6 +10,7 @@ import torch
 import replay_ops
 from replay_ops import backends as rb
 from replay_ops import reference as ref
+from replay_ops.options import GateOptions
 
 from _helpers import backend_params, make_indices, make_logits
 
@@ -24,7 +25,7 @@ def test_plan_past_int32_is_refused_before_allocation(dev_backend):
     logits = make_logits(3, 2, device=device)
     idx = make_indices(3, 2, 1, device=device)
     with pytest.raises(ValueError, match=r"T\*K \+ E\*\(align-1\) = 2147483651 .*int32"):
-        mod.gate_fwd(logits, idx, "softmax", True, 1.0, 2**30 + 1)
+        mod.gate_fwd(logits, idx, GateOptions(align=2**30 + 1))
     with pytest.raises(ValueError, match="does not fit its int32 tensors"):
         replay_ops.gate(logits, idx, align=2**30 + 1, backend=backend)
 

@@ -499,6 +499,44 @@ def test_r2_two_steps_without_clear_replay_each_steps_own_recording():
     assert rr.recorded().shape[0] == 8  # step 2's recording alone, not both steps
 
 
+
+def _record_then_replay(rr, model, x):
+    rr.set_action(ReplayAction.RECORD)
+    with torch.no_grad():
+        model(x)
+    rr.set_action(ReplayAction.REPLAY_FORWARD)
+    model(x)
+    rr.clear_queues()
+
+
+def test_r2_set_action_record_after_a_replay_starts_the_new_recording_at_once():
+    """set_action(RECORD) after a replay starts the next step then, before any layer runs
+    (a compiled model reads no Python state in its layers)."""
+    torch.manual_seed(2)
+    rr = make("R2")
+    _record_then_replay(rr, TinyMoE(replay=rr), torch.randn(8, 16))
+    assert rr.step == 0 and rr.routing_source == "recorded"
+    rr.set_action(ReplayAction.RECORD)
+    assert rr.step == 1 and rr.routing_source is None
+
+
+def test_r2_record_by_argument_after_a_replay_starts_a_new_recording():
+    """The same without set_action: the default action stays REPLAY_FORWARD and the layers
+    pass action=RECORD to route(); the first such route starts the new recording, so the
+    recording holds the new pass alone."""
+    torch.manual_seed(3)
+    rr = make("R2")
+    _record_then_replay(rr, TinyMoE(replay=rr), torch.randn(8, 16))
+    logits = torch.randn(5, E)
+    with torch.no_grad():
+        for lid in MOE_IDS:
+            rr.route(lid, logits, action="RECORD", topk_fn=softmax_topk)
+    assert rr.step == 1
+    rec = rr.recorded()
+    assert rec.shape[0] == 5  # the new pass alone, not 8 + 5 rows
+    for n in range(len(MOE_IDS)):
+        assert torch.equal(rec[:, n].long(), softmax_topk(logits).long())
+
 def test_r2_micro_batches_without_clear_replay_each_steps_own_recording():
     """Micro-batched R2 slices the recording and sets each slice (set_routing), so the
     routing source is not "recorded". Without clear(), the next step's RECORD must still

@@ -11,6 +11,7 @@ import torch
 import replay_ops
 from replay_ops import reference as ref
 from replay_ops import scores
+from replay_ops.options import GateOptions
 
 from _helpers import backend_params, make_indices, make_logits
 
@@ -92,11 +93,11 @@ def test_every_backend_refuses_an_unknown_name(dev_backend):
     logits = make_logits(3, 4, device=device)
     idx = make_indices(3, 4, 2, device=device)
     with pytest.raises(ValueError, match="unknown score_func='relu'"):
-        mod.gate_fwd(logits, idx, "relu", True, 1.0, 1)
+        mod.gate_fwd(logits, idx, GateOptions(score_func="relu"))
     plan = replay_ops.gate(logits, idx, backend=backend)
     with pytest.raises(ValueError, match="unknown score_func='relu'"):
-        mod.gate_bwd(torch.ones_like(plan.weights), logits, plan.expert_indices, "relu", True,
-                     1.0)
+        mod.gate_bwd(torch.ones_like(plan.weights), logits, plan.expert_indices,
+                     GateOptions(score_func="relu"))
 
 
 def test_native_kernels_refuse_an_unknown_id():

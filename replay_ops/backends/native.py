@@ -99,14 +99,14 @@ def describe() -> dict:
     return info
 
 
-def gate_fwd(logits, expert_indices, score_func, normalize, scaling_factor, align):
-    return tuple(_ops.gate_fwd(logits, expert_indices, scores.get(score_func).id,
-                               bool(normalize), float(scaling_factor), int(align)))
+def gate_fwd(logits, expert_indices, opts):
+    return tuple(_ops.gate_fwd(logits, expert_indices, scores.get(opts.score_func).id,
+                               bool(opts.normalize), float(opts.scaling_factor), int(opts.align)))
 
 
-def gate_bwd(grad_weights, logits, idx, score_func, normalize, scaling_factor):
-    return _ops.gate_bwd(grad_weights, logits, idx, scores.get(score_func).id, bool(normalize),
-                         float(scaling_factor))
+def gate_bwd(grad_weights, logits, idx, opts):
+    return _ops.gate_bwd(grad_weights, logits, idx, scores.get(opts.score_func).id,
+                         bool(opts.normalize), float(opts.scaling_factor))
 
 
 def permute_fwd(hidden, sorted_slots, row_id_map, num_rows):
@@ -126,18 +126,17 @@ def unpermute_bwd(grad_out, expert_out, row_id_map, sorted_slots, weights):
 
 
 
-def gate_dense_fwd(logits, expert_indices, replay_mask, fallback, score_func, normalize,
-                   scaling_factor, padding, ep_size, spread_offset, underflow_guard, align,
-                   with_plan):
+def gate_dense_fwd(logits, expert_indices, replay_mask, fallback, opts):
     return tuple(_ops.gate_dense_fwd(
-        logits, expert_indices, replay_mask, fallback, scores.get(score_func).id,
-        bool(normalize), float(scaling_factor), PADDING_MODES[padding], int(ep_size),
-        int(spread_offset), bool(underflow_guard), int(align), bool(with_plan)))
+        logits, expert_indices, replay_mask, fallback, scores.get(opts.score_func).id,
+        bool(opts.normalize), float(opts.scaling_factor), PADDING_MODES[opts.padding],
+        int(opts.ep_size), int(opts.spread_offset), bool(opts.underflow_guard),
+        int(opts.align), bool(opts.with_plan)))
 
 
-def gate_dense_bwd(grad_probs, logits, idx, score_func, normalize, scaling_factor):
-    return _ops.gate_dense_bwd(grad_probs, logits, idx, scores.get(score_func).id,
-                               bool(normalize), float(scaling_factor))
+def gate_dense_bwd(grad_probs, logits, idx, opts):
+    return _ops.gate_dense_bwd(grad_probs, logits, idx, scores.get(opts.score_func).id,
+                               bool(opts.normalize), float(opts.scaling_factor))
 
 
 def permute_probs_fwd(probs, sorted_slots, expert_indices, num_rows):

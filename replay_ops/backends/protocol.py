@@ -11,15 +11,17 @@ options, and with `validate=True` the index values) and applied the `replay_mask
 before a kernel is called. Index semantics every kernel shares: a value outside `[0, E)`
 is an empty slot (weight 0, `expert_indices` -1, `row_id_map` -1, no row, not counted).
 
-Kernel signatures (T tokens, E experts, K slots, H hidden size, R permuted rows):
+Kernel signatures (T tokens, E experts, K slots, H hidden size, R permuted rows; `opts`
+is the calls' `replay_ops.GateOptions`, replay_ops/options.py: the gate kernels read its
+score_func, normalize, scaling_factor and align, the dense ones also its padding, ep_size,
+spread_offset (already reduced modulo E), underflow_guard and with_plan):
 
-    gate_fwd(logits [T,E], expert_indices [T,K] int16/32/64 any strides, score_func: str,
-             normalize: bool, scaling_factor: float, align: int)
+    gate_fwd(logits [T,E], expert_indices [T,K] int16/32/64 any strides, opts)
         -> (weights [T,K], expert_indices int32 [T,K], tokens_per_expert int32 [E],
             expert_offsets int32 [E+1], row_id_map int32 [T,K],
             sorted_slots int32 [plan_capacity])
-    gate_bwd(grad_weights [T,K], logits [T,E], expert_indices int32 [T,K], score_func,
-             normalize, scaling_factor) -> grad_logits [T,E]
+    gate_bwd(grad_weights [T,K], logits [T,E], expert_indices int32 [T,K], opts)
+        -> grad_logits [T,E]
     permute_fwd(hidden [T,H], sorted_slots, row_id_map, num_rows: int) -> [num_rows, H]
     permute_bwd(grad_out [R,H], row_id_map) -> grad_hidden [T,H]
     unpermute_fwd(expert_out [R,H], row_id_map, weights [T,K]) -> [T,H]
@@ -29,15 +31,12 @@ Kernel signatures (T tokens, E experts, K slots, H hidden size, R permuted rows)
 Dense mode (Megatron-Core's contract; replay_ops.gate_dense):
 
     gate_dense_fwd(logits [T,E], expert_indices [T,K] int16/32/64 any strides,
-                   replay_mask [T] bool or None, fallback [T,K] int or None, score_func,
-                   normalize, scaling_factor, padding: "empty" | "spread" | "fallback",
-                   ep_size: int, spread_offset: int (>= 0), underflow_guard: bool,
-                   align: int, with_plan: bool)
+                   replay_mask [T] bool or None, fallback [T,K] int or None, opts)
         -> (probs [T,E] logits dtype, routing_map [T,E] bool, row_flags [T] uint8,
             expert_indices int32 [T,K], tokens_per_expert, expert_offsets, row_id_map,
             sorted_slots)   (the four plan tensors have size 0 with with_plan=False)
     gate_dense_bwd(grad_probs [T,E] logits dtype any strides, logits, expert_indices int32,
-                   score_func, normalize, scaling_factor) -> grad_logits [T,E]
+                   opts) -> grad_logits [T,E]
     permute_probs_fwd(probs [T,E], sorted_slots, expert_indices int32 [T,K], num_rows)
         -> [num_rows]: probs[s // K, expert_indices[s]] for the slot s of each row, else 0
     permute_probs_bwd(grad [R], row_id_map, expert_indices int32, num_experts)
@@ -96,11 +95,9 @@ class Backend(Protocol):
     def supports(self, op: str, device_type: str, shape: OpShape, dtype: torch.dtype) -> Support:
         ...
 
-    def gate_fwd(self, logits, expert_indices, score_func, normalize, scaling_factor, align):
-        ...
+    def gate_fwd(self, logits, expert_indices, opts): ...
 
-    def gate_bwd(self, grad_weights, logits, expert_indices, score_func, normalize,
-                 scaling_factor): ...
+    def gate_bwd(self, grad_weights, logits, expert_indices, opts): ...
 
     def permute_fwd(self, hidden, sorted_slots, row_id_map, num_rows): ...
 
@@ -110,12 +107,9 @@ class Backend(Protocol):
 
     def unpermute_bwd(self, grad_out, expert_out, row_id_map, sorted_slots, weights): ...
 
-    def gate_dense_fwd(self, logits, expert_indices, replay_mask, fallback, score_func,
-                       normalize, scaling_factor, padding, ep_size, spread_offset,
-                       underflow_guard, align, with_plan): ...
+    def gate_dense_fwd(self, logits, expert_indices, replay_mask, fallback, opts): ...
 
-    def gate_dense_bwd(self, grad_probs, logits, expert_indices, score_func, normalize,
-                       scaling_factor): ...
+    def gate_dense_bwd(self, grad_probs, logits, expert_indices, opts): ...
 
     def permute_probs_fwd(self, probs, sorted_slots, expert_indices, num_rows): ...
 

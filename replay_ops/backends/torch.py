@@ -91,16 +91,17 @@ def build_plan(idx: torch.Tensor, num_experts: int, align: int):
     return counts.to(i32), offsets.to(i32), row_id_map.view(T, K).to(i32), sorted_slots.to(i32)
 
 
-def gate_fwd(logits, expert_indices, score_func, normalize, scaling_factor, align):
-    sf = scores.get(score_func)
+def gate_fwd(logits, expert_indices, opts):
+    sf = scores.get(opts.score_func)
     idx = in_range_or_empty(expert_indices, logits.shape[1]).contiguous()
     x = logits.to(scores.compute_dtype(logits.dtype))
-    weights = (_weights(x, idx, sf, normalize) * scaling_factor).to(logits.dtype)
-    return (weights, idx, *build_plan(idx, logits.shape[1], align))
+    weights = (_weights(x, idx, sf, opts.normalize) * opts.scaling_factor).to(logits.dtype)
+    return (weights, idx, *build_plan(idx, logits.shape[1], opts.align))
 
 
-def gate_bwd(grad_weights, logits, idx, score_func, normalize, scaling_factor):
-    sf = scores.get(score_func)
+def gate_bwd(grad_weights, logits, idx, opts):
+    sf = scores.get(opts.score_func)
+    normalize, scaling_factor = opts.normalize, opts.scaling_factor
     x = logits.to(scores.compute_dtype(logits.dtype))
     idx = in_range_or_empty(idx, x.shape[1])
     z, valid, safe = _slot_logits(x, idx)
@@ -258,22 +259,20 @@ def _scatter_rows(vals, idx, first, E, dtype):
     return out.scatter(1, safe, torch.where(first, vals, 0.0).to(dtype))[:, :E].contiguous()
 
 
-def gate_dense_fwd(logits, expert_indices, replay_mask, fallback, score_func, normalize,
-                   scaling_factor, padding, ep_size, spread_offset, underflow_guard, align,
-                   with_plan):
-    sf = scores.get(score_func)
+def gate_dense_fwd(logits, expert_indices, replay_mask, fallback, opts):
+    sf = scores.get(opts.score_func)
     T, E = logits.shape
-    flags, idx = dense_experts(expert_indices, replay_mask, fallback, E, padding, ep_size,
-                               spread_offset)
+    flags, idx = dense_experts(expert_indices, replay_mask, fallback, E, opts.padding,
+                               opts.ep_size, opts.spread_offset)
     x = logits.to(scores.compute_dtype(logits.dtype))
-    w = _weights(x, idx, sf, normalize) * scaling_factor
+    w = _weights(x, idx, sf, opts.normalize) * opts.scaling_factor
     tot, first = _per_expert_sum(w, idx)
     probs = _scatter_rows(tot, idx, first, E, logits.dtype)
     rmap = _scatter_rows(torch.ones_like(tot), idx, first, E, torch.uint8).bool()
-    if underflow_guard:
+    if opts.underflow_guard:
         probs = torch.where(rmap & (probs == 0), torch.finfo(logits.dtype).tiny, probs)
-    if with_plan:
-        plan = build_plan(idx, E, align)
+    if opts.with_plan:
+        plan = build_plan(idx, E, opts.align)
     else:
         plan = empty_plan(logits.device, idx.shape[1])
     return (probs, rmap, flags, idx, *plan)
@@ -286,11 +285,10 @@ def empty_plan(device, K: int):
             torch.empty(0, **i32))
 
 
-def gate_dense_bwd(grad_probs, logits, idx, score_func, normalize, scaling_factor):
+def gate_dense_bwd(grad_probs, logits, idx, opts):
     valid = idx >= 0
     g = grad_probs.gather(1, idx.clamp_min(0).long())
-    return gate_bwd(torch.where(valid, g, 0.0), logits, idx, score_func, normalize,
-                    scaling_factor)
+    return gate_bwd(torch.where(valid, g, 0.0), logits, idx, opts)
 
 
 def permute_probs_fwd(probs, sorted_slots, expert_indices, num_rows):

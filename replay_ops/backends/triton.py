@@ -12,7 +12,9 @@ import re
 
 import torch
 
-from ..triton_kernels.gate import MAX_TOPK, gate_bwd, gate_fwd
+from ..triton_kernels import gate as _gate
+from ..triton_kernels import gate_dense as _gate_dense
+from ..triton_kernels.gate import MAX_TOPK
 from ..triton_kernels.permute import permute_bwd, permute_fwd
 from ..triton_kernels.unpermute import unpermute_bwd, unpermute_fwd
 from .protocol import YES, Support
@@ -67,10 +69,29 @@ def describe() -> dict:
             "limits": {"triton_gate_max_top_k": MAX_TOPK}}
 
 
+# The gate launchers take the options flat (tools/triton_compile_check.py and the tests
+# call them so); the backend's gate kernels take the options value.
+def gate_fwd(logits, expert_indices, opts):
+    return _gate.gate_fwd(logits, expert_indices, opts.score_func, opts.normalize,
+                          opts.scaling_factor, opts.align)
+
+
+def gate_bwd(grad_weights, logits, idx, opts):
+    return _gate.gate_bwd(grad_weights, logits, idx, opts.score_func, opts.normalize,
+                          opts.scaling_factor)
+
+
 # Dense mode (triton_kernels/gate_dense.py).
-from ..triton_kernels.gate_dense import (  # noqa: E402,F401
-    gate_dense_bwd,
-    gate_dense_fwd,
-    permute_probs_bwd,
-    permute_probs_fwd,
-)
+from ..triton_kernels.gate_dense import permute_probs_bwd, permute_probs_fwd  # noqa: E402,F401
+
+
+def gate_dense_fwd(logits, expert_indices, replay_mask, fallback, opts):
+    return _gate_dense.gate_dense_fwd(
+        logits, expert_indices, replay_mask, fallback, opts.score_func, opts.normalize,
+        opts.scaling_factor, opts.padding, opts.ep_size, opts.spread_offset,
+        opts.underflow_guard, opts.align, opts.with_plan)
+
+
+def gate_dense_bwd(grad_probs, logits, idx, opts):
+    return _gate_dense.gate_dense_bwd(grad_probs, logits, idx, opts.score_func,
+                                      opts.normalize, opts.scaling_factor)
