@@ -17,3 +17,24 @@ def deprecated_names(module: str, renamed: dict):
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
     return __getattr__
+
+
+def renamed_keyword(old: str, new: str, who: str):
+    """A decorator for a function whose argument `old` is now `new`: `old=` still works for
+    one release, with a DeprecationWarning naming the new name (both at once is refused)."""
+    import functools
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if old in kwargs:
+                if new in kwargs:
+                    raise TypeError(f"{who}: got both {old}= (deprecated) and {new}=")
+                warnings.warn(f"{who}: the argument {old}= is deprecated; use {new}=",
+                              DeprecationWarning, stacklevel=2)
+                kwargs[new] = kwargs.pop(old)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    return decorate

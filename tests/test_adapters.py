@@ -530,6 +530,37 @@ def test_deprecated_adapter_names_warn_and_still_work():
         adapters.vllm_batch(routed, [2], [2], shape, packing="bshd")
 
 
+def test_deprecated_layout_keyword_warns_and_still_works():
+    """The model shape's argument was `layout=`; it is `model_shape=` now (one release)."""
+    from replay_ops.router_replay import adapters
+
+    shape = ModelShape(8, 2, (0, 1), 2)
+    routed = [torch.tensor([[[0, 1], [2, 3]]] * 3)]
+    meta = [{"routed_experts": adapters.encode_sglang(routed[0])}]
+    calls = {
+        "vllm_batch": lambda **kw: adapters.vllm_batch(routed, [2], [2], packing="thd", **kw),
+        "vllm_sequences": lambda **kw: adapters.vllm_sequences(routed, [2], [2], **kw),
+        "sglang_batch": lambda **kw: adapters.sglang_batch(meta, [4], [2], packing="thd", **kw),
+        "sglang_sequences": lambda **kw: adapters.sglang_sequences(meta, [4], **kw),
+        "MultiTurnRouting": lambda **kw: adapters.MultiTurnRouting(**kw),
+        "missing_sequence": lambda **kw: adapters.missing_sequence(n=3, **kw),
+    }
+    for who, call in calls.items():
+        new = call(model_shape=shape)
+        with pytest.warns(DeprecationWarning,
+                          match=rf"{who}: the argument layout= is deprecated; use model_shape="):
+            old = call(layout=shape)
+        if hasattr(new, "indices"):
+            assert torch.equal(old.indices, new.indices), who
+        elif isinstance(new, list):
+            assert all(torch.equal(a.indices, b.indices) for a, b in zip(old, new)), who
+        with pytest.raises(TypeError, match=rf"{who}: got both layout= \(deprecated\) and "
+                                            r"model_shape="):
+            call(layout=shape, model_shape=shape)
+    acc = adapters.MultiTurnRouting(shape)
+    with pytest.warns(DeprecationWarning, match="MultiTurnRouting.layout is deprecated"):
+        assert acc.layout is shape
+
 def test_deprecated_layout_module_warns_and_still_works():
     import importlib
     import sys

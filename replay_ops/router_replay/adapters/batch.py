@@ -28,6 +28,7 @@ from ..._deprecated import deprecated_names
 from ..._validate import int16_routing, signed_routing, unsigned_note
 from .._bounds import MAX_LAYER_SLOTS, MAX_LAYERS, MAX_TOP_K, check_limits
 from ..shape import MAPPINGS, ModelShape, describe_bad_route, first_bad_route
+from ..._deprecated import renamed_keyword
 
 INDEX_DTYPE = torch.int16
 
@@ -40,7 +41,8 @@ class RoutingMismatchError(ValueError):
     """Rollout routing that does not line up with the batch it belongs to."""
 
 
-def to_moe(layout: ModelShape, routing: torch.Tensor, who: str,
+@renamed_keyword("layout", "model_shape", "to_moe")
+def to_moe(model_shape: ModelShape, routing: torch.Tensor, who: str,
            arrived_as: torch.dtype | None = None) -> tuple[torch.Tensor, str]:
     """[n, L, K] routing (absolute or MoE layers) of any integer dtype (`signed_routing`)
     -> ([n, L_moe, K] int16, the mapping), with the values checked (range -1..E-1, no
@@ -50,34 +52,34 @@ def to_moe(layout: ModelShape, routing: torch.Tensor, who: str,
         raise RoutingMismatchError(f"{who}: routing must be [tokens, L, K], got shape "
                                    f"{tuple(routing.shape)}")
     n, L, K = routing.shape
-    if K != layout.top_k:
+    if K != model_shape.top_k:
         raise RoutingMismatchError(f"{who}: routing has K={K} experts per token, the model "
-                                   f"has top_k={layout.top_k} (shape {tuple(routing.shape)})")
-    mapping = layout.mapping_for(L, who, error=RoutingMismatchError)
+                                   f"has top_k={model_shape.top_k} (shape {tuple(routing.shape)})")
+    mapping = model_shape.mapping_for(L, who, error=RoutingMismatchError)
     routing, dtype = signed_routing(routing, who, "routing", RoutingMismatchError)
     dtype = arrived_as or dtype
-    if layout.num_experts > torch.iinfo(INDEX_DTYPE).max:
-        raise RoutingMismatchError(f"{who}: num_experts={layout.num_experts} does not fit the "
-                                   f"int16 training layout")
+    if model_shape.num_experts > torch.iinfo(INDEX_DTYPE).max:
+        raise RoutingMismatchError(f"{who}: num_experts={model_shape.num_experts} does not fit the "
+                                   f"int16 routing of the training batch")
     if mapping == "absolute":
-        check_dense_columns(layout, routing, who)
-    routing = routing[:, layout.columns(mapping), :]
-    bad = first_bad_route(routing, layout.num_experts)
+        check_dense_columns(model_shape, routing, who)
+    routing = routing[:, model_shape.columns(mapping), :]
+    bad = first_bad_route(routing, model_shape.num_experts)
     if bad is not None:
         raise RoutingMismatchError(
-            f"{who}: {describe_bad_route(bad, layout.num_experts, layout.moe_layer_ids)}"
+            f"{who}: {describe_bad_route(bad, model_shape.num_experts, model_shape.moe_layer_ids)}"
             f"{unsigned_note(dtype, bad.value)}")
     return routing.to(INDEX_DTYPE), mapping
 
 
-def check_dense_columns(layout: ModelShape, routing: torch.Tensor, who: str) -> None:
+def check_dense_columns(model_shape: ModelShape, routing: torch.Tensor, who: str) -> None:
     """In routing indexed by absolute layer id, the columns of the layers the model says are
     dense hold no route: 0 (what vLLM and SGLang write there; SGLang measured with DeepSeek-V3's
     first_k_dense_replace) or -1. Anything else means the engine's
-    model has MoE layers where this layout has dense ones (another model, or a wrong
+    model has MoE layers where this model shape has dense ones (another model, or a wrong
     `moe_layer_ids`), and the MoE columns cannot be trusted either."""
-    moe = set(layout.moe_layer_ids)
-    dense = [lid for lid in range(layout.num_hidden_layers) if lid not in moe]
+    moe = set(model_shape.moe_layer_ids)
+    dense = [lid for lid in range(model_shape.num_hidden_layers) if lid not in moe]
     if not dense or routing.shape[0] == 0:
         return
     cols = routing[:, dense, :]
@@ -88,8 +90,8 @@ def check_dense_columns(layout: ModelShape, routing: torch.Tensor, who: str) -> 
     rows = int(bad.any(2).any(1).sum())
     raise RoutingMismatchError(
         f"{who}: token {t}, layer {dense[c]} routes to experts {cols[t, c].tolist()}, but the "
-        f"model's layer {dense[c]} is dense (MoE layers {list(layout.moe_layer_ids)} of "
-        f"{layout.num_hidden_layers}); {rows} of {routing.shape[0]} token rows have routes in "
+        f"model's layer {dense[c]} is dense (MoE layers {list(model_shape.moe_layer_ids)} of "
+        f"{model_shape.num_hidden_layers}); {rows} of {routing.shape[0]} token rows have routes in "
         f"dense layers. The routing comes from a model with other MoE layers"
     )
 
@@ -149,10 +151,11 @@ def as_tensor(x, who: str) -> torch.Tensor:
     raise RoutingMismatchError(f"{who}: routing must be an array or tensor, got {type(x).__name__}")
 
 
-def missing_sequence(layout: ModelShape, n: int) -> SequenceRouting:
+@renamed_keyword("layout", "model_shape", "missing_sequence")
+def missing_sequence(model_shape: ModelShape, n: int) -> SequenceRouting:
     """A sequence of n tokens without routing: every slot -1, every mask entry False."""
     return SequenceRouting(
-        torch.full((n, layout.num_moe_layers, layout.top_k), -1, dtype=INDEX_DTYPE),
+        torch.full((n, model_shape.num_moe_layers, model_shape.top_k), -1, dtype=INDEX_DTYPE),
         torch.zeros(n, dtype=torch.bool),
         None,
     )
@@ -187,8 +190,9 @@ class MultiTurnRouting:
     that starts after the rows held (a gap) or ends before them raises.
     """
 
-    def __init__(self, layout: ModelShape, *, request: int | str = 0) -> None:
-        self.layout = layout
+    @renamed_keyword("layout", "model_shape", "MultiTurnRouting")
+    def __init__(self, model_shape: ModelShape, *, request: int | str = 0) -> None:
+        self.model_shape = model_shape
         self.request = request
         self._parts: list[torch.Tensor] = []
         self._masks: list[torch.Tensor] = []
@@ -196,6 +200,13 @@ class MultiTurnRouting:
         self.turns = 0
         self.mapping: str | None = None
         self.masked: list[tuple[int, int, str]] = []  # (first row, end row, why)
+
+    @property
+    def layout(self) -> ModelShape:
+        """Deprecated name of `model_shape` (one release)."""
+        warnings.warn("MultiTurnRouting.layout is deprecated; use model_shape",
+                      DeprecationWarning, stacklevel=2)
+        return self.model_shape
 
     def add_turn(self, routing, seq_len: int, start: int = 0) -> None:
         who = f"request {self.request} turn {self.turns}"
@@ -222,7 +233,7 @@ class MultiTurnRouting:
                 f"{who}: seq_len={seq_len} is shorter than the {self.rows + 1} tokens of the "
                 f"earlier turns; turns must be added in order"
             )
-        moe, mapping = to_moe(self.layout, r, who)
+        moe, mapping = to_moe(self.model_shape, r, who)
         if self.mapping is not None and mapping != self.mapping:
             raise RoutingMismatchError(f"{who}: layer mapping {mapping!r} differs from earlier "
                                        f"turns ({self.mapping!r})")
@@ -241,7 +252,7 @@ class MultiTurnRouting:
         if n < 0:
             raise RoutingMismatchError(f"request {self.request}: cannot mask {n} rows")
         if n:
-            L, K = self.layout.num_moe_layers, self.layout.top_k
+            L, K = self.model_shape.num_moe_layers, self.model_shape.top_k
             self._parts.append(torch.full((n, L, K), -1, dtype=INDEX_DTYPE))
             self._masks.append(torch.zeros(n, dtype=torch.bool))
             self.masked.append((self.rows, self.rows + n, why))
@@ -258,7 +269,7 @@ class MultiTurnRouting:
                 f"{who}: the sequence has {num_tokens} tokens but its routing covers "
                 f"{self.rows} tokens (+1 final token without route = {self.rows + 1})"
             )
-        L, K = self.layout.num_moe_layers, self.layout.top_k
+        L, K = self.model_shape.num_moe_layers, self.model_shape.top_k
         tail = torch.full((1, L, K), -1, dtype=INDEX_DTYPE)
         idx = torch.cat(self._parts + [tail], dim=0)
         mask = torch.cat(self._masks + [torch.zeros(1, dtype=torch.bool)])
@@ -583,7 +594,7 @@ def pack_padded(
     max_prompt_len: int | None = None,
     max_response_len: int | None = None,
 ) -> ReplayBatch:
-    """verl's layout: `[B, max_prompt_len + max_response_len, L, K]`, sequence i's first
+    """verl's padded format: `[B, max_prompt_len + max_response_len, L, K]`, sequence i's first
     `prompt_lens[i]` tokens end at column `max_prompt_len` (left padding) and its
     remaining tokens start there (right padding)."""
     if not seqs:

@@ -66,6 +66,7 @@ from .batch import (
     pack,
     packing_arg,
 )
+from ..._deprecated import renamed_keyword
 
 SGLANG_KEY = "routed_experts"
 SGLANG_START_KEY = "routed_experts_start_len"
@@ -116,22 +117,23 @@ def encode_sglang(routing, dtype: str = "int32") -> str:
     return base64.b64encode(arr.tobytes()).decode("ascii")
 
 
-def payload_layers(n_values: int, rows: int, layout: ModelShape, who: str,
+def payload_layers(n_values: int, rows: int, model_shape: ModelShape, who: str,
                    num_layers: int | None = None, dtype_name: str = "int32") -> int:
     """The layer count L of a flat payload of `n_values` values (of `dtype_name`, for the
     messages) that must hold `rows` token rows: `num_layers` when the caller knows it, else
     the one layer count of the model (MoE or all hidden layers) that divides the payload. A
     payload that fits both is ambiguous and refused; a payload whose rows differ from `rows`
     is refused."""
-    K = layout.top_k
-    counts = sorted({layout.num_moe_layers, layout.num_hidden_layers})
+    K = model_shape.top_k
+    counts = sorted({model_shape.num_moe_layers, model_shape.num_hidden_layers})
     if n_values == 0 and rows == 0:  # an empty payload for an empty range of tokens
-        return num_layers or layout.num_moe_layers
+        return num_layers or model_shape.num_moe_layers
     if num_layers is not None:
         if num_layers not in counts:
             raise RoutingMismatchError(
-                f"{who}: num_layers={num_layers} is neither the model's {layout.num_moe_layers} "
-                f"MoE layers nor its {layout.num_hidden_layers} hidden layers")
+                f"{who}: num_layers={num_layers} is neither the model's "
+                f"{model_shape.num_moe_layers} "
+                f"MoE layers nor its {model_shape.num_hidden_layers} hidden layers")
         readings = [num_layers] if n_values % (num_layers * K) == 0 else []
     else:
         readings = [L for L in counts if n_values % (L * K) == 0]
@@ -141,8 +143,8 @@ def payload_layers(n_values: int, rows: int, layout: ModelShape, who: str,
                 f"{n_values // (counts[0] * K)} token rows x L={counts[0]} and "
                 f"{n_values // (counts[1] * K)} rows x L={counts[1]} "
                 f"(x K={K}); the payload alone cannot tell which. Pass the engine's layer "
-                f"count as num_layers={layout.num_moe_layers} (MoE layers) or "
-                f"num_layers={layout.num_hidden_layers} (all hidden layers)"
+                f"count as num_layers={model_shape.num_moe_layers} (MoE layers) or "
+                f"num_layers={model_shape.num_hidden_layers} (all hidden layers)"
             )
     if not readings or n_values // (readings[0] * K) != rows:
         options = [num_layers] if num_layers is not None else counts
@@ -233,7 +235,7 @@ def _request_starts(requests, B: int, who: str) -> list:
     return out
 
 
-def _turn_routing(mi, rows: int, layout: ModelShape, who: str,
+def _turn_routing(mi, rows: int, model_shape: ModelShape, who: str,
                   num_layers: int | None) -> torch.Tensor:
     """One turn's payload (base64 of the meta_info's dtype, or an array `[rows, L, K]` or
     SGLang's decoded `[rows, L*K]`) as a tensor `[rows, L, K]`."""
@@ -242,20 +244,21 @@ def _turn_routing(mi, rows: int, layout: ModelShape, who: str,
     if isinstance(payload, (str, bytes)):
         # bound the decoded size by the request's rows before decoding (twice that, plus a
         # little: a payload slightly off is decoded and refused below with its row count)
-        need = dt.itemsize * rows * max(layout.num_hidden_layers, layout.num_moe_layers) * \
-            layout.top_k
+        ms = model_shape
+        need = dt.itemsize * rows * max(ms.num_hidden_layers, ms.num_moe_layers) * ms.top_k
         if b64_size(payload) > 2 * need + 4096:
             raise RoutingMismatchError(
                 f"{who}: routed_experts is {len(payload)} base64 characters, far more than the "
-                f"{4 * -(-need // 3)} that {rows} token rows of {dt.name} [L, K={layout.top_k}] "
+                f"{4 * -(-need // 3)} that {rows} token rows of {dt.name} "
+                f"[L, K={model_shape.top_k}] "
                 f"take")
         raw = decode_b64(payload, who)
         if len(raw) % dt.itemsize:
             raise RoutingMismatchError(f"{who}: {len(raw)} bytes is not a whole number "
                                        f"of {dt.name} values")
         n = len(raw) // dt.itemsize
-        L = payload_layers(n, rows, layout, who, num_layers, dt.name)
-        arr = np.frombuffer(raw, dtype=dt).reshape(-1, L, layout.top_k)
+        L = payload_layers(n, rows, model_shape, who, num_layers, dt.name)
+        arr = np.frombuffer(raw, dtype=dt).reshape(-1, L, model_shape.top_k)
         return torch.from_numpy(arr.astype(dt.newbyteorder("="), copy=True))
     arr = as_tensor(payload, who)
     if arr.dim() == 2:  # SGLang's decode helper: [positions, L * K]
@@ -263,17 +266,17 @@ def _turn_routing(mi, rows: int, layout: ModelShape, who: str,
             raise RoutingMismatchError(
                 f"{who}: routed_experts [positions, L*K] has {arr.shape[0]} token rows but "
                 f"seqlen - 1 - start = {rows}")
-        L = payload_layers(arr.numel(), rows, layout, who, num_layers,
+        L = payload_layers(arr.numel(), rows, model_shape, who, num_layers,
                            str(arr.dtype).split(".")[-1])
-        arr = arr.reshape(rows, L, layout.top_k)
+        arr = arr.reshape(rows, L, model_shape.top_k)
     return arr
 
 
-def _start_hint(n_values: int, want: int, layout: ModelShape, num_layers) -> str:
+def _start_hint(n_values: int, want: int, model_shape: ModelShape, num_layers) -> str:
     """How many rows fewer than the whole request a payload holds, when one reading fits."""
-    K = layout.top_k
-    counts = [num_layers] if num_layers else sorted({layout.num_moe_layers,
-                                                     layout.num_hidden_layers})
+    K = model_shape.top_k
+    counts = [num_layers] if num_layers else sorted({model_shape.num_moe_layers,
+                                                     model_shape.num_hidden_layers})
     fits = {n_values // (L * K) for L in counts if n_values % (L * K) == 0}
     if len(fits) == 1:
         d = want - fits.pop()
@@ -284,10 +287,11 @@ def _start_hint(n_values: int, want: int, layout: ModelShape, num_layers) -> str
     return ""
 
 
+@renamed_keyword("layout", "model_shape", "sglang_sequences")
 def sglang_sequences(
     meta_infos: Sequence[Mapping | Sequence[Mapping] | None],
     seq_lens: Sequence[int | Sequence[int]],
-    layout: ModelShape,
+    model_shape: ModelShape,
     *,
     starts: int | Sequence[int | Sequence[int]] | None = None,
     requests: Mapping | Sequence[Mapping | Sequence[Mapping] | None] | None = None,
@@ -335,14 +339,14 @@ def sglang_sequences(
         turns_len = [n] if _is_int(n) else list(n)
         total = int(turns_len[-1])
         if m is None:
-            out.append(missing_sequence(layout, total))
+            out.append(missing_sequence(model_shape, total))
             continue
         if len(turns_meta) != len(turns_len):
             raise RoutingMismatchError(f"request {i}: {len(turns_meta)} turns of meta_info but "
                                        f"{len(turns_len)} turn lengths")
         turns_start = _turn_starts(i, len(turns_meta), starts, req_starts)
         gaps = _gap_rows(prefix_routing, i)
-        acc = MultiTurnRouting(layout, request=i)
+        acc = MultiTurnRouting(model_shape, request=i)
         for j, (mi, sl, s0) in enumerate(zip(turns_meta, turns_len, turns_start)):
             tw = f"request {i} turn {j}"
             if not isinstance(mi, Mapping) or mi.get(SGLANG_KEY) is None:
@@ -364,21 +368,21 @@ def sglang_sequences(
             if rows < 0:
                 raise RoutingMismatchError(f"{tw}: start={s} is past seq_len - 1 = {sl - 1}")
             try:
-                arr = _turn_routing(mi, rows, layout, tw, num_layers)
+                arr = _turn_routing(mi, rows, model_shape, tw, num_layers)
             except RoutingMismatchError as e:
                 p = mi[SGLANG_KEY]
                 if s or not isinstance(p, (str, bytes)):
                     raise
                 raw_len = b64_size(p) // wire_dtype(mi, tw).itemsize
                 raise RoutingMismatchError(
-                    f"{e}{_start_hint(raw_len, rows, layout, num_layers)}") from None
+                    f"{e}{_start_hint(raw_len, rows, model_shape, num_layers)}") from None
             if arr.shape[0] != rows:
                 raise RoutingMismatchError(
                     f"{tw}: routed_experts has {arr.shape[0]} token rows but seqlen - 1 - start "
                     f"= {rows} (seqlen={sl}, start={s})"
                 )
             if s > acc.rows:
-                _fill_gap(acc, gaps, i, j, s, layout, num_layers, omitted)
+                _fill_gap(acc, gaps, i, j, s, model_shape, num_layers, omitted)
             acc.add_turn(arr, sl, s)
         out.append(acc.sequence(total))
     return out
@@ -427,7 +431,7 @@ def _gap_rows(prefix_routing, i: int) -> dict:
 
 
 def _fill_gap(acc: MultiTurnRouting, gaps: dict, i: int, j: int, start: int,
-              layout: ModelShape, num_layers, omitted: str) -> None:
+              model_shape: ModelShape, num_layers, omitted: str) -> None:
     """Rows acc.rows..start-1, which turn j's start leaves uncovered: supplied, masked, or
     refused."""
     lo, n = acc.rows, start - acc.rows
@@ -438,7 +442,7 @@ def _fill_gap(acc: MultiTurnRouting, gaps: dict, i: int, j: int, start: int,
         pw = f"request {i} prefix_routing" + (f"[{j}]" if key is not None else "")
         mi = rows if isinstance(rows, Mapping) else {SGLANG_KEY: rows}
         try:
-            r = _turn_routing(mi, n, layout, pw, num_layers)
+            r = _turn_routing(mi, n, model_shape, pw, num_layers)
         except RoutingMismatchError as e:
             raise RoutingMismatchError(f"{e} (it must hold the rows of tokens {lo}..{start - 1}, "
                                        f"which {tw}'s start={start} leaves uncovered)") from None
@@ -466,14 +470,15 @@ def _fill_gap(acc: MultiTurnRouting, gaps: dict, i: int, j: int, start: int,
         f"zero-filled")
 
 
-def sglang_batch(meta_infos, seq_lens, prompt_lens, layout, *, starts=None, requests=None,
+@renamed_keyword("layout", "model_shape", "sglang_batch")
+def sglang_batch(meta_infos, seq_lens, prompt_lens, model_shape, *, starts=None, requests=None,
                  num_layers=None, prefix_routing=None, omitted="error", packing=None,
                  max_prompt_len=None, max_response_len=None,
                  allow_missing=False, layout_kind=None) -> ReplayBatch:
     """`sglang_sequences` then `pack_padded` (packing="padded", the default) or `pack_thd`
     ("thd"). `layout_kind` is the deprecated name of `packing`."""
     packing = packing_arg(packing, layout_kind, "sglang_batch")
-    seqs = sglang_sequences(meta_infos, seq_lens, layout, starts=starts, requests=requests,
+    seqs = sglang_sequences(meta_infos, seq_lens, model_shape, starts=starts, requests=requests,
                             num_layers=num_layers, prefix_routing=prefix_routing,
                             omitted=omitted, allow_missing=allow_missing)
     return pack(seqs, prompt_lens, packing, max_prompt_len, max_response_len)

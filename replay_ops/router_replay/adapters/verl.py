@@ -9,15 +9,17 @@ import torch
 
 from ..._validate import signed_routing
 from .batch import ModelShape, ReplayBatch, RoutingMismatchError, as_tensor, to_moe
+from ..._deprecated import renamed_keyword
 
 
 ZERO_ROWS = ("error", "missing", "expert0")
 
 
+@renamed_keyword("layout", "model_shape", "from_verl_padded")
 def from_verl_padded(
     routed,
     attention_mask,
-    layout: ModelShape,
+    model_shape: ModelShape,
     *,
     replay_mask=None,
     zero_rows: str = "error",
@@ -57,9 +59,9 @@ def from_verl_padded(
             f"{tuple(routed.shape)} and {tuple(am.shape)}"
         )
     B, S, L, K = routed.shape
-    if K != layout.top_k:
+    if K != model_shape.top_k:
         raise RoutingMismatchError(f"{who}: routed has K={K} experts per token, the model has "
-                                   f"top_k={layout.top_k} (shape {tuple(routed.shape)})")
+                                   f"top_k={model_shape.top_k} (shape {tuple(routed.shape)})")
     if zero_rows == "missing" and K == 1:
         raise ValueError(
             f"{who}: zero_rows='missing' needs top_k >= 2: with top_k=1 an all-zero row is "
@@ -78,7 +80,7 @@ def from_verl_padded(
     if replay_mask is not None:
         mask &= _padded_mask(replay_mask, am, who)
     flat = routed.detach().cpu().reshape(B * S, L, K)
-    cols = layout.columns(layout.mapping_for(L, who, error=RoutingMismatchError))
+    cols = model_shape.columns(model_shape.mapping_for(L, who, error=RoutingMismatchError))
     zero = (flat[:, cols, :] == 0).all(dim=2).all(dim=1).view(B, S) & mask
     if zero_rows == "missing":
         mask &= ~zero
@@ -96,10 +98,10 @@ def from_verl_padded(
                "routing, and zero_rows='expert0' to replay the zero rows left as expert 0"))
     idx = torch.where(mask.reshape(B * S, 1, 1), flat, -1)
     try:
-        moe, mapping = to_moe(layout, idx, who, arrived_as=dtype)
+        moe, mapping = to_moe(model_shape, idx, who, arrived_as=dtype)
     except RoutingMismatchError as e:
         raise RoutingMismatchError(f"{e} (flattened token index = b * S + s, S={S})") from None
-    return ReplayBatch(moe.reshape(B, S, layout.num_moe_layers, K), mask, None,
+    return ReplayBatch(moe.reshape(B, S, model_shape.num_moe_layers, K), mask, None,
                        [mapping] * B)
 
 

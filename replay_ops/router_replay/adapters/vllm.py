@@ -85,6 +85,7 @@ from .batch import (
     pack,
     packing_arg,
 )
+from ..._deprecated import renamed_keyword
 
 VLLM_KEY = "routed_experts"
 VLLM_START_KEY = "routed_experts_prompt_start"
@@ -166,7 +167,7 @@ def encode_vllm(routing) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _as_routing(x, layout: ModelShape, who: str, max_rows: int | None = None,
+def _as_routing(x, model_shape: ModelShape, who: str, max_rows: int | None = None,
                 narrowed: bool = False) -> torch.Tensor:
     """One payload (array, tensor, list, or the server's base64 text) as a tensor, with
     vLLM's dtype rule checked (uint8 above 256 experts passes when `narrowed`); a base64
@@ -174,7 +175,7 @@ def _as_routing(x, layout: ModelShape, who: str, max_rows: int | None = None,
     if isinstance(x, (str, bytes, bytearray, memoryview)):
         x = decode_vllm(x, who=who, max_rows=max_rows)
     t = as_tensor(x, who)
-    E = layout.num_experts
+    E = model_shape.num_experts
     if t.dtype == torch.uint16 and E <= 256:
         raise RoutingMismatchError(
             f"{who}: routing arrived as uint16, but vLLM sends uint8 for a model with at most "
@@ -190,33 +191,33 @@ def _as_routing(x, layout: ModelShape, who: str, max_rows: int | None = None,
     return t
 
 
-def _check_not_zero_filled(t: torch.Tensor, layout: ModelShape, who: str) -> None:
+def _check_not_zero_filled(t: torch.Tensor, model_shape: ModelShape, who: str) -> None:
     """Refuse zero-filled routing (see the module docstring for the top_k == 1 rule)."""
-    if t.dim() != 3 or t.shape[0] == 0 or t.shape[2] != layout.top_k:
+    if t.dim() != 3 or t.shape[0] == 0 or t.shape[2] != model_shape.top_k:
         return  # the shape checks that follow name the problem
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
         return  # so does the dtype check
     L = t.shape[1]
     try:
-        mapping = layout.mapping_for(L, who, error=RoutingMismatchError)
+        mapping = model_shape.mapping_for(L, who, error=RoutingMismatchError)
     except RoutingMismatchError:
         return
-    cols = layout.columns(mapping)
-    if mapping == "absolute":  # a layout with other dense layers is the better message
-        check_dense_columns(layout, t, who)
+    cols = model_shape.columns(mapping)
+    if mapping == "absolute":  # a model shape with other dense layers is the better message
+        check_dense_columns(model_shape, t, who)
     moe = t[:, cols, :]
     zero = (moe == 0).all(dim=2)  # [n, L_moe]
     if not bool(zero.any()):
         return
     n, Lm = zero.shape
-    K, E = layout.top_k, layout.num_experts
+    K, E = model_shape.top_k, model_shape.num_experts
     note = ("zero-filled routing: a kernel path that bypassed vLLM's routing capture returns "
             "its zero-initialised rows (vLLM issue 54730); these are not routes")
     if K >= 2:
         tok, c = (int(v) for v in zero.nonzero()[0])
         raise RoutingMismatchError(
-            f"{who}: token {tok}, MoE layer {layout.moe_layer_ids[c]}: all {K} slots are expert "
-            f"0 ({int(zero.sum())} of {n * Lm} (token, MoE layer) rows are); {note}")
+            f"{who}: token {tok}, MoE layer {model_shape.moe_layer_ids[c]}: all {K} slots are "
+            f"expert 0 ({int(zero.sum())} of {n * Lm} (token, MoE layer) rows are); {note}")
     if bool(zero.all()) and n * Lm * math.log(E) > -math.log(ZERO_TURN_PROBABILITY):
         raise RoutingMismatchError(
             f"{who}: all {n} token rows are expert 0 in every MoE layer ({Lm} layers, "
@@ -231,11 +232,12 @@ def _hint(rows: int, want_full: int) -> str:
     return ""
 
 
+@renamed_keyword("layout", "model_shape", "vllm_sequences")
 def vllm_sequences(
     routed_experts: Sequence[Any | None],
     prompt_lens: Sequence[int],
     response_lens: Sequence[int],
-    layout: ModelShape,
+    model_shape: ModelShape,
     *,
     prompt_starts: Sequence[int | Sequence[int] | None] | None = None,
     prefix_routing: Sequence[Any | None] | None = None,
@@ -275,11 +277,11 @@ def vllm_sequences(
         if P < 0 or G < 0 or P + G < 1:
             raise RoutingMismatchError(f"request {i}: prompt_len={P}, response_len={G} is empty")
         if r is None:
-            out.append(missing_sequence(layout, P + G))
+            out.append(missing_sequence(model_shape, P + G))
             continue
         st = None if prompt_starts is None else prompt_starts[i]
         pre = None if prefix_routing is None else prefix_routing[i]
-        acc = MultiTurnRouting(layout, request=i)
+        acc = MultiTurnRouting(model_shape, request=i)
         if isinstance(r, list) and r and isinstance(r[0], tuple):
             turns = _turns(r, st, i)
             if turns[-1][1] != P + G:
@@ -295,7 +297,7 @@ def vllm_sequences(
         cut = truncated is not None and bool(truncated[i])
         for j, (payload, seq_len, start) in enumerate(turns):
             tw = f"request {i} turn {j}"
-            t = _as_routing(payload, layout, tw, max_rows=max(seq_len, 0), narrowed=narrowed)
+            t = _as_routing(payload, model_shape, tw, max_rows=max(seq_len, 0), narrowed=narrowed)
             last = cut and j == len(turns) - 1  # a truncated response: one more row
             want = seq_len - 1 - start + last
             if t.dim() == 3 and t.shape[0] != want:
@@ -309,19 +311,19 @@ def vllm_sequences(
                     f"{t.shape[0]} token rows but "
                     f"{what} = {want} ({lens}{f', prompt_start={start}' if start else ''})"
                     f"{_hint(t.shape[0], seq_len - 1) if not start else ''}")
-            _check_not_zero_filled(t, layout, tw)
+            _check_not_zero_filled(t, model_shape, tw)
             if start > acc.rows:
                 gap = (acc.rows, start)
                 if j == 0 and pre is not None:
                     pw = f"request {i} prefix_routing"
-                    p = _as_routing(pre, layout, pw, max_rows=max(start, 0), narrowed=narrowed)
+                    p = _as_routing(pre, model_shape, pw, max_rows=max(start, 0), narrowed=narrowed)
                     if p.dim() == 3 and p.shape[0] != start - acc.rows:
                         raise RoutingMismatchError(
                             f"{pw}: has {p.shape[0]} token rows but the request omitted rows "
                             f"{gap[0]}..{gap[1] - 1} ({start - acc.rows} rows, "
                             f"routed_experts_prompt_start={start}); slice the earlier "
                             f"request's routing to the shared prefix")
-                    _check_not_zero_filled(p, layout, pw)
+                    _check_not_zero_filled(p, model_shape, pw)
                     acc.add_turn(p, start + 1, acc.rows)
                     acc.turns -= 1  # the prefix is not a turn of its own
                 elif omitted == "mask":
@@ -366,14 +368,15 @@ def _turns(r: list, st, i: int) -> list[tuple[Any, int, int]]:
     return turns
 
 
-def vllm_batch(routed_experts, prompt_lens, response_lens, layout, *, packing=None,
+@renamed_keyword("layout", "model_shape", "vllm_batch")
+def vllm_batch(routed_experts, prompt_lens, response_lens, model_shape, *, packing=None,
                max_prompt_len=None, max_response_len=None, prompt_starts=None,
                prefix_routing=None, omitted="error", allow_missing=False, narrowed=False,
                truncated=None, layout_kind=None) -> ReplayBatch:
     """`vllm_sequences` then `pack_padded` (packing="padded", the default) or `pack_thd`
     ("thd"). `layout_kind` is the deprecated name of `packing`."""
     packing = packing_arg(packing, layout_kind, "vllm_batch")
-    seqs = vllm_sequences(routed_experts, prompt_lens, response_lens, layout,
+    seqs = vllm_sequences(routed_experts, prompt_lens, response_lens, model_shape,
                           prompt_starts=prompt_starts, prefix_routing=prefix_routing,
                           omitted=omitted, allow_missing=allow_missing, narrowed=narrowed,
                           truncated=truncated)
