@@ -47,3 +47,15 @@ def use(*models):
 
     RouterReplay.global_router_replay_instances[:] = [
         r.router_replay for m in models for r in routers(m)]
+
+
+def assert_same(a, b, what, router_grads=False):
+    """Two runs' (loss, {parameter: gradient}) agree (fp32 tolerances), and with
+    `router_grads` the second run's router weights got a non-zero gradient."""
+    torch.testing.assert_close(a[0], b[0], msg=lambda m: f"{what}: loss: {m}")
+    assert set(a[1]) == set(b[1]), f"{what}: gradients of {set(a[1]) ^ set(b[1])}"
+    for name in a[1]:
+        torch.testing.assert_close(a[1][name], b[1][name], rtol=1e-5, atol=5e-7,
+                                   msg=lambda m, n=name: f"{what}: grad {n}: {m}")
+    if router_grads:
+        assert any("router.weight" in n and g.abs().sum() > 0 for n, g in b[1].items()), what

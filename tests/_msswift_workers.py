@@ -85,11 +85,7 @@ def _forward(model, ids, grad=True, before_backward=None):
 
 
 def _assert_same(a, b, what):
-    torch.testing.assert_close(a[0], b[0], msg=lambda m: f"{what}: loss: {m}")
-    assert set(a[1]) == set(b[1]), f"{what}: gradients of {set(a[1]) ^ set(b[1])}"
-    for name in a[1]:
-        torch.testing.assert_close(a[1][name], b[1][name], rtol=1e-5, atol=5e-7,
-                                   msg=lambda m, n=name: f"{what}: grad {n}: {m}")
+    _client_gpt.assert_same(a, b, what)
 
 
 def _r3_old_logprob(m, model, cfg, global_idx, ids):

@@ -134,12 +134,7 @@ def _forward(model, ids, pad_mask, grad=True, backward_hook=None):
 
 
 def _assert_same(a, b, what):
-    torch.testing.assert_close(a[0], b[0], msg=lambda m: f"{what}: loss: {m}")
-    assert set(a[1]) == set(b[1]), f"{what}: gradients of {set(a[1]) ^ set(b[1])}"
-    for name in a[1]:
-        torch.testing.assert_close(a[1][name], b[1][name], rtol=1e-5, atol=5e-7,
-                                   msg=lambda m, n=name: f"{what}: grad {n}: {m}")
-    assert any("router.weight" in n and g.abs().sum() > 0 for n, g in b[1].items()), what
+    _client_gpt.assert_same(a, b, what, router_grads=True)
 
 
 def _replay_step(s, model, cfg, rei, pmask, amask, layout, ids, packed=True):
