@@ -87,6 +87,16 @@ def _fake_plan(T, K, E, align, device, present=True):
             torch.empty(plan_capacity(T, K, E, align), **i32))
 
 
+def _logit_grad(kernel: str, grad: Tensor, logits: Tensor, expert_indices: Tensor,
+                flat_opts: tuple, backend: str) -> Tensor:
+    """The backward ops' body: the backend's `kernel` ("gate_bwd" or "gate_dense_bwd") for
+    this shape and dtype, with the flat backward options as one GateOptions."""
+    (T, E), K = logits.shape, expert_indices.shape[1]
+    opts = GateOptions.from_flat(BACKWARD_FIELDS, flat_opts)
+    impl = select(kernel, logits.device.type, OpShape(T, E, K), logits.dtype, backend)
+    return getattr(impl, kernel)(grad, logits, expert_indices, opts)
+
+
 def _gate_setup(ctx, inputs, output):
     logits, _, _, score_func, normalize, scaling_factor, _, _, backend = inputs
     ctx.save_for_backward(logits, output[1])
@@ -120,10 +130,8 @@ def gate_backward(
     backend: str,
 ) -> Tensor:
     """Dense [T, E] gradient of the logits, given the gradient of the [T, K] weights."""
-    (T, E), K = logits.shape, expert_indices.shape[1]
-    opts = GateOptions.from_flat(BACKWARD_FIELDS, (score_func, normalize, scaling_factor))
-    impl = select("gate_bwd", logits.device.type, OpShape(T, E, K), logits.dtype, backend)
-    return impl.gate_bwd(grad_weights, logits, expert_indices, opts)
+    return _logit_grad("gate_bwd", grad_weights, logits, expert_indices,
+                       (score_func, normalize, scaling_factor), backend)
 
 
 @gate_backward.register_fake
@@ -363,10 +371,8 @@ def gate_dense_backward(
 ) -> Tensor:
     """Dense [T, E] gradient of the logits given the gradient of the dense [T, E] probs (read
     at the routed experts inside the kernel; any strides)."""
-    (T, E), K = logits.shape, expert_indices.shape[1]
-    opts = GateOptions.from_flat(BACKWARD_FIELDS, (score_func, normalize, scaling_factor))
-    impl = select("gate_dense_bwd", logits.device.type, OpShape(T, E, K), logits.dtype, backend)
-    return impl.gate_dense_bwd(grad_probs.to(logits.dtype), logits, expert_indices, opts)
+    return _logit_grad("gate_dense_bwd", grad_probs.to(logits.dtype), logits, expert_indices,
+                       (score_func, normalize, scaling_factor), backend)
 
 
 @gate_dense_backward.register_fake
