@@ -18,10 +18,9 @@ import time
 
 import torch
 
-from . import workload
 from .config import DemoConfig
 from .sglang_engine import SglangRuntime, SglangServer, find_sglang, sglang_version
-from .vllm_rollout import build_checkpoint, sequences, train_and_compare
+from .vllm_rollout import build_checkpoint, sample_responses, train_and_compare
 
 
 def routing_from_generations(gens: dict, layout):
@@ -55,26 +54,12 @@ def run(cfg: DemoConfig, device: torch.device, timing: dict, *,
     timing["sglang_find_or_install_s"] = time.perf_counter() - t0
     model_dir = build_checkpoint(cfg, os.path.join(os.path.abspath(cfg.out), "sglang_model"),
                                  vllm=False)
-    prompt_lens, resp_lens, prompts = workload.make_prompts(cfg)
-    max_len = max(prompt_lens[i] + resp_lens[i] for i in prompt_lens)
-    dtype = cfg.vllm_dtype
-    log(f"sglang: starting the server ({runtime.source}, dtype={dtype})", flush=True)
-    t0 = time.perf_counter()
-    with SglangServer(model_dir, runtime, dtype=dtype, context_length=max(256, 2 * max_len),
-                      log_path=os.path.join(os.path.abspath(cfg.out), "sglang_server.log")) as srv:
-        timing["sglang_server_start_s"] = srv.start_s
-        log(f"sglang: server up at {srv.url} in {srv.start_s:.1f} s; sampling {cfg.num_seqs} "
-            f"responses", flush=True)
-        ids = list(range(cfg.num_seqs))
-        t1 = time.perf_counter()
-        outs = srv.generate_batch([prompts[i].tolist() for i in ids],
-                                  [resp_lens[i] for i in ids],
-                                  seeds=[cfg.seed * 1000 + i for i in ids],
-                                  temperature=cfg.temperature, starts=0)
-        timing["sglang_generation_s"] = time.perf_counter() - t1
-    timing["inference_total_s"] = time.perf_counter() - t0
-    gens = dict(zip(ids, outs))
-    seqs, infer_lp = sequences("sglang", gens, prompts, resp_lens)
+    gens, seqs, infer_lp, prompt_lens, _ = sample_responses(
+        cfg, "sglang", runtime, timing, log,
+        lambda max_len, log_path: SglangServer(model_dir, runtime, dtype=cfg.vllm_dtype,
+                                               context_length=max_len, log_path=log_path),
+        lambda srv, prompts, lens, seeds: srv.generate_batch(
+            prompts, lens, seeds=seeds, temperature=cfg.temperature, starts=0))
     eng, results, r2, batch = train_and_compare(
         cfg, device, timing, model_dir, seqs, prompt_lens, infer_lp,
         lambda layout: routing_from_generations(gens, layout))
@@ -82,7 +67,7 @@ def run(cfg: DemoConfig, device: torch.device, timing: dict, *,
         "engine": "sglang",
         "runtime": runtime.source,
         "version": sglang_version(runtime),
-        "dtype": dtype,
+        "dtype": cfg.vllm_dtype,
         "requests": "requests in one batched /generate",
         "server": "HTTP server on 127.0.0.1, --enable-return-routed-experts"
                   + (", CPU engine (torch_native attention)" if runtime.cpu else ""),

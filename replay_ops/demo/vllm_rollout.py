@@ -94,25 +94,12 @@ def run(cfg: DemoConfig, device: torch.device, timing: dict, *, runtime: VllmRun
     runtime = runtime or find_vllm(install=True, log=log)
     timing["vllm_find_or_install_s"] = time.perf_counter() - t0
     model_dir = build_checkpoint(cfg, os.path.join(os.path.abspath(cfg.out), "vllm_model"))
-    prompt_lens, resp_lens, prompts = workload.make_prompts(cfg)
-    max_len = max(prompt_lens[i] + resp_lens[i] for i in prompt_lens)
-    log(f"vllm: starting the server ({runtime.source}, dtype={cfg.vllm_dtype})", flush=True)
-    t0 = time.perf_counter()
-    with VllmServer(model_dir, runtime, dtype=cfg.vllm_dtype,
-                    max_model_len=max(256, 2 * max_len),
-                    log_path=os.path.join(os.path.abspath(cfg.out), "vllm_server.log")) as srv:
-        timing["vllm_server_start_s"] = srv.start_s
-        log(f"vllm: server up at {srv.url} in {srv.start_s:.1f} s; sampling {cfg.num_seqs} "
-            f"responses", flush=True)
-        ids = list(range(cfg.num_seqs))
-        t1 = time.perf_counter()
-        outs = srv.complete_many([prompts[i].tolist() for i in ids], [resp_lens[i] for i in ids],
-                                 seeds=[cfg.seed * 1000 + i for i in ids],
-                                 temperature=cfg.temperature)
-        timing["vllm_generation_s"] = time.perf_counter() - t1
-    timing["inference_total_s"] = time.perf_counter() - t0
-    completions = dict(zip(ids, outs))
-    seqs, infer_lp = sequences("vllm", completions, prompts, resp_lens)
+    completions, seqs, infer_lp, prompt_lens, resp_lens = sample_responses(
+        cfg, "vllm", runtime, timing, log,
+        lambda max_len, log_path: VllmServer(model_dir, runtime, dtype=cfg.vllm_dtype,
+                                             max_model_len=max_len, log_path=log_path),
+        lambda srv, prompts, lens, seeds: srv.complete_many(prompts, lens, seeds=seeds,
+                                                            temperature=cfg.temperature))
     eng, results, r2, batch = train_and_compare(
         cfg, device, timing, model_dir, seqs, prompt_lens, infer_lp,
         lambda layout: routing_from_completions(completions, prompt_lens, resp_lens, layout))
@@ -133,6 +120,33 @@ def run(cfg: DemoConfig, device: torch.device, timing: dict, *, runtime: VllmRun
         "generation_s": round(timing["vllm_generation_s"], 1),
     }
     return eng, results, r2, facts
+
+
+def sample_responses(cfg: DemoConfig, engine: str, runtime, timing: dict, log, open_server,
+                     generate):
+    """Every response of the workload from a real engine: `open_server(context_len,
+    log_path)` starts the engine's server (a context manager with `url` and `start_s`), and
+    `generate(server, prompts, response_lens, seeds)` samples them, in request order. Times
+    go to `timing` under the engine's name. Returns ({seq: result}, the training sequences,
+    the engine's response log-probs, prompt_lens, resp_lens), checked by `sequences`."""
+    prompt_lens, resp_lens, prompts = workload.make_prompts(cfg)
+    max_len = max(prompt_lens[i] + resp_lens[i] for i in prompt_lens)
+    log(f"{engine}: starting the server ({runtime.source}, dtype={cfg.vllm_dtype})", flush=True)
+    t0 = time.perf_counter()
+    log_path = os.path.join(os.path.abspath(cfg.out), f"{engine}_server.log")
+    with open_server(max(256, 2 * max_len), log_path) as srv:
+        timing[f"{engine}_server_start_s"] = srv.start_s
+        log(f"{engine}: server up at {srv.url} in {srv.start_s:.1f} s; sampling {cfg.num_seqs} "
+            f"responses", flush=True)
+        ids = list(range(cfg.num_seqs))
+        t1 = time.perf_counter()
+        outs = generate(srv, [prompts[i].tolist() for i in ids], [resp_lens[i] for i in ids],
+                        [cfg.seed * 1000 + i for i in ids])
+        timing[f"{engine}_generation_s"] = time.perf_counter() - t1
+    timing["inference_total_s"] = time.perf_counter() - t0
+    results = dict(zip(ids, outs))
+    seqs, infer_lp = sequences(engine, results, prompts, resp_lens)
+    return results, seqs, infer_lp, prompt_lens, resp_lens
 
 
 def sequences(engine: str, outs: dict, prompts: dict, resp_lens: dict):
