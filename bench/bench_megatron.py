@@ -5,8 +5,8 @@ Megatron fast path marked met or missed.
     python bench/bench_megatron.py --T 4096 16384 --E 128 256 --dtype float32 bfloat16 \\
         --out cpu_2core_megatron
 
-Ops (Megatron-Core 0.16.1, its real code; the CPU stand-ins of tests/_megatron_env.py are
-installed so its router runs without CUDA):
+Ops (Megatron-Core 0.16.1, its real code; the CPU stand-ins of
+`replay_ops.testing.megatron_cpu` are installed so its router runs without CUDA):
 
 * `route`: the router's `routing(logits)` under REPLAY_FORWARD, giving the dense probs and
   routing map. Providers: `megatron` (TopKRouter: its RouterReplay gathers the scores at
@@ -47,7 +47,6 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # this checkout's replay_ops, not an installed one
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
 import harness  # noqa: E402
 from launch_counter import counts, ops_str  # noqa: E402
 
@@ -63,7 +62,7 @@ STEP_FULL_SPEEDUP = 1.5
 
 
 def setup(E, K, H, device="cpu"):
-    import _megatron_env as env  # CPU stand-ins for Megatron (test/bench only)
+    from replay_ops.testing import megatron_cpu as env  # CPU stand-ins for Megatron
 
     env.install_cpu_shims()
     env.init_single()

@@ -44,9 +44,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-# ATen ops that read device memory to the host (the same list as tests/_helpers.py).
-SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim",
-            "unique_consecutive", "repeat_interleave", "equal")
+from replay_ops.testing.checks import HOST_READ_OPS
+
+# ATen ops that read device memory to the host.
+SYNC_OPS = HOST_READ_OPS
 # Allocation and metadata ops: no kernel runs.
 NO_KERNEL = ("empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided",
              "detach", "alias", "lift_fresh", "set_", "resize_", "_local_scalar_dense",

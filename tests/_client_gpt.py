@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-import _megatron_env as env
+from replay_ops.testing import megatron_cpu as env
 
 E = env.E_DEFAULT
 PATTERN = [1, 0, 1, 1]  # layers 1, 3, 4 are MoE, layer 2 is dense

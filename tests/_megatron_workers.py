@@ -1,4 +1,4 @@
-"""Per-rank bodies of the multi-process Megatron tests (run by _megatron_env.spawn in
+"""Per-rank bodies of the multi-process Megatron tests (run by megatron_cpu.spawn in
 fresh processes over gloo on 127.0.0.1). Each phase re-initialises Megatron's parallel
 state on the same 2-rank world, so one process group serves several configurations.
 Every check is an assertion here; a failing rank's traceback fails the calling test."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-import _megatron_env as env
+from replay_ops.testing import megatron_cpu as env
 
 E, K = env.E_DEFAULT, 2
 S, B, H = 8, 2, 16

@@ -3,7 +3,7 @@ unchanged; tests/_client_loaders.py says how it is loaded without TransformerEng
 Megatron-Core GPT models built with the replay router, against the same models with
 Megatron's router, both under ms-swift's `apply_router_replay_patch()` (its patch of the
 all-to-all dispatcher's `preprocess`, applied process-wide as ms-swift's trainer does: every
-body runs in a fresh process started by `_megatron_env.spawn`).
+body runs in a fresh process started by `replay_ops.testing.megatron_cpu.spawn`).
 
 The calls are those of ms-swift's trainers: R3's old-logprob pass
 (`compute_per_token_logps_fn`: `get_local_topk_idx_for_current_rank`, then
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 import _client_gpt
-import _megatron_env as env
+from replay_ops.testing import megatron_cpu as env
 from _client_gpt import E, MOE_LAYERS, PATTERN, V
 LENS = [7, 5, 4]  # packed sequences (padding-free)
 

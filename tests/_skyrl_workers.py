@@ -4,7 +4,8 @@ against the same models with Megatron's router under SkyRL's calls.
 SkyRL is real and unmodified (`make install-test` installs it; see tests/_client_loaders.py
 for how it imports on Python 3.11). Its `patch_topk_router_layer_number()` changes
 Megatron's `TopKRouter` for the whole process, so every body here runs in a fresh process
-started by `_megatron_env.spawn`. The chain is SkyRL's, function for function:
+started by `replay_ops.testing.megatron_cpu.spawn`. The chain is SkyRL's, function for
+function:
 
     RoutedExpertTrace (two turns, the second with a prompt start)
       -> convert_prompts_responses_to_batch_tensors (collate: left-padded batch, packed routes)
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 import _client_gpt
-import _megatron_env as env
+from replay_ops.testing import megatron_cpu as env
 from _client_gpt import E, MOE_LAYERS, PATTERN, V
 
 

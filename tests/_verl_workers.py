@@ -3,9 +3,9 @@ router, against the same models with Megatron's router under verl's patch.
 
 verl is real and unmodified (installed from the package index by `make test`); its patch
 (`apply_router_replay_patch`) changes Megatron's classes for the whole process, so every
-body here runs in a fresh process started by `_megatron_env.spawn`. The reference is what
-verl users run today: Megatron's `TopKRouter` with verl's patched `routing()` and verl's
-`RouterReplay` objects. Ours is the same model with `ReplayTopKRouter` (`replay_spec`), which
+body here runs in a fresh process started by `megatron_cpu.spawn`
+(`replay_ops.testing`). The reference is what verl users run today: Megatron's
+`TopKRouter` with verl's patched `routing()` and verl's `RouterReplay` objects. Ours is the same model with `ReplayTopKRouter` (`replay_spec`), which
 also receives verl's `RouterReplay` objects from the patched constructor.
 
 Token rows are laid out as verl lays them out (THD packing by `preprocess_packed_seqs` for
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-import _megatron_env as env
+from replay_ops.testing import megatron_cpu as env
 
 E = env.E_DEFAULT
 PATTERN = [1, 0, 1, 1]  # layers 1, 3, 4 are MoE, layer 2 is dense
@@ -32,7 +32,7 @@ def _cpu_platform() -> None:
     registered with `PlatformRegistry.register`) and falls back to CUDA when it detects no
     accelerator. For this CPU-only test process, a platform whose device is the CPU is
     registered through that plugin mechanism before verl first asks for its platform (the
-    counterpart of the torch.cuda stand-ins of _megatron_env)."""
+    counterpart of the torch.cuda stand-ins of replay_ops.testing.megatron_cpu)."""
     import os
 
     from verl.plugin.platform.platform_cuda import PlatformCUDA

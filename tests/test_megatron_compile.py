@@ -10,7 +10,7 @@ from _helpers import require_client  # noqa: E402
 
 require_client("megatron.core", "megatron-core")
 
-import _megatron_env as env  # noqa: E402
+from replay_ops.testing import megatron_cpu as env  # noqa: E402
 
 env.install_cpu_shims()
 env.set_torch_cuda_shims(False)
@@ -31,9 +31,10 @@ T = S * B
 @pytest.fixture(autouse=True)
 def _dynamo_folds_the_device_stand_in():
     """Megatron's `gating` moves a CPU router weight to `torch.cuda.current_device()`, which
-    on this CPU machine is the stand-in of tests/_megatron_env.py. Dynamo constant-folds
-    the real `torch.cuda.current_device` (with a guard); it is told to treat the stand-in
-    the same way (on a GPU the weight is on the device and that branch is not taken)."""
+    on this CPU machine is the stand-in of replay_ops.testing.megatron_cpu. Dynamo
+    constant-folds the real `torch.cuda.current_device` (with a guard); it is told to treat
+    the stand-in the same way (on a GPU the weight is on the device and that branch is not
+    taken)."""
     from torch._dynamo.variables import torch as dyn_torch
 
     fn = torch.cuda.current_device

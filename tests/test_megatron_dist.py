@@ -11,7 +11,7 @@ from _helpers import require_client  # noqa: E402
 
 require_client("megatron.core", "megatron-core")
 
-import _megatron_env as env  # noqa: E402
+from replay_ops.testing import megatron_cpu as env  # noqa: E402
 import _megatron_workers as workers  # noqa: E402
 
 TIMEOUT_S = 240

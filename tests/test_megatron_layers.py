@@ -10,7 +10,7 @@ from _helpers import require_client  # noqa: E402
 
 require_client("megatron.core", "megatron-core")
 
-import _megatron_env as env  # noqa: E402
+from replay_ops.testing import megatron_cpu as env  # noqa: E402
 
 env.install_cpu_shims()
 env.set_torch_cuda_shims(False)  # on only while this module runs (fixture below)

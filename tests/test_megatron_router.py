@@ -2,7 +2,8 @@
 parity with Megatron's own replay path, the padding policies, moe_router_fusion,
 construction-time errors, the plan dispatcher, determinism.
 
-Megatron-Core is real; only the CPU stand-ins of tests/_megatron_env.py are installed."""
+Megatron-Core is real; only the CPU stand-ins of `replay_ops.testing.megatron_cpu` are
+installed."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,7 @@ from _helpers import require_client  # noqa: E402
 
 require_client("megatron.core", "megatron-core")
 
-import _megatron_env as env  # noqa: E402
+from replay_ops.testing import megatron_cpu as env  # noqa: E402
 from _helpers import HostSyncCounter  # noqa: E402
 
 env.install_cpu_shims()

@@ -19,7 +19,7 @@ require_client("megatron.core", "megatron-core")
 require_client("swift.megatron.utils.router_replay_utils", "ms-swift 4.6.0",
                load=_client_loaders.msswift)
 
-import _megatron_env as env  # noqa: E402
+from replay_ops.testing import megatron_cpu as env  # noqa: E402
 import _msswift_workers as workers  # noqa: E402
 
 

@@ -18,7 +18,7 @@ require_client("megatron.core", "megatron-core")
 require_client("skyrl.backends.skyrl_train.utils.replay_utils", "skyrl 0.4.0",
                load=_client_loaders.skyrl)
 
-import _megatron_env as env  # noqa: E402
+from replay_ops.testing import megatron_cpu as env  # noqa: E402
 import _skyrl_workers as workers  # noqa: E402
 
 

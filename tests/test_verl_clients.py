@@ -13,7 +13,7 @@ from _helpers import require_client
 require_client("megatron.core", "megatron-core")
 require_client("verl.utils.megatron.router_replay_utils", "verl")
 
-import _megatron_env as env  # noqa: E402
+from replay_ops.testing import megatron_cpu as env  # noqa: E402
 import _verl_workers as workers  # noqa: E402
 
 

@@ -128,7 +128,7 @@ REQUIRED = {
     "sanitizer": ("pytest", "numpy"),
     "bench": ("numpy",),
     "hf": ("numpy", "transformers"),
-    "megatron": ("numpy", "pytest", "megatron-core"),  # its Megatron setup imports pytest
+    "megatron": ("numpy", "megatron-core"),
 }
 
 FACTS_PROBE = r"""

@@ -9,7 +9,7 @@ script in a child process.
 Every case runs on the CUDA device the native kernels (on each gate launch path:
 single_cta, cooperative, three_launches) and the Triton kernels (single program and
 chunked), and compares the results with `replay_ops.reference`: integers exactly, floats with
-the flash-attention rule of tests/_helpers.py against the fp64 reference. The inputs are built
+the flash-attention rule of replay_ops.testing.checks against the fp64 reference. The inputs are built
 on the CPU and the results are copied back to the CPU before they are compared, so the device
 work of a case is the kernels under test, the copies, and the few PyTorch ops the public calls
 make (casts, `contiguous`), and every output element is read back by a device-to-host copy,
@@ -24,19 +24,13 @@ import os
 import signal
 import sys
 import threading
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "tests") not in sys.path:
-    sys.path.insert(0, str(ROOT / "tests"))
-
-import replay_ops  # noqa: E402
-from replay_ops import reference as ref  # noqa: E402
-
-from _helpers import (  # noqa: E402
-    SCORE_FUNCS,
+import replay_ops
+from replay_ops import reference as ref
+from replay_ops.scores import NAMES as SCORE_FUNCS
+from replay_ops.testing.checks import (
     assert_fa_close,
     assert_int_equal,
     assert_plan_ints_equal,
