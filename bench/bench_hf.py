@@ -136,7 +136,7 @@ def block_step(fns, name, case, dtype, device, native, routing):
         model = native["grouped_mm"]
     else:
         model = fns[name].counted.__defaults__[0]
-    lay = hf.moe_layout(model)
+    lay = hf.find_moe_blocks(model)
     lid = lay.moe_layer_ids[0]
     block = lay.blocks[lid]
     g = torch.Generator().manual_seed(1)
@@ -287,7 +287,7 @@ def run_compiled(args):
             for name, model, full in (("native grouped_mm", native, False),
                                       ("replay_ops R3", replayed, True)):
                 cmodel = torch.compile(model, fullgraph=full)
-                block = hf.moe_layout(model).blocks[hf.moe_layout(model).moe_layer_ids[0]]
+                block = hf.find_moe_blocks(model).blocks[hf.find_moe_blocks(model).moe_layer_ids[0]]
                 cblock = torch.compile(block, fullgraph=full)
 
                 def model_step(cmodel=cmodel, model=model):

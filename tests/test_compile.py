@@ -160,7 +160,7 @@ def test_compiled_moe_block_step_is_bitwise(arch, dynamo):
         m = _model(arch)
         p = hf.patch_model(m, "R3")
         lid = p.moe_layer_ids[-1]
-        block = p.layout.blocks[lid]
+        block = p.moe.blocks[lid]
         cnt = CompileCounterWithBackend("aot_eager")
         run = torch.compile(block, fullgraph=True, backend=cnt) if kind == "compiled" else block
         p.replay.set_action(ReplayAction.REPLAY_FORWARD)

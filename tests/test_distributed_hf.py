@@ -83,7 +83,7 @@ def _hf_checks(rank, world):
         seen = {}
         hooks = [blk.gate.register_forward_hook(
             lambda m, i, o, lid=lid: seen.__setitem__(lid, o[2]))
-            for lid, blk in hf.moe_layout(ref).blocks.items()]
+            for lid, blk in hf.find_moe_blocks(ref).blocks.items()]
         with torch.no_grad():
             ref(ids_all)
         for h in hooks:

@@ -130,10 +130,10 @@ def test_replay_runs_the_config_implementation_and_matches_forced_routing(arch, 
     model = make_model(arch, impl)
     ids = make_ids(3, 5, seed=4)
     T = ids.numel()
-    E, K = hf.moe_layout(model).num_experts, hf.moe_layout(model).top_k
+    E, K = hf.find_moe_blocks(model).num_experts, hf.find_moe_blocks(model).top_k
     # a routing other than the native one: every token, every layer, K random experts
     g = torch.Generator().manual_seed(5)
-    L = len(hf.moe_layout(model).moe_layer_ids)
+    L = len(hf.find_moe_blocks(model).moe_layer_ids)
     routing = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T * L)])
     routing = routing.view(T, L, K).to(torch.int32)
     ref_logits, ref_grads = run(forced_reference(model, arch, routing), ids)
@@ -169,7 +169,7 @@ _torch_sort = torch.sort
 
 def _plan_case(arch, dtype, T=29, empty=0.0, align=1, seed=0):
     model = make_model(arch, "grouped_mm", dtype=dtype)
-    block = hf.moe_layout(model).blocks[max(hf.moe_layout(model).blocks)]
+    block = hf.find_moe_blocks(model).blocks[max(hf.find_moe_blocks(model).blocks)]
     experts = block.experts
     E, K, H = experts.num_experts, block.gate.top_k, model.config.hidden_size
     g = torch.Generator().manual_seed(seed)

@@ -283,12 +283,30 @@ def test_old_integrations_hf_names_still_import():
         assert hasattr(hf, name), name
 
 
+def test_moe_layout_names_warn_and_are_the_moe_blocks():
+    import transformers  # noqa: F401
+    from replay_ops.integrations.hf import patch as patch_mod
+    from replay_ops.testing import tiny
+
+    for mod in (hf, patch_mod):
+        with pytest.warns(DeprecationWarning, match="use MoEBlocks"):
+            assert mod.MoELayout is hf.MoEBlocks
+        with pytest.warns(DeprecationWarning, match="use find_moe_blocks"):
+            assert mod.moe_layout is hf.find_moe_blocks
+    model = tiny.tiny_model("qwen3_moe", seed=5)
+    with hf.patch_model(model, "R3") as p:
+        assert isinstance(p.moe, hf.MoEBlocks) and p.moe.moe_layer_ids == p.moe_layer_ids
+        with pytest.warns(DeprecationWarning, match="ReplayPatch.layout is deprecated; use "
+                                                    "ReplayPatch.moe"):
+            assert p.layout is p.moe
+
+
 def test_native_topk_warns_and_is_own_topk():
     import transformers  # noqa: F401
     from replay_ops.testing import tiny
 
     model = tiny.tiny_model("deepseek_v3", seed=3)
-    g = hf.moe_layout(model).blocks[1].gate
+    g = hf.find_moe_blocks(model).blocks[1].gate
     logits = torch.randn(30, 8, generator=torch.Generator().manual_seed(4))
     with pytest.warns(DeprecationWarning, match="own_topk"):
         old = hf.native_topk("deepseek_v3", g, logits)

@@ -40,7 +40,7 @@ def make_ids(B, S, seed=0, vocab=256):
 
 def gates_of(model):
     """{absolute layer id: router module} of the MoE blocks."""
-    return {lid: blk.gate for lid, blk in hf.moe_layout(model).blocks.items()}
+    return {lid: blk.gate for lid, blk in hf.find_moe_blocks(model).blocks.items()}
 
 
 def capture_routing(model, ids):
@@ -119,7 +119,7 @@ def loss_of(logits, ids):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_layout_and_own_topk(arch):
     model = make_model(arch)
-    lay = hf.moe_layout(model)
+    lay = hf.find_moe_blocks(model)
     dense = {"qwen2_moe": [1], "deepseek_v3": [0]}.get(arch, [])
     assert lay.moe_layer_ids == [i for i in range(3) if i not in dense]
     assert (lay.num_experts, lay.top_k, lay.num_hidden_layers) == (8, 2, 3)
@@ -172,7 +172,7 @@ def test_block_with_its_own_forward_is_refused_and_later_wrappers_are_kept():
     layer. A wrapper installed after patching wraps the patched forward and survives
     remove()."""
     model = make_model("qwen3_moe")
-    lid, block = next(iter(hf.moe_layout(model).blocks.items()))
+    lid, block = next(iter(hf.find_moe_blocks(model).blocks.items()))
     calls = []
     inner = block.forward
 
@@ -201,7 +201,7 @@ def test_block_with_its_own_forward_is_refused_and_later_wrappers_are_kept():
 
 def test_unsupported_expert_layout_is_an_error():
     model = make_model("qwen3_moe")
-    experts = hf.moe_layout(model).blocks[0].experts
+    experts = hf.find_moe_blocks(model).blocks[0].experts
     experts.is_transposed = True
     with pytest.raises(hf.UnsupportedModelError, match=r"model.layers.0.mlp.experts has "
                                                       r"is_transposed=True"):
@@ -224,12 +224,12 @@ def test_disabled_equals_unpatched(arch):
         ref = model(ids).logits
     for mode in ("disabled", "R2"):  # R2 with no action set also takes the native path
         with hf.patch_model(model, mode) as patch:
-            assert "forward" in hf.moe_layout(model).blocks[patch.moe_layer_ids[0]].__dict__
+            assert "forward" in hf.find_moe_blocks(model).blocks[patch.moe_layer_ids[0]].__dict__
             with torch.no_grad():
                 out = model(ids).logits
         assert torch.equal(out, ref), mode
     # Undone: the blocks run their class forward again.
-    assert all("forward" not in b.__dict__ for b in hf.moe_layout(model).blocks.values())
+    assert all("forward" not in b.__dict__ for b in hf.find_moe_blocks(model).blocks.values())
 
 
 # ------------------------------------------------------------------------------ record/replay

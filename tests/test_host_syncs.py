@@ -35,7 +35,7 @@ def test_the_counter_counts():
 
 def _patched_block(arch, mode, fallback="gate"):
     model = tiny.tiny_model(arch, seed=3, num_layers=2, num_experts=8, top_k=2)
-    lay = hf.moe_layout(model)
+    lay = hf.find_moe_blocks(model)
     patch = hf.patch_model(model, RouterReplayConfig(mode=mode, fallback=fallback))
     lid = lay.moe_layer_ids[-1]
     return model, patch, lid, lay.blocks[lid]

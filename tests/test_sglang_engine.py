@@ -124,7 +124,7 @@ def prompts(seed: int):
 
 
 def layout(eng) -> ModelShape:
-    return ModelShape.of(eng.layout)
+    return ModelShape.of(eng.moe)
 
 
 def test_generate_routing_replays_with_zero_mismatch(server, trainer):
@@ -150,7 +150,7 @@ def test_generate_routing_replays_with_zero_mismatch(server, trainer):
     ids = list(range(len(gens)))
     P = {i: PROMPT_LENS[i] for i in ids}
     routing, mask, batch = sglang_rollout.routing_from_generations(dict(zip(ids, gens)),
-                                                                   trainer.layout)
+                                                                   trainer.moe)
     assert batch.mappings == ["moe"] * len(ids)  # L = every hidden layer = the MoE layers
     seqs = {i: torch.tensor(gens[i].prompt_ids + gens[i].token_ids) for i in ids}
     used, lp = h.replay(trainer, seqs, P, routing, mask)
@@ -355,7 +355,7 @@ def test_dense_layer_rows_and_replay_deepseek(servers):
             raw[i] = a
         ids = list(range(len(gens)))
         routing, mask, batch = sglang_rollout.routing_from_generations(dict(zip(ids, gens)),
-                                                                       eng.layout)
+                                                                       eng.moe)
         assert batch.mappings == ["absolute"] * len(ids)  # L = every hidden layer
         seqs = {i: torch.tensor(gens[i].prompt_ids + gens[i].token_ids) for i in ids}
         used, _ = h.replay(eng, seqs, {i: PROMPT_LENS[i] for i in ids}, routing, mask)

@@ -111,7 +111,7 @@ def test_replayed_block_is_capture_safe(arch):
     rr = p.replay
     rr.use_static_buffer(12)
     lid = p.moe_layer_ids[-1]
-    block = p.layout.blocks[lid]
+    block = p.moe.blocks[lid]
     x = torch.randn(1, 10, H, generator=torch.Generator().manual_seed(3))
     rr.set_action(ReplayAction.REPLAY_FORWARD)
     logs = []
@@ -144,7 +144,7 @@ def test_cuda_graph_captures_a_replayed_moe_block():
     T = 16
     rr.use_static_buffer(T, device=dev)
     lid = p.moe_layer_ids[-1]
-    block = p.layout.blocks[lid]
+    block = p.moe.blocks[lid]
     L = rr.num_moe_layers
     rr.set_action(ReplayAction.REPLAY_FORWARD)
     static_x = torch.randn(1, T, H, device=dev, dtype=torch.bfloat16)

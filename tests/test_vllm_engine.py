@@ -133,7 +133,7 @@ def test_vllm_routing_replays_with_zero_mismatch(engines, name):
         outs = engines[name].complete_many(prompts(1), [GEN] * len(PROMPT_LENS),
                                            seeds=list(range(len(PROMPT_LENS))))
     eng = training_engine(engines["dirs"][name])
-    lay = eng.layout
+    lay = eng.moe
     moe_ids = list(lay.moe_layer_ids)
     raw = {}
     for i, c in enumerate(outs):
@@ -208,7 +208,7 @@ def test_second_turn_with_routed_experts_prompt_start(engines):
     assert np.array_equal(decode(full.routed_experts)[start:], a2)
 
     eng = training_engine(srv.model_dir)
-    layout = ModelShape.of(eng.layout)
+    layout = ModelShape.of(eng.moe)
     conv = [(t1.routed_experts, n1, 0), (t2.routed_experts, n2, start)]
     seq = vllm_sequences([conv], [len(p2)], [5], layout)[0]
     moe_ids = list(layout.moe_layer_ids)

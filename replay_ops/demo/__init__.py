@@ -112,7 +112,7 @@ def _finish(cfg, summary, results, eng, timing, t_start) -> dict:
     if cfg.chart:
         t0 = time.perf_counter()
         try:
-            report.chart(chart, summary, results, eng.layout.moe_layer_ids)
+            report.chart(chart, summary, results, eng.moe.moe_layer_ids)
             summary["chart"] = chart
         except ImportError as e:  # the numbers stand without the picture
             summary["chart"] = None

@@ -13,7 +13,7 @@ def summary(cfg, eng, results: dict, r2: dict, device, timing: dict,
             engine: dict | None = None) -> dict:
     """The summary of a run (written to summary.json). `engine`: facts about a real
     inference engine's run (`--engine vllm` or `--engine sglang`)."""
-    lay = eng.layout
+    lay = eng.moe
     if engine is None:
         inference = (f"bf16, sampled in batches of {cfg.sample_batch}, scored in batches "
                      f"of {cfg.infer_batch} in prompt order, left padding")

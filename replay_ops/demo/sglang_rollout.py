@@ -23,13 +23,13 @@ from .sglang_engine import SglangRuntime, SglangServer, find_sglang, sglang_vers
 from .vllm_rollout import build_checkpoint, sample_responses, train_and_compare
 
 
-def routing_from_generations(gens: dict, layout):
+def routing_from_generations(gens: dict, moe):
     """The payloads through the SGLang adapter (packed THD), the start of each taken from the
     request that was sent: ({seq: int16 [n, L_moe, K]}, {seq: bool [n]}, the ReplayBatch)."""
     from ..router_replay.adapters import ModelShape, sglang_batch
 
     ids = sorted(gens)
-    shape = ModelShape.of(layout)
+    shape = ModelShape.of(moe)
     batch = sglang_batch([gens[i].meta_info for i in ids], [gens[i].seq_len for i in ids],
                          [len(gens[i].prompt_ids) for i in ids], shape,
                          requests=[_single(gens[i]) for i in ids],
@@ -62,7 +62,7 @@ def run(cfg: DemoConfig, device: torch.device, timing: dict, *,
             prompts, lens, seeds=seeds, temperature=cfg.temperature, starts=0))
     eng, results, r2, batch = train_and_compare(
         cfg, device, timing, model_dir, seqs, prompt_lens, infer_lp,
-        lambda layout: routing_from_generations(gens, layout))
+        lambda moe: routing_from_generations(gens, moe))
     facts = {
         "engine": "sglang",
         "runtime": runtime.source,
@@ -72,7 +72,7 @@ def run(cfg: DemoConfig, device: torch.device, timing: dict, *,
         "server": "HTTP server on 127.0.0.1, --enable-return-routed-experts"
                   + (", CPU engine (torch_native attention)" if runtime.cpu else ""),
         "routed_experts_dtype": gens[0].meta_info.get("routed_experts_dtype", "int32"),
-        "routed_experts_layers": _layers(batch, eng.layout),
+        "routed_experts_layers": _layers(batch, eng.moe),
         "routed_rows": int(batch.replay_mask.sum()),
         "server_start_s": round(timing["sglang_server_start_s"], 1),
         "generation_s": round(timing["sglang_generation_s"], 1),
@@ -80,9 +80,9 @@ def run(cfg: DemoConfig, device: torch.device, timing: dict, *,
     return eng, results, r2, facts
 
 
-def _layers(batch, layout) -> int:
+def _layers(batch, moe) -> int:
     """L of the payloads: every hidden layer ("absolute") or the MoE layers ("moe")."""
     from ..router_replay.adapters import ModelShape
 
-    shape = ModelShape.of(layout)
+    shape = ModelShape.of(moe)
     return shape.num_hidden_layers if batch.mappings[0] == "absolute" else shape.num_moe_layers

@@ -39,7 +39,7 @@ class TrainingEngine:
         self.num_params = sum(p.numel() for p in self.train_model.parameters())
         self.train_patch = hf.patch_model(self.train_model,
                                           RouterReplayConfig(mode="R3", recompute=False))
-        self.layout = self.train_patch.layout
+        self.moe = self.train_patch.moe
         self.pad_id = cfg.vocab_size - 1
 
     def remove(self) -> None:
@@ -70,7 +70,7 @@ def build_checkpoint(cfg: DemoConfig, path: str, *, vllm: bool = True) -> str:
     return save_checkpoint(model, path)
 
 
-def routing_from_completions(completions, prompt_lens: dict, resp_lens: dict, layout):
+def routing_from_completions(completions, prompt_lens: dict, resp_lens: dict, moe):
     """The payloads through the vLLM adapter (packed THD): ({seq: int16 [n, L_moe, K]},
     {seq: bool [n]} rows routed by vLLM, the ReplayBatch)."""
     from ..router_replay.adapters import ModelShape, vllm_batch
@@ -78,7 +78,7 @@ def routing_from_completions(completions, prompt_lens: dict, resp_lens: dict, la
     ids = sorted(completions)
     batch = vllm_batch([completions[i].routed_experts for i in ids],
                        [prompt_lens[i] for i in ids], [resp_lens[i] for i in ids],
-                       ModelShape.of(layout), packing="thd")
+                       ModelShape.of(moe), packing="thd")
     cu = batch.cu_seqlens.tolist()
     routing = {i: batch.indices[cu[j]:cu[j + 1]] for j, i in enumerate(ids)}
     mask = {i: batch.replay_mask[cu[j]:cu[j + 1]] for j, i in enumerate(ids)}
@@ -102,7 +102,7 @@ def run(cfg: DemoConfig, device: torch.device, timing: dict, *, runtime: VllmRun
                                                             temperature=cfg.temperature))
     eng, results, r2, batch = train_and_compare(
         cfg, device, timing, model_dir, seqs, prompt_lens, infer_lp,
-        lambda layout: routing_from_completions(completions, prompt_lens, resp_lens, layout))
+        lambda moe: routing_from_completions(completions, prompt_lens, resp_lens, moe))
     from ..router_replay.adapters import decode_vllm
 
     first = decode_vllm(completions[0].routed_experts)
@@ -168,13 +168,13 @@ def sequences(engine: str, outs: dict, prompts: dict, resp_lens: dict):
 def train_and_compare(cfg: DemoConfig, device: torch.device, timing: dict, model_dir: str,
                       seqs: dict, prompt_lens: dict, infer_lp: dict, adapt):
     """The training side of a real engine's run: the checkpoint in fp32 (`TrainingEngine`),
-    the engine's routing through its adapter (`adapt(layout)` -> (routing, mask, batch)),
+    the engine's routing through its adapter (`adapt(moe)` -> (routing, mask, batch), `moe` the MoE blocks),
     the response log-probs with the model's own routing and with the routing replayed (R3), the
     comparison with the engine's own log-probs `infer_lp`, and the R2 round trip. Returns
     (engine, results, r2, batch)."""
     eng = TrainingEngine(cfg, model_dir, device)
     t0 = time.perf_counter()
-    infer_routing, infer_mask, batch = adapt(eng.layout)
+    infer_routing, infer_mask, batch = adapt(eng.moe)
     timing["adapter_s"] = time.perf_counter() - t0
     order = sorted(range(cfg.num_seqs), key=lambda i: (-len(seqs[i]), i))
     train_batches = workload.batches(order, cfg.train_batch)

@@ -84,7 +84,7 @@ class Engines:
         self.infer_patch = hf.patch_model(self.infer_model, RouterReplayConfig(mode="R3"))
         self.train_patch = hf.patch_model(self.train_model,
                                           RouterReplayConfig(mode="R3", recompute=False))
-        self.layout = self.train_patch.layout
+        self.moe = self.train_patch.moe
         self.pad_id = cfg.vocab_size - 1
 
     def remove(self) -> None:
@@ -164,7 +164,7 @@ def training_passes(cfg, eng: Engines, seqs, prompt_lens, infer_routing, train_b
     ({"own"|"R3": {seq: routing used}}, {"own"|"R3": {seq: response log-probs}})."""
     from ..router_replay import ReplayAction
 
-    L, K = len(eng.layout.moe_layer_ids), eng.layout.top_k
+    L, K = len(eng.moe.moe_layer_ids), eng.moe.top_k
     routing = {"own": {}, "R3": {}}
     logprobs = {"own": {}, "R3": {}}
     rr = eng.train_patch.replay

@@ -3,7 +3,7 @@ replayed, and the check of routing values against it.
 
 One type serves every part of the replay system: `RouterReplay`, the record files
 (`RecordMeta.shape`), the rollout adapters and the Hugging Face
-integration (`MoELayout.shape`).
+integration (`MoEBlocks.shape`).
 
 Layers are identified by their absolute layer id (the index in the model's list of decoder
 layers); `moe_layer_ids` lists the MoE ones in ascending order. A routing tensor

@@ -14,7 +14,7 @@ The package, one module per part:
 * `families`: the architectures it knows (`SUPPORTED`: Mixtral, Qwen2-MoE, Qwen3-MoE,
   OLMoE, DeepSeek-V3), how each one's router scores and selects (`own_topk`, the model's
   own routing), and `register_family` to add one without editing the package;
-* `patch`: `patch_model` / `unpatch_model`, the MoE blocks of a model (`moe_layout`) and
+* `patch`: `patch_model` / `unpatch_model`, the MoE blocks of a model (`find_moe_blocks`) and
   the `ReplayPatch` handle; its docstring covers recompute, host syncs, torch.compile and
   CUDA graphs;
 * `block`: the one forward every patched block runs (`patched_forward`): the router and the
@@ -40,11 +40,12 @@ from .families import (
     supported_architectures,
     unregister_family,
 )
+from ..._deprecated import deprecated_names
 from .patch import (
-    MoELayout,
+    MoEBlocks,
     ReplayPatch,
+    find_moe_blocks,
     make_router_replay,
-    moe_layout,
     patch_model,
     unpatch_model,
 )
@@ -54,11 +55,11 @@ __all__ = [
     "ArchSpec",
     "BlockRouting",
     "EPState",
-    "MoELayout",
+    "MoEBlocks",
     "ReplayPatch",
     "UnsupportedModelError",
     "enable_expert_parallel",
-    "moe_layout",
+    "find_moe_blocks",
     "make_router_replay",
     "native_topk",
     "own_topk",
@@ -72,10 +73,18 @@ __all__ = [
 ]
 
 
+# Renamed, kept for one release (they warn): "layout" now names data layouts only.
+_RENAMED = {"MoELayout": ("MoEBlocks", MoEBlocks),
+            "moe_layout": ("find_moe_blocks", find_moe_blocks)}
+_deprecated = deprecated_names(__name__, _RENAMED)
+
+
 def __getattr__(name: str):
     # the expert-parallel names import torch.distributed: only when asked for
     if name in ("enable_expert_parallel", "EPState"):
         from . import ep
 
         return getattr(ep, name)
+    if name in _RENAMED:
+        return _deprecated(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

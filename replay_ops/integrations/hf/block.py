@@ -110,10 +110,10 @@ def route_block(patch, lid: int, block: torch.nn.Module,
                 hidden_states: torch.Tensor) -> BlockRouting:
     """Run the block's router and ask the replay object for the plan: RECORD, REPLAY_FORWARD,
     and (inside a backward pass, with auto_recompute) the recompute of either. `patch` is a
-    `replay_ops.integrations.hf.ReplayPatch` (its `.replay`, `.layout.spec`,
+    `replay_ops.integrations.hf.ReplayPatch` (its `.replay`, `.moe.spec`,
     `.auto_recompute`)."""
     replay = patch.replay
-    spec = patch.layout.spec
+    spec = patch.moe.spec
     if spec.jitter and block.training and block.jitter_noise > 0:
         hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
             1.0 - block.jitter_noise, 1.0 + block.jitter_noise
@@ -200,7 +200,7 @@ def patched_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> torc
     replay = patch.replay
     if runner is None and (not replay.enabled or replay.action is None):
         return type(block).forward(block, hidden_states)
-    spec = patch.layout.spec
+    spec = patch.moe.spec
     try:
         r = route_block(patch, lid, block, hidden_states)
         plan = r.plan if r.plan is not None else own_routing_plan(r, block, spec)

@@ -90,7 +90,7 @@ def enable_expert_parallel(patch, group=None, *, shard_weights: bool = True):
     `replay_ops.integrations.hf.patch_model`) with its experts sharded over `group`.
     Every rank of the group must call it on the same model. Returns `patch`."""
     group, rank, world = ep.group_info(group)
-    lay = patch.layout
+    lay = patch.moe
     E = lay.num_experts
     if E % world:
         raise ep.DistributedInputError(

@@ -15,7 +15,7 @@ it:
 
 The block must look like the shipped ones: `block.gate(x)` returns `(logits, weights,
 indices)` and `block.experts` holds fused `gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]`
-weights (`patch.moe_layout` checks this when the model is patched).
+weights (`patch.find_moe_blocks` checks this when the model is patched).
 
 Per architecture (transformers 5.x module code):
 

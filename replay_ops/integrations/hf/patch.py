@@ -78,26 +78,27 @@ from replay_ops.router_replay import (
     RouterReplayConfig,
 )
 
+from ..._deprecated import deprecated_names
 from .block import patched_forward
 from .families import ArchSpec, UnsupportedModelError, spec_for, supported_architectures
 
 __all__ = [
-    "MoELayout",
+    "MoEBlocks",
     "ReplayPatch",
-    "moe_layout",
+    "find_moe_blocks",
     "make_router_replay",
     "patch_model",
     "unpatch_model",
 ]
 
 
-# ----------------------------------------------------------------------------- layout
+# ------------------------------------------------------------------- the MoE blocks
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 @dataclasses.dataclass
-class MoELayout:
+class MoEBlocks:
     """Where the MoE blocks of a model are and how they route."""
 
     model_type: str
@@ -114,7 +115,7 @@ class MoELayout:
     num_hidden_layers = property(lambda self: self.shape.num_hidden_layers)
 
 
-def moe_layout(model: torch.nn.Module) -> MoELayout:
+def find_moe_blocks(model: torch.nn.Module) -> MoEBlocks:
     """Find the MoE blocks of a supported `transformers` model (dense layers are skipped;
     a layer id is the index in the model's list of decoder layers)."""
     config = getattr(model, "config", None)
@@ -159,7 +160,7 @@ def moe_layout(model: torch.nn.Module) -> MoELayout:
                 f"E and K in every MoE layer"
             )
     n_layers = int(getattr(config, "num_hidden_layers", ids[-1] + 1))
-    return MoELayout(
+    return MoEBlocks(
         model_type=model_type,
         spec=spec,
         shape=ModelShape(E, K, tuple(ids), n_layers),
@@ -220,7 +221,7 @@ def make_router_replay(
 ) -> RouterReplay:
     """A RouterReplay sized for `model` (experts, top-k, MoE layer ids). A mode string
     builds a RouterReplayConfig with the architecture's fallback."""
-    lay = moe_layout(model)
+    lay = find_moe_blocks(model)
     if config is None or isinstance(config, str):
         config = RouterReplayConfig(mode=config or "disabled", fallback=lay.spec.fallback)
     return RouterReplay(config, shape=lay.shape)
@@ -230,34 +231,42 @@ def make_router_replay(
 
 
 class ReplayPatch:
-    """The handle `patch_model` returns: `.replay` (the RouterReplay), `.layout`,
-    `.last_routing()`, `.remove()`; also a context manager that removes the patch."""
+    """The handle `patch_model` returns: `.replay` (the RouterReplay), `.moe` (the
+    model's MoE blocks, `MoEBlocks`), `.last_routing()`, `.remove()`; also a context
+    manager that removes the patch."""
 
-    def __init__(self, model, layout: MoELayout, replay: RouterReplay, auto_recompute: bool):
+    def __init__(self, model, moe: MoEBlocks, replay: RouterReplay, auto_recompute: bool):
         self.model = model
-        self.layout = layout
+        self.moe = moe
         self.replay = replay
         self.auto_recompute = auto_recompute
         # every key present from the start: a compiled forward then only replaces values
         # (a new key would change the dict's keys, which torch.compile guards on)
-        self._last: dict[int, torch.Tensor | None] = dict.fromkeys(layout.moe_layer_ids)
+        self._last: dict[int, torch.Tensor | None] = dict.fromkeys(moe.moe_layer_ids)
         self.active = False
 
     @property
+    def layout(self) -> MoEBlocks:
+        """Deprecated name of `.moe`."""
+        warnings.warn("ReplayPatch.layout is deprecated; use ReplayPatch.moe",
+                      DeprecationWarning, stacklevel=2)
+        return self.moe
+
+    @property
     def moe_layer_ids(self) -> list[int]:
-        return list(self.layout.moe_layer_ids)
+        return list(self.moe.moe_layer_ids)
 
     def last_routing(self) -> torch.Tensor:
         """int32 [T, L_moe, K]: the indices every MoE layer used in its latest routed
         forward (RECORD or REPLAY_FORWARD; recomputes are not counted)."""
-        missing = [lid for lid in self.layout.moe_layer_ids if self._last[lid] is None]
+        missing = [lid for lid in self.moe.moe_layer_ids if self._last[lid] is None]
         if missing:
             raise RuntimeError(
                 f"ReplayPatch.last_routing: MoE layers {missing} have not routed through "
                 f"replay_ops yet (replay disabled, or no action set)"
             )
-        per = [self._last[lid] for lid in self.layout.moe_layer_ids]
-        T = {lid: t.shape[0] for lid, t in zip(self.layout.moe_layer_ids, per)}
+        per = [self._last[lid] for lid in self.moe.moe_layer_ids]
+        T = {lid: t.shape[0] for lid, t in zip(self.moe.moe_layer_ids, per)}
         if len(set(T.values())) != 1:
             raise RuntimeError(
                 f"ReplayPatch.last_routing: layers saw different token counts {T}"
@@ -268,7 +277,7 @@ class ReplayPatch:
         """Restore every block's original forward."""
         if not self.active:
             return
-        for lid, block in self.layout.blocks.items():
+        for lid, block in self.moe.blocks.items():
             fwd = block.__dict__.get("forward")
             if getattr(getattr(fwd, "__func__", None), "_replay_ops_forward", False):
                 del block.__dict__["forward"]
@@ -292,7 +301,7 @@ class ReplayPatch:
         self.remove()
 
     def __repr__(self) -> str:
-        lay = self.layout
+        lay = self.moe
         return (
             f"ReplayPatch(model_type={lay.model_type}, moe_layer_ids={lay.moe_layer_ids}, "
             f"num_experts={lay.num_experts}, top_k={lay.top_k}, active={self.active}, "
@@ -317,7 +326,7 @@ def patch_model(
             "replay_ops.integrations.hf.patch_model: the model is already patched; call "
             "unpatch_model(model) first"
         )
-    lay = moe_layout(model)
+    lay = find_moe_blocks(model)
     for lid, block in lay.blocks.items():
         _check_patchable(lid, block)
     if not isinstance(replay, RouterReplay):
@@ -349,3 +358,8 @@ def unpatch_model(model: torch.nn.Module) -> None:
     patch = getattr(model, "_replay_ops_patch", None)
     if patch is not None:
         patch.remove()
+
+
+# Renamed, kept for one release (they warn).
+__getattr__ = deprecated_names(__name__, {"MoELayout": ("MoEBlocks", MoEBlocks),
+                                          "moe_layout": ("find_moe_blocks", find_moe_blocks)})
