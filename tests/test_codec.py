@@ -578,13 +578,13 @@ def test_keep_chunks_relabel_and_round_trip(with_tok):
                         chunk_tokens=40)
     inf = codec.info(blob)
     # 40 * 3 ids >= 16 * 6 experts: relabelled; 24 * 3 < 96: not
-    assert [bool(c.layout & codec.format._LAYOUT_RELABEL) for c in inf.chunks] == [True, False]
+    assert [bool(c.transform & codec.format._TRANSFORM_RELABEL) for c in inf.chunks] == [True, False]
     np.testing.assert_array_equal(codec.decode(blob, token_ids=tok).numpy(), x)
     np.testing.assert_array_equal(codec.decode_sequence(blob, 0, token_ids=tok).numpy(),
                                   x[:40])
     # "set" never relabels
     s = codec.encode(x, num_experts=6, order="set", token_ids=tok)
-    assert not any(c.layout & codec.format._LAYOUT_RELABEL for c in codec.info(s).chunks)
+    assert not any(c.transform & codec.format._TRANSFORM_RELABEL for c in codec.info(s).chunks)
 
 
 def test_relabel_table_orders_experts_by_mean_slot():
@@ -608,7 +608,7 @@ def test_a_relabelled_chunk_with_a_bad_table_is_refused():
     x = _relabel_case()
     blob = codec.encode(x, num_experts=6, order="keep")
     ch = codec.info(blob).chunks[0]
-    assert ch.layout & codec.format._LAYOUT_RELABEL
+    assert ch.transform & codec.format._TRANSFORM_RELABEL
     import zstandard
 
     raw = bytearray(zstandard.ZstdDecompressor().decompress(
@@ -628,6 +628,14 @@ def test_a_relabelled_chunk_with_a_bad_table_is_refused():
                                   x)
 
 
+def test_chunk_info_layout_is_the_deprecated_transform():
+    blob = codec.encode(_relabel_case(T=40), num_experts=6, order="keep")
+    ch = codec.info(blob).chunks[0]
+    assert ch.transform & codec.format._TRANSFORM_RELABEL
+    with pytest.warns(DeprecationWarning, match="use ChunkInfo.transform"):
+        assert ch.layout == ch.transform
+
+
 def test_relabelled_chunks_refuse_every_flipped_byte():
     x = _relabel_case(T=40)
     blob = codec.encode(x, num_experts=6, order="keep")
@@ -644,7 +652,7 @@ def test_triton_backend_relabelled_blobs_match_numpy(with_tok):
     tok = np.arange(64) % 7 if with_tok else None
     kw = dict(num_experts=6, order="keep", token_ids=tok, seq_lens=[40, 24], chunk_tokens=40)
     blob = codec.encode(x, **kw)
-    assert codec.info(blob).chunks[0].layout & codec.format._LAYOUT_RELABEL
+    assert codec.info(blob).chunks[0].transform & codec.format._TRANSFORM_RELABEL
     assert codec.encode(torch.from_numpy(x), backend="triton", **kw) == blob
     dst = torch.full((64, 2, 6), 7, dtype=torch.int32)[:, :, ::2]
     codec.decode(blob, token_ids=tok, out=dst, backend="triton")
@@ -672,7 +680,7 @@ def test_relabel_table_is_the_same_for_many_experts():
     for y in (x, np.ascontiguousarray(x[:, :, :4])):  # 8 * 3 * 50001 > 2**20 > 4 * 3 * 50001
         np.testing.assert_array_equal(codec.transform._relabel_table(y, E), want(y))
     blob = codec.encode(x, num_experts=E, order="keep", chunk_tokens=1 << 20)
-    assert not codec.info(blob).chunks[0].layout & codec.format._LAYOUT_RELABEL  # too few ids
+    assert not codec.info(blob).chunks[0].transform & codec.format._TRANSFORM_RELABEL  # too few ids
 
 
 # ---------------------------------------------------------------------------- hostile input
@@ -756,7 +764,7 @@ def test_every_decode_path_checks_the_content_checksum(backend):
     x = base[rng.integers(0, 4, size=64 * 2)].reshape(64, 2, 4)  # compressible: zstd
     blob = codec.encode(x, num_experts=32, order="keep")
     ch = codec.info(blob).chunks[0]
-    assert ch.method == 1 and not ch.layout & codec.format._LAYOUT_RELABEL
+    assert ch.method == 1 and not ch.transform & codec.format._TRANSFORM_RELABEL
     raw = bytearray(zstandard.ZstdDecompressor().decompress(
         blob[ch.payload_offset:ch.payload_offset + ch.payload_len]))
     code_at = x.size  # the code bytes follow the ids (1 byte per row at K = 4)
@@ -951,7 +959,7 @@ def test_format_2_blobs_still_decode_and_append_in_format_2(name):
     inf = codec.info(blob, verify_payload=True)
     assert inf.version == 2 and len(inf.chunks) == 2
     if order == "keep":
-        assert inf.chunks[0].layout & codec.format._LAYOUT_RELABEL
+        assert inf.chunks[0].transform & codec.format._TRANSFORM_RELABEL
     want = expected(r, order)
     np.testing.assert_array_equal(codec.decode(blob, token_ids=ids).numpy(), want)
     if name == "keep_notok":  # the Triton path (interpreted here: one chunk)

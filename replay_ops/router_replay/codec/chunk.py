@@ -19,7 +19,7 @@ import zlib
 import numpy as np
 import torch
 
-from .format import (_CHUNK, _LAYOUT_GROUPED, _LAYOUT_RELABEL, _LAYOUT_TOKENS, _METHOD_RAW,
+from .format import (_CHUNK, _TRANSFORM_GROUPED, _TRANSFORM_RELABEL, _TRANSFORM_TOKENS, _METHOD_RAW,
                      _METHOD_ZSTD, _NARROW, CHUNK_MAGIC, BlobInfo, Canonical, ChunkInfo,
                      CodecError, Format, _check_content, _check_frame, _compressor,
                      _decompressor, _fail, _token_hash, id_width, lehmer_width)
@@ -137,16 +137,16 @@ def _encode_chunk(canon: np.ndarray | None, rows: Canonical, tok: np.ndarray | N
     pc = None if perm_z is None or not perm_z.shape[1] else perm_z.reshape(
         T, L, perm_z.shape[1])
     if tok is not None and T > 1:
-        layout = _LAYOUT_GROUPED
+        transform = _TRANSFORM_GROUPED
         g = _group_order(tok)
         ids = _to_grouped(srt_z, g)
         pc = None if pc is None else _to_grouped(pc, g)
     else:
-        layout = _LAYOUT_TOKENS
+        transform = _TRANSFORM_TOKENS
         ids = srt_z
     streams = [_planes(ids, w)]
     if table is not None:
-        layout |= _LAYOUT_RELABEL
+        transform |= _TRANSFORM_RELABEL
         streams.append(table)
     if pc is not None:
         # from version 2: the code's most significant byte first (slot 0's digit leads it)
@@ -163,9 +163,9 @@ def _encode_chunk(canon: np.ndarray | None, rows: Canonical, tok: np.ndarray | N
         content = srt if order == "set" else canon
         payload = (content.astype(f"<u{w}", copy=False).tobytes() if w > 1
                    else np.ascontiguousarray(content).tobytes())
-        layout = _LAYOUT_TOKENS
+        transform = _TRANSFORM_TOKENS
     th = _token_hash(tok) if tok is not None else 0
-    fixed = _CHUNK.pack(CHUNK_MAGIC, first_seq, len(lens), int(continues), method, layout, w,
+    fixed = _CHUNK.pack(CHUNK_MAGIC, first_seq, len(lens), int(continues), method, transform, w,
                         T, len(payload), th, content_crc, zlib.crc32(payload))
     return _Chunk(fixed, np.asarray(lens, dtype="<u4").tobytes(), payload, T, len(lens))
 
@@ -245,7 +245,7 @@ def _decode_chunk(buf: memoryview, ch: ChunkInfo, inf: BlobInfo, tok: np.ndarray
         _check_content(ch, rows)
         return out
     pw = lehmer_width(K) if (order == "keep" and K > 1) else 0
-    relabel = bool(ch.layout & _LAYOUT_RELABEL)
+    relabel = bool(ch.transform & _TRANSFORM_RELABEL)
     n_tab = L * E if relabel else 0
     want = n_ids * w + n_tab * w + T * L * pw
     _check_frame(payload, want, ch.payload_offset)
@@ -273,7 +273,7 @@ def _decode_chunk(buf: memoryview, ch: ChunkInfo, inf: BlobInfo, tok: np.ndarray
     pc = rawv[(n_ids + n_tab) * w:].reshape(pw, T * L).T if pw else None
     if pc is not None and fmt.inverse_code(K):
         pc = pc[:, ::-1]  # stored most significant byte first
-    if (ch.layout & ~_LAYOUT_RELABEL) == _LAYOUT_GROUPED:
+    if (ch.transform & ~_TRANSFORM_RELABEL) == _TRANSFORM_GROUPED:
         g = _group_order(tok)
         srt = _from_grouped(ids.reshape(L, T, K), g)
         if pc is not None:

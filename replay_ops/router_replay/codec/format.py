@@ -52,10 +52,10 @@ _U32 = struct.Struct("<I")
 _CHUNK = struct.Struct("<4sIIBBBBQQQII")  # + crc u32 (covers this and the seq_lens)
 CHUNK_HEADER_SIZE = _CHUNK.size + 4
 _METHOD_RAW, _METHOD_ZSTD = 0, 1
-_LAYOUT_TOKENS, _LAYOUT_GROUPED = 0, 1
-# layout bit (format 2, "keep", zstd chunks): the ids were relabelled per layer before the
+_TRANSFORM_TOKENS, _TRANSFORM_GROUPED = 0, 1
+# transform bit (format 2, "keep", zstd chunks): the ids were relabelled per layer before the
 # row transform, and the payload holds the relabelling table (`_relabel_table`)
-_LAYOUT_RELABEL = 2
+_TRANSFORM_RELABEL = 2
 # relabel when the table (L*E ids) is at most this fraction of the chunk's ids (T*L*K)
 _RELABEL_MIN_IDS_PER_EXPERT = 16
 _FLAG_TOKENS = 1
@@ -220,7 +220,7 @@ class ChunkInfo(typing.NamedTuple):
     seq_lens: tuple[int, ...]
     continues: bool
     method: int
-    layout: int
+    transform: int         # the row transforms applied: _TRANSFORM_* bits
     width: int
     num_tokens: int
     payload_offset: int
@@ -229,6 +229,15 @@ class ChunkInfo(typing.NamedTuple):
     content_crc: int
     payload_crc: int
     token_start: int       # of the chunk's first token in the whole blob
+
+    @property
+    def layout(self) -> int:
+        """Deprecated name of `transform` (kept for one release)."""
+        import warnings
+
+        warnings.warn("ChunkInfo.layout is deprecated; use ChunkInfo.transform",
+                      DeprecationWarning, stacklevel=2)
+        return self.transform
 
 
 def _blob_header(order: str, E: int, L: int, K: int, has_tokens: bool,
@@ -404,7 +413,7 @@ def info(blob, *, verify_payload: bool = False, max_tokens: int | None = None,
                            f"{h_chunks} chunks its header counts")
             _fail(off, f"truncated: {len(buf) - off} bytes left, a chunk header needs "
                        f"{CHUNK_HEADER_SIZE}")
-        (magic, first, nseq, cont, method, layout, w, T, plen, th, ccrc,
+        (magic, first, nseq, cont, method, transform, w, T, plen, th, ccrc,
          pcrc) = _CHUNK.unpack_from(buf, off)
         if magic != CHUNK_MAGIC:
             _fail(off, f"not a chunk header (magic {magic!r}, expected {CHUNK_MAGIC!r})")
@@ -425,16 +434,16 @@ def info(blob, *, verify_payload: bool = False, max_tokens: int | None = None,
             lsum = int(lens_a.sum(dtype=np.int64))
             lens = tuple(lens_a.tolist())
         want_first = len(seqs) - 1 if cont else len(seqs)
-        relabel = (layout & _LAYOUT_RELABEL) != 0
-        if (first != want_first or method > 1 or (layout & ~_LAYOUT_RELABEL) > 1
+        relabel = (transform & _TRANSFORM_RELABEL) != 0
+        if (first != want_first or method > 1 or (transform & ~_TRANSFORM_RELABEL) > 1
                 or (relabel and (not fmt.slot_order_code or order != "keep"
                                  or method != _METHOD_ZSTD or not fmt.relabels(order, T, K, E)))
                 or w != w_id
                 or lsum != T or cont > 1 or (cont and nseq == 0)
                 or (th != 0) != has_tok
-                or (layout & _LAYOUT_GROUPED and method == _METHOD_ZSTD and not th)):
+                or (transform & _TRANSFORM_GROUPED and method == _METHOD_ZSTD and not th)):
             _fail(off, f"corrupt chunk header (first_seq={first}, expected {want_first}; "
-                       f"method={method}, layout={layout}, width={w}, tokens={T}, "
+                       f"method={method}, transform={transform}, width={w}, tokens={T}, "
                        f"sum(seq_lens)={lsum})")
         if total + T > max_t:
             _check_shape(total + T, L, K, "chunk header", off)
@@ -458,7 +467,7 @@ def info(blob, *, verify_payload: bool = False, max_tokens: int | None = None,
             seqs.extend(lens[1:])
         else:
             seqs.extend(lens)
-        chunks.append(ChunkInfo(off, first, lens, bool(cont), method, layout, w, T, poff,
+        chunks.append(ChunkInfo(off, first, lens, bool(cont), method, transform, w, T, poff,
                                 plen, th, ccrc, pcrc, total))
         total += T
         off = poff + plen
