@@ -1,7 +1,7 @@
 """The Hugging Face path: a whole `transformers` MoE model's forward + backward under
-replay_ops R3 against the same model run natively, in the same run. Launches and host
-syncs are counted with launch_counter.py, beside CPU (or GPU) times; the targets of the
-replayed HF path are marked met or missed.
+replay_ops R3 against the same model unpatched (its own routing and experts), in the same
+run. Launches and host syncs are counted with launch_counter.py, beside CPU (or GPU) times;
+the targets of the replayed HF path are marked met or missed.
 
     python bench/bench_hf.py --out cpu_2core_hf
 
@@ -15,9 +15,9 @@ Cases (random weights, built locally; --cases picks some):
 Providers, each one forward + backward of the whole model (loss: cross-entropy of the next
 token; gradients of every parameter):
 
-* `native grouped_mm`: the unpatched model, `config._experts_implementation="grouped_mm"`,
+* `unpatched grouped_mm`: the unpatched model, `config._experts_implementation="grouped_mm"`,
   its own routing.
-* `native eager`: the same with "eager" (about 10x slower: timed on its own,
+* `unpatched eager`: the same with "eager" (about 10x slower: timed on its own,
   `--eager-reps` calls, not interleaved with the others).
 * `replay_ops R3`: the model patched with `hf.patch_model`, R3 with `validate=False`,
   REPLAY_FORWARD of the model's own routing for the same batch (set once per
@@ -26,11 +26,11 @@ token; gradients of every parameter):
 * `replay_ops R3 validate`: the same with `validate=True` (the routing checked once when it
   is set; set_routing is inside the timed call).
 
-Targets (replayed fwd+bwd against native grouped_mm fwd+bwd, same run): launches <= 0.6x,
+Targets (replayed fwd+bwd against unpatched grouped_mm fwd+bwd, same run): launches <= 0.6x,
 host syncs == 0 with validate=False, time <= 1.0x (bfloat16).
 
 `--compiled`: the same two models, each under `torch.compile` (Inductor), replayed
-(`fullgraph=True`) against native grouped_mm, whole model and one MoE block, forward +
+(`fullgraph=True`) against unpatched grouped_mm, whole model and one MoE block, forward +
 backward. A dispatch mode cannot watch compiled code, so launches are counted for both in
 the code Inductor generates, in the same way: each call statement of the forward's and the
 backward's `call()` (a fused kernel Inductor generated, an extern kernel such as a GEMM, or
@@ -103,11 +103,11 @@ def make_providers(case, dtype, device):
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (case["batch"], case["seq"]), generator=g).to(device)
-    native = {impl: build(case, dtype, device, impl) for impl in ("grouped_mm", "eager")}
-    routing = own_routing(native["grouped_mm"], ids)
+    unpatched = {impl: build(case, dtype, device, impl) for impl in ("grouped_mm", "eager")}
+    routing = own_routing(unpatched["grouped_mm"], ids)
     fns = {
-        "native grouped_mm": lambda: fwd_bwd(native["grouped_mm"], ids),
-        "native eager": lambda: fwd_bwd(native["eager"], ids),
+        "unpatched grouped_mm": lambda: fwd_bwd(unpatched["grouped_mm"], ids),
+        "unpatched eager": lambda: fwd_bwd(unpatched["eager"], ids),
     }
     for name, validate in (("replay_ops R3", False), ("replay_ops R3 validate", True)):
         model = build(case, dtype, device, "grouped_mm")
@@ -122,18 +122,18 @@ def make_providers(case, dtype, device):
         step.prepare = lambda patch=patch: patch.replay.set_routing(routing)
         step.counted = lambda model=model: fwd_bwd(model, ids)
         fns[name] = step
-    blocks = {name: block_step(fns, name, case, dtype, device, native, routing)
-              for name in ("native grouped_mm", "replay_ops R3")}
+    blocks = {name: block_step(fns, name, case, dtype, device, unpatched, routing)
+              for name in ("unpatched grouped_mm", "replay_ops R3")}
     return fns, blocks
 
 
-def block_step(fns, name, case, dtype, device, native, routing):
+def block_step(fns, name, case, dtype, device, unpatched, routing):
     """One MoE block's forward + backward (the first MoE layer; input [B, S, H] random),
     on the model of provider `name`: what the MoE layers alone launch."""
     from replay_ops.integrations import hf
 
-    if name.startswith("native"):
-        model = native["grouped_mm"]
+    if name.startswith("unpatched"):
+        model = unpatched["grouped_mm"]
     else:
         model = fns[name].counted.__defaults__[0]
     lay = hf.find_moe_blocks(model)
@@ -168,27 +168,27 @@ def run(args):
                 r3s.prepare()
             set_routing_syncs = c.syncs
             # eager is 10x slower: timed on its own, --eager-reps times (not interleaved)
-            fast = {n: f for n, f in fns.items() if n != "native eager"}
+            fast = {n: f for n, f in fns.items() if n != "unpatched eager"}
             times = harness.median_of_runs([
                 harness.measure_interleaved(fast, device, warmup=args.warmup, reps=args.reps)
                 for _ in range(args.runs)])
-            times["native eager"] = harness.measure_interleaved(
-                {"native eager": fns["native eager"]}, device, warmup=0,
-                reps=args.eager_reps)["native eager"]
+            times["unpatched eager"] = harness.measure_interleaved(
+                {"unpatched eager": fns["unpatched eager"]}, device, warmup=0,
+                reps=args.eager_reps)["unpatched eager"]
             tag = (f"{case_name} ({case['arch']}, {case['batch']}x{case['seq']} tokens, "
                    f"H={case['hidden_size']}, E={case['num_experts']}, K={case['top_k']}, "
                    f"I={case['expert_size']}) {dtype_name}")
-            base = times["native grouped_mm"]["ms_median"]
+            base = times["unpatched grouped_mm"]["ms_median"]
             for n in fns:
                 row = {"case": case_name, "dtype": dtype_name, "provider": n,
                        **{k: v for k, v in cnt[n].items() if k not in ("ops", "op_bytes")}, **times[n],
-                       "time_vs_native_grouped_mm": times[n]["ms_median"] / base,
-                       "launches_vs_native_grouped_mm":
-                           cnt[n]["launches"] / cnt["native grouped_mm"]["launches"]}
+                       "time_vs_unpatched_grouped_mm": times[n]["ms_median"] / base,
+                       "launches_vs_unpatched_grouped_mm":
+                           cnt[n]["launches"] / cnt["unpatched grouped_mm"]["launches"]}
                 row.pop("run_medians", None)
                 rows.append(row)
-            r3, nat = cnt["replay_ops R3"], cnt["native grouped_mm"]
-            rb, nb = bcnt["replay_ops R3"], bcnt["native grouped_mm"]
+            r3, nat = cnt["replay_ops R3"], cnt["unpatched grouped_mm"]
+            rb, nb = bcnt["replay_ops R3"], bcnt["unpatched grouped_mm"]
             n_moe = 2  # MoE layers of the bench models
             lr = r3["launches"] / nat["launches"]
             tr = times["replay_ops R3"]["ms_median"] / base
@@ -198,33 +198,33 @@ def run(args):
                                 "value": value, "bound": bound, "met": bool(ok),
                                 "detail": detail})
 
-            add("R3 model fwd+bwd launches / native grouped_mm", round(lr, 3),
+            add("R3 model fwd+bwd launches / unpatched grouped_mm", round(lr, 3),
                 f"<= {LAUNCH_RATIO}", lr <= LAUNCH_RATIO,
                 f"{r3['launches']} vs {nat['launches']}; of these the model outside its MoE "
                 f"blocks launches about {nat['launches'] - n_moe * nb['launches']} "
-                f"(native total - {n_moe} x native block)")
-            add("R3 fwd+bwd host syncs beyond native grouped_mm's (validate=False)",
+                f"(unpatched total - {n_moe} x unpatched block)")
+            add("R3 fwd+bwd host syncs beyond unpatched grouped_mm's (validate=False)",
                 r3["syncs"] - nat["syncs"], "== 0", r3["syncs"] == nat["syncs"],
-                f"R3 {r3['syncs']}, native grouped_mm {nat['syncs']} (the model's own, "
+                f"R3 {r3['syncs']}, unpatched grouped_mm {nat['syncs']} (the model's own, "
                 f"outside the MoE blocks); set_routing once per batch: {set_routing_syncs}")
-            rb, nb = bcnt["replay_ops R3"], bcnt["native grouped_mm"]
+            rb, nb = bcnt["replay_ops R3"], bcnt["unpatched grouped_mm"]
             blr = rb["launches"] / nb["launches"]
-            add("R3 MoE block fwd+bwd launches / native grouped_mm block", round(blr, 3),
+            add("R3 MoE block fwd+bwd launches / unpatched grouped_mm block", round(blr, 3),
                 f"<= {LAUNCH_RATIO}", blr <= LAUNCH_RATIO,
                 f"{rb['launches']} vs {nb['launches']}; R3: {ops_str(rb['ops'], 30)}")
             add("R3 MoE block fwd+bwd host syncs (validate=False)", rb["syncs"], "== 0",
-                rb["syncs"] == 0, f"native grouped_mm block {nb['syncs']}")
+                rb["syncs"] == 0, f"unpatched grouped_mm block {nb['syncs']}")
             clock = "GPU" if device.startswith("cuda") else "CPU"
             if dtype_name == "bfloat16":
-                add(f"R3 fwd+bwd {clock} time / native grouped_mm", round(tr, 3),
+                add(f"R3 fwd+bwd {clock} time / unpatched grouped_mm", round(tr, 3),
                     f"<= {TIME_RATIO}", tr <= TIME_RATIO,
                     f"{times['replay_ops R3']['ms_median']:.1f} ms vs {base:.1f} ms")
             summary.append(
                 f"{tag}: R3 {r3['launches']} launches, {r3['syncs']} syncs, "
-                f"{times['replay_ops R3']['ms_median']:.1f} ms; native grouped_mm "
-                f"{nat['launches']} launches, {nat['syncs']} syncs, {base:.1f} ms; native eager "
-                f"{cnt['native eager']['launches']} launches, {cnt['native eager']['syncs']} "
-                f"syncs, {times['native eager']['ms_median']:.1f} ms")
+                f"{times['replay_ops R3']['ms_median']:.1f} ms; unpatched grouped_mm "
+                f"{nat['launches']} launches, {nat['syncs']} syncs, {base:.1f} ms; unpatched eager "
+                f"{cnt['unpatched eager']['launches']} launches, {cnt['unpatched eager']['syncs']} "
+                f"syncs, {times['unpatched eager']['ms_median']:.1f} ms")
     harness.finish_run(args, rows, device, env, copy_bw, targets=targets)
     return rows, summary
 
@@ -275,8 +275,8 @@ def run_compiled(args):
             dtype = DTYPES[dtype_name]
             g = torch.Generator().manual_seed(0)
             ids = torch.randint(0, 256, (case["batch"], case["seq"]), generator=g).to(device)
-            native = build(case, dtype, device, "grouped_mm")
-            routing = own_routing(native, ids)
+            unpatched = build(case, dtype, device, "grouped_mm")
+            routing = own_routing(unpatched, ids)
             replayed = build(case, dtype, device, "grouped_mm")
             patch = hf.patch_model(replayed, RouterReplayConfig(mode="R3", validate=False))
             patch.replay.set_routing(routing)
@@ -284,7 +284,7 @@ def run_compiled(args):
             h = torch.randn(case["batch"], case["seq"], case["hidden_size"],
                             generator=g).to(device, dtype)
             cnt = {}
-            for name, model, full in (("native grouped_mm", native, False),
+            for name, model, full in (("unpatched grouped_mm", unpatched, False),
                                       ("replay_ops R3", replayed, True)):
                 cmodel = torch.compile(model, fullgraph=full)
                 block = hf.find_moe_blocks(model).blocks[hf.find_moe_blocks(model).moe_layer_ids[0]]
@@ -300,38 +300,38 @@ def run_compiled(args):
 
                 cnt[name] = (compiled_counts(model_step), compiled_counts(block_step))
             for i, what in enumerate(("whole model", "MoE block")):
-                r3, nat = cnt["replay_ops R3"][i], cnt["native grouped_mm"][i]
+                r3, nat = cnt["replay_ops R3"][i], cnt["unpatched grouped_mm"][i]
                 for n in cnt:
                     c = cnt[n][i]
                     rows.append({"case": case_name, "dtype": dtype_name, "what": what,
                                  "provider": f"{n} (compiled)", "launches": c["launches"],
                                  "inductor_modules": c["graphs"],
-                                 "launches_vs_native": c["launches"] / nat["launches"],
+                                 "launches_vs_unpatched": c["launches"] / nat["launches"],
                                  "calls": ops_str(c["ops"], 12)})
                 bound = COMPILED_MODEL_RATIO if i == 0 else COMPILED_BLOCK_RATIO
                 ratio = r3["launches"] / nat["launches"]
                 targets.append({
                     "case": f"{case_name} {dtype_name}",
-                    "target": f"compiled R3 {what} fwd+bwd launches / compiled native "
+                    "target": f"compiled R3 {what} fwd+bwd launches / compiled unpatched "
                               f"grouped_mm", "value": round(ratio, 3), "bound": f"<= {bound}",
                     "met": bool(ratio <= bound),
                     "detail": f"{r3['launches']} vs {nat['launches']}; R3: "
-                              f"{ops_str(r3['ops'], 12)}; native: {ops_str(nat['ops'], 12)}"})
+                              f"{ops_str(r3['ops'], 12)}; unpatched: {ops_str(nat['ops'], 12)}"})
             summary.append(
                 f"{case_name} {dtype_name} compiled: whole model R3 "
-                f"{cnt['replay_ops R3'][0]['launches']} vs native "
-                f"{cnt['native grouped_mm'][0]['launches']} launches; MoE block R3 "
-                f"{cnt['replay_ops R3'][1]['launches']} vs native "
-                f"{cnt['native grouped_mm'][1]['launches']}")
+                f"{cnt['replay_ops R3'][0]['launches']} vs unpatched "
+                f"{cnt['unpatched grouped_mm'][0]['launches']} launches; MoE block R3 "
+                f"{cnt['replay_ops R3'][1]['launches']} vs unpatched "
+                f"{cnt['unpatched grouped_mm'][1]['launches']}")
     args.env, args.copy_bw, args.targets = env, harness.copy_bandwidth(device), targets
     return rows, summary
 
 
 COMPILED_COLS = ["case", "dtype", "what", "provider", "launches", "inductor_modules",
-                 "launches_vs_native", "calls"]
+                 "launches_vs_unpatched", "calls"]
 
 COLS = ["case", "dtype", "provider", "launches", "syncs", "bytes", "model_us", "ms_median",
-        "ms_p20", "ms_p80", "time_vs_native_grouped_mm", "launches_vs_native_grouped_mm"]
+        "ms_p20", "ms_p80", "time_vs_unpatched_grouped_mm", "launches_vs_unpatched_grouped_mm"]
 TARGET_COLS = ["case", "target", "value", "bound", "met", "detail"]
 
 
@@ -343,7 +343,7 @@ def parser():
     ap.add_argument("--machine", default=None,
                     help="how to describe the machine in the results (e.g. '2-core shared CPU')")
     ap.add_argument("--eager-reps", type=int, default=1,
-                    help="timed calls of the (slow) native eager provider, not interleaved")
+                    help="timed calls of the (slow) unpatched eager provider, not interleaved")
     ap.add_argument("--compiled", action="store_true",
                     help="the torch.compile case instead (launches in Inductor's code)")
     harness.add_run_args(ap, reps=5, warmup=1, runs=2)

@@ -647,7 +647,7 @@ MEGATRON_COLS = ("op", "mode", "provider", "T", "E", "dtype", "launches", "syncs
                  "ms_median", "ms_p20", "ms_p80", "speedup_vs_megatron")
 TARGET_COLS = ("case", "target", "value", "bound", "met", "blocking")
 HF_COLS = ("case", "dtype", "provider", "launches", "syncs", "ms_median", "ms_p20", "ms_p80",
-           "time_vs_native_grouped_mm", "launches_vs_native_grouped_mm")
+           "time_vs_unpatched_grouped_mm", "launches_vs_unpatched_grouped_mm")
 BENCH_TITLES = {"bench": ("Benchmark", BENCH_COLS),
                 "hf": ("Hugging Face benchmark (grouped GEMM)", HF_COLS),
                 "megatron": ("Megatron-Core benchmark", MEGATRON_COLS)}
