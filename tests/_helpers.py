@@ -18,6 +18,7 @@ from replay_ops.testing.checks import (  # noqa: F401  (the test files import th
     assert_fa_close,
     assert_int_equal,
     assert_plan_ints_equal,
+    capture_cuda_graph,
     check_plan_structure,
     gen,
     make_indices,

@@ -17,7 +17,13 @@ import torch
 import replay_ops
 from replay_ops import reference as ref
 
-from _helpers import assert_fa_close, assert_int_equal, make_indices, make_logits
+from _helpers import (
+    assert_fa_close,
+    assert_int_equal,
+    capture_cuda_graph,
+    make_indices,
+    make_logits,
+)
 
 import gpu_workloads as W  # tools/ (pyproject's pytest pythonpath)
 
@@ -117,15 +123,7 @@ def test_dense_step_captures_in_cuda_graph(backend):
         return out.detach(), gl, gh
 
     want = step()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
+    graph, static = capture_cuda_graph(step, warmup=3)
     graph.replay()
     torch.cuda.synchronize()
     for a, b in zip(static, want):

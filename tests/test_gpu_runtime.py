@@ -21,6 +21,7 @@ from replay_ops import reference as ref
 from _helpers import (
     assert_fa_close,
     assert_plan_ints_equal,
+    capture_cuda_graph,
     gen,
     make_indices,
     make_logits,
@@ -73,14 +74,7 @@ def test_gpu_graph_capture_native_with_replay_mask_and_validate_false(path, T):
         return plan, replay_ops.unpermute(x, plan, backend="native")
 
     with W.gate_path(path if path != "auto" else None):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()  # warm-up outside the graph
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            plan_g, y_g = step()
+        graph, (plan_g, y_g) = capture_cuda_graph(step)
         # new inputs in the captured buffers, then replay
         for buf, new in zip((logits, idx, mask, hidden), _inputs(T, E, K, H, seed=7)):
             buf.copy_(new)

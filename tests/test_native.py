@@ -26,6 +26,7 @@ from _helpers import (
     SCORE_FUNCS,
     assert_fa_close,
     assert_plan_ints_equal,
+    capture_cuda_graph,
     check_plan_structure,
     make_indices,
     make_logits,
@@ -568,14 +569,7 @@ def test_cuda_graph_capture_and_replay(path):
         return plan, replay_ops.unpermute(x, plan, backend="native")
 
     with _gate_path(path):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()  # warm-up outside the graph
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            plan_g, y_g = step()
+        graph, (plan_g, y_g) = capture_cuda_graph(step)
         logits.copy_(make_logits(T, E, torch.bfloat16, seed=9, device="cuda"))
         idx.copy_(make_indices(T, E, K, seed=10, device="cuda"))
         graph.replay()

@@ -12,6 +12,7 @@ import replay_ops
 from _helpers import (
     PLAN_INT_FIELDS,
     backend_params,
+    capture_cuda_graph,
     is_interpreted,
     make_indices,
     make_logits,
@@ -341,15 +342,7 @@ def test_cuda_graph_capture_and_replay(backend):
         x = replay_ops.permute(hidden, plan, plan.max_rows, validate=False, backend=backend)
         return replay_ops.unpermute(torch.tanh(x), plan, validate=False, backend=backend)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = capture_cuda_graph(step, warmup=3)
 
     for seed in (3, 4):
         new_logits = make_logits(T, E, device="cuda", seed=seed)

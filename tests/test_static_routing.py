@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _helpers import HostSyncCounter
+from _helpers import HostSyncCounter, capture_cuda_graph
 
 pytest.importorskip("transformers")
 
@@ -150,15 +150,7 @@ def test_cuda_graph_captures_a_replayed_moe_block():
     static_x = torch.randn(1, T, H, device=dev, dtype=torch.bfloat16)
     rr.set_routing(_routing(T, L, 0).to(dev))
     with torch.no_grad():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # warm up (kernel compilation, workspaces)
-            for _ in range(2):
-                block(static_x)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = block(static_x)
+        graph, static_out = capture_cuda_graph(lambda: block(static_x), warmup=2)
         for step, empty in enumerate([(), (1, 5), ()], start=1):
             r = _routing(T, L, step, empty).to(dev)
             x = torch.randn(1, T, H, device=dev, dtype=torch.bfloat16,

@@ -12,6 +12,8 @@ import torch
 import replay_ops
 from replay_ops import reference as ref
 
+from _helpers import capture_cuda_graph
+
 triton = pytest.importorskip("triton")
 
 HAS_CUDA = torch.cuda.is_available()
@@ -270,14 +272,7 @@ def test_cuda_graph_capture_and_replay():
                                backend="triton")
         return replay_ops.unpermute(x * 2, plan, backend="triton")
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()  # warm up (compiles the kernels)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_cuda_graph(step)  # the warm-up call compiles the kernels
     logits.copy_(torch.randn(T, E, device="cuda"))
     idx.copy_(_indices(T, E, K, 5))
     graph.replay()

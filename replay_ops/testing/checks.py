@@ -221,3 +221,21 @@ class HostSyncCounter:
         for meth, orig in self._patched:
             setattr(torch.Tensor, meth, orig)
         return False
+
+
+# ------------------------------------------------------------------------- CUDA graphs
+def capture_cuda_graph(step, warmup: int = 1):
+    """Call `step()` `warmup` times on a side stream (kernel compilation, workspaces, the
+    caching allocator's pools), then capture one call into a CUDA graph. Returns (the
+    graph, what the captured call returned: its static output buffers). The caller copies
+    new inputs into the captured input buffers and calls `graph.replay()`."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
