@@ -47,6 +47,15 @@ def _marks(device: str) -> list:
     return [pytest.mark.gpu] if device == "cuda" else []
 
 
+def with_marks(marks: list):
+    """A decorator applying a list of pytest marks (the first one outermost)."""
+    def deco(f):
+        for m in reversed(marks):
+            f = m(f)
+        return f
+    return deco
+
+
 def backend_params() -> list:
     """pytest params (device, backend) for every usable backend on every present device."""
     return [

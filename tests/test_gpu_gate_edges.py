@@ -29,6 +29,7 @@ from _helpers import (
     make_indices,
     make_logits,
     ref_gate64,
+    with_marks,
 )
 
 import gpu_workloads as W  # tools/ (pyproject's pytest pythonpath)
@@ -41,13 +42,6 @@ def on_cuda(*backends):
     reasons = [r for r in (W.cuda_reason(b) for b in backends or (None,)) if r]
     return [pytest.mark.gpu, pytest.mark.skipif(bool(reasons), reason="; ".join(reasons))]
 
-
-def apply(marks):
-    def deco(f):
-        for m in reversed(marks):
-            f = m(f)
-        return f
-    return deco
 
 
 def backend_params(*backends):
@@ -190,7 +184,7 @@ def test_gpu_extreme_logits_match_the_fp64_reference(backend, dtype, score_func,
 
 
 # ------------------------------------------------------------------- native size limits
-@apply(on_cuda("native"))
+@with_marks(on_cuda("native"))
 @pytest.mark.parametrize("T,K", [(1024, 8), (2047, 4)], ids=["TK8192", "TK8188"])
 def test_gpu_native_e1024_on_the_single_cta_path(T, K):
     """E=1024 (kMaxExperts) with T*K at the single-CTA limit: the single-CTA, cooperative
@@ -226,7 +220,7 @@ def test_gpu_native_e1024_on_the_single_cta_path(T, K):
                         f"E=1024 {sf} grad logits")
 
 
-@apply(on_cuda("native"))
+@with_marks(on_cuda("native"))
 def test_gpu_native_single_cta_path_refuses_more_slots():
     T, E, K = 1025, 16, 8  # T*K = 8200
     idx = make_indices(T, E, K, device="cuda")
@@ -235,7 +229,7 @@ def test_gpu_native_single_cta_path_refuses_more_slots():
             replay_ops.gate(torch.randn(T, E, device="cuda"), idx, backend="native")
 
 
-@apply(on_cuda("native"))
+@with_marks(on_cuda("native"))
 @pytest.mark.parametrize("T", [200, 3000], ids=["single", "chunked"])
 def test_gpu_e1025_is_handed_from_native_to_the_next_backend(T):
     """E=1025 is past the native kernels' limit: the registry names the next backend
@@ -271,7 +265,7 @@ def test_gpu_e1025_is_handed_from_native_to_the_next_backend(T):
                         f"E=1025 {sf} grad logits")
 
 
-@apply(on_cuda("native"))
+@with_marks(on_cuda("native"))
 @pytest.mark.parametrize("K", [32, 33])
 def test_gpu_native_backward_top_k_limit(K):
     """K=32 (kMaxTopK, one lane per slot) runs the native backward; K=33 runs the native

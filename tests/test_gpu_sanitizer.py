@@ -31,6 +31,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 import gpu_workloads as W  # tools/ (pyproject's pytest pythonpath)
+from _helpers import with_marks
 
 # Per run; a run that hangs fails with its output instead of stalling the whole check.
 RUN_TIMEOUT_S = int(os.environ.get("REPLAY_OPS_SANITIZER_TIMEOUT_S", "300"))
@@ -61,13 +62,6 @@ def _skip_reason() -> str | None:
 _SKIP = _skip_reason()
 gpu_sanitizer = [pytest.mark.gpu, pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))]
 
-
-def _apply(marks):
-    def deco(f):
-        for m in reversed(marks):
-            f = m(f)
-        return f
-    return deco
 
 
 def _tool_flags(exe: str, tool: str) -> list[str]:
@@ -107,12 +101,12 @@ def _run(tool: str, workload: str) -> None:
                 f"{out.stdout[-6000:]}\n{out.stderr[-6000:]}")
 
 
-@_apply(gpu_sanitizer)
+@with_marks(gpu_sanitizer)
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "initcheck", "synccheck"])
 def test_gpu_sanitizer_mixed_chain(tool):
     _run(tool, "mix")
 
 
-@_apply(gpu_sanitizer)
+@with_marks(gpu_sanitizer)
 def test_gpu_sanitizer_memcheck_garbage_indices():
     _run("memcheck", "garbage")

@@ -32,6 +32,7 @@ from _helpers import (
     make_logits,
     ref_gate64,
     strided_indices,
+    with_marks,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -427,15 +428,8 @@ GPU_CASES = [  # (T, E, K, align): single-launch path, then the multi-CTA path
 ]
 
 
-def _apply(marks):
-    def deco(f):
-        for m in reversed(marks):
-            f = m(f)
-        return f
-    return deco
 
-
-@_apply(gpu_native)
+@with_marks(gpu_native)
 @pytest.mark.parametrize("T,E,K,align", GPU_CASES, ids=lambda v: str(v))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("score_func", SCORE_FUNCS)
@@ -468,7 +462,7 @@ class _gate_path:
         torch.ops.replay_native.cuda_gate_path(self.prev)
 
 
-@_apply(gpu_native)
+@with_marks(gpu_native)
 @pytest.mark.parametrize(
     "T,E,K,align",
     [(37, 9, 3, 4), (1000, 64, 8, 1), (20000, 128, 8, 16), (70001, 256, 2, 128),
@@ -511,7 +505,7 @@ def test_cuda_gate_path_names_are_checked():
     assert torch.ops.replay_native.cuda_gate_max_ctas(-1) == 0
 
 
-@_apply(gpu_native)
+@with_marks(gpu_native)
 @pytest.mark.parametrize("H", [4096, 7168, 1000, 7])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_permute_unpermute_and_backward(H, dtype):
@@ -535,7 +529,7 @@ def test_cuda_permute_unpermute_and_backward(H, dtype):
         assert_fa_close(o, s, r, name)
 
 
-@_apply(gpu_native)
+@with_marks(gpu_native)
 def test_cuda_bitwise_deterministic_100_runs():
     T, E, K, H = 40000, 128, 8, 512
     idx = make_indices(T, E, K, empty=0.02, seed=1, device="cuda")
@@ -554,7 +548,7 @@ def test_cuda_bitwise_deterministic_100_runs():
                 assert torch.equal(a, b)
 
 
-@_apply(gpu_native)
+@with_marks(gpu_native)
 @pytest.mark.parametrize("path", ["auto", "cooperative", "three_launches"])
 def test_cuda_graph_capture_and_replay(path):
     T, E, K, H = 20000, 64, 4, 256
@@ -579,7 +573,7 @@ def test_cuda_graph_capture_and_replay(path):
         assert torch.equal(a, b)
 
 
-@_apply(gpu_native)
+@with_marks(gpu_native)
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
 def test_cuda_compute_sanitizer(tool):
     exe = shutil.which("compute-sanitizer")
