@@ -24,26 +24,15 @@ from .vllm_engine import VllmRuntime, VllmServer, find_vllm, save_checkpoint
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32 CPU attention
 
 
-class TrainingEngine:
-    """The training side: the checkpoint vLLM serves, loaded by transformers in fp32, patched
-    with a RouterReplay (R3). Offers what `workload.training_passes` and `r2_round_trip` use."""
+class TrainingEngine(workload.TrainingEngine):
+    """The training side of a real engine's run: the checkpoint the engine serves, loaded by
+    transformers in fp32, patched with a RouterReplay (R3)."""
 
     def __init__(self, cfg: DemoConfig, model_dir: str, device: torch.device) -> None:
         from transformers import AutoModelForCausalLM
 
-        from ..integrations import hf
-        from ..router_replay import RouterReplayConfig
-
-        self.train_model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32).eval().to(device)
-        self.num_params = sum(p.numel() for p in self.train_model.parameters())
-        self.train_patch = hf.patch_model(self.train_model,
-                                          RouterReplayConfig(mode="R3", recompute=False))
-        self.moe = self.train_patch.moe
-        self.pad_id = cfg.vocab_size - 1
-
-    def remove(self) -> None:
-        self.train_patch.remove()
+        super().__init__(cfg, AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32).eval().to(device))
 
 
 def check_config(cfg: DemoConfig) -> None:

@@ -64,9 +64,29 @@ def response_logprobs(logits: torch.Tensor, ids: torch.Tensor, slots, prompt_len
 
 
 # ----------------------------------------------------------------------------- stages
-class Engines:
-    """The same random-weight model twice: the inference engine (bf16) and the training
-    engine (fp32), each patched with its own RouterReplay (R3)."""
+class TrainingEngine:
+    """The training engine: an fp32 model patched with a RouterReplay (R3, no recompute).
+    Offers what `training_passes` and `r2_round_trip` use; the real engines' runs build it
+    from the checkpoint the engine serves (`vllm_rollout.TrainingEngine`)."""
+
+    def __init__(self, cfg: DemoConfig, train_model: torch.nn.Module) -> None:
+        from ..integrations import hf
+        from ..router_replay import RouterReplayConfig
+
+        self.train_model = train_model
+        self.num_params = sum(p.numel() for p in train_model.parameters())
+        self.train_patch = hf.patch_model(train_model,
+                                          RouterReplayConfig(mode="R3", recompute=False))
+        self.moe = self.train_patch.moe
+        self.pad_id = cfg.vocab_size - 1
+
+    def remove(self) -> None:
+        self.train_patch.remove()
+
+
+class Engines(TrainingEngine):
+    """The same random-weight model twice: the inference engine (bf16, `infer_model`) and
+    the training engine (fp32), each patched with its own RouterReplay (R3)."""
 
     def __init__(self, cfg: DemoConfig, device: torch.device) -> None:
         from ..integrations import hf
@@ -78,18 +98,13 @@ class Engines:
                   expert_size=cfg.expert_size, initializer_range=cfg.initializer_range)
         self.infer_model = tiny.tiny_model(cfg.arch, seed=cfg.seed, dtype=torch.bfloat16,
                                            **kw).to(device)
-        self.train_model = tiny.tiny_model(cfg.arch, seed=cfg.seed, dtype=torch.float32,
-                                           **kw).to(device)
-        self.num_params = sum(p.numel() for p in self.train_model.parameters())
         self.infer_patch = hf.patch_model(self.infer_model, RouterReplayConfig(mode="R3"))
-        self.train_patch = hf.patch_model(self.train_model,
-                                          RouterReplayConfig(mode="R3", recompute=False))
-        self.moe = self.train_patch.moe
-        self.pad_id = cfg.vocab_size - 1
+        super().__init__(cfg, tiny.tiny_model(cfg.arch, seed=cfg.seed, dtype=torch.float32,
+                                              **kw).to(device))
 
     def remove(self) -> None:
         self.infer_patch.remove()
-        self.train_patch.remove()
+        super().remove()
 
 
 def make_prompts(cfg: DemoConfig):
