@@ -34,7 +34,7 @@ PY="${PY:-python3}"
 # Two caches: the kernels' compile (independent of torch) and the bindings' syntax check
 # (against the installed torch's headers, so keyed by its version).
 key_k=$( { "$NVCC" --version; echo "$ARCHS ${FLAGS[*]}"; cat csrc/cuda/* csrc/include/* "$0"; } | sha256sum | cut -c1-16)
-key_b=$( { "$NVCC" --version; "$PY" -c "import torch; print(torch.__version__)" 2>/dev/null || true; cat csrc/include/* csrc/bindings/register_cuda.cpp csrc/bindings/native_checks.h "$0"; } | sha256sum | cut -c1-16)
+key_b=$( { "$NVCC" --version; "$PY" -c "import torch; print(torch.__version__)" 2>/dev/null || true; cat csrc/include/* csrc/bindings/register_cuda.cpp csrc/bindings/native_checks.h csrc/bindings/native_ops.h csrc/bindings/native_ops.inc "$0"; } | sha256sum | cut -c1-16)
 cache=build/cuda_check
 if [[ -f "$cache/k-$key_k.ok" && -f "$cache/b-$key_b.ok" ]]; then
   echo "check_cuda: OK (cached $key_k/$key_b): ${#SOURCES[@]} files x [$ARCHS], 0 spill stores; bindings checked against this torch"

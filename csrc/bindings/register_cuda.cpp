@@ -14,9 +14,13 @@
 
 #include "../cuda/replay_cuda.h"
 #include "native_checks.h"
+#include "native_ops.h"
 #include "replay_math.h"
 
 namespace {
+
+// The kernels registered below, declared with the signatures of native_ops.inc.
+#include "native_ops.inc"
 
 using replay_cuda::DType;
 using replay_cuda::IType;
@@ -362,15 +366,4 @@ TORCH_LIBRARY_FRAGMENT(replay_native, m) {
   m.def("cuda_kernel_image(int device) -> str", &cuda_kernel_image);
 }
 
-TORCH_LIBRARY_IMPL(replay_native, CUDA, m) {
-  m.impl("gate_fwd", &gate_fwd);
-  m.impl("gate_bwd", &gate_bwd);
-  m.impl("permute_fwd", &permute_fwd);
-  m.impl("permute_bwd", &permute_bwd);
-  m.impl("unpermute_fwd", &unpermute_fwd);
-  m.impl("unpermute_bwd", &unpermute_bwd);
-  m.impl("gate_dense_fwd", &gate_dense_fwd);
-  m.impl("gate_dense_bwd", &gate_dense_bwd);
-  m.impl("permute_probs_fwd", &permute_probs_fwd);
-  m.impl("permute_probs_bwd", &permute_probs_bwd);
-}
+TORCH_LIBRARY_IMPL(replay_native, CUDA, m) { REPLAY_NATIVE_OPS(REPLAY_NATIVE_IMPL_ONE) }
