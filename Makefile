@@ -246,11 +246,13 @@ gpu-wheels:
 # The edit-test loop: no installs (needs `make install` once), under two minutes on 2 cores.
 # Every Python file compiles, the package and its subpackages import, and the fast unit
 # tests run (the ops on the torch and native backends, validation, the reference, the
-# score table, the codec's golden bytes, the rollout adapters, the config, the docs' links;
+# score table, the codec's golden bytes, the rollout adapters, the config, the docs' links,
+# the package's import direction;
 # the Triton interpreter's cases are left to `make test`). `make test` stays the full suite.
 CHECK_TESTS = tests/test_gate.py tests/test_gate_dense.py tests/test_permute.py \
 	tests/test_unpermute.py tests/test_validation.py tests/test_reference.py tests/test_scores.py \
-	tests/test_codec_golden.py tests/test_adapters.py tests/test_config.py tests/test_doc_links.py
+	tests/test_codec_golden.py tests/test_adapters.py tests/test_config.py tests/test_doc_links.py \
+	tests/test_layering.py
 check:
 	$(PY) -m compileall -q replay_ops triton_kernels tests tools bench examples
 	$(PY) -c "import importlib, pkgutil, replay_ops; [importlib.import_module(m.name) for m in \
