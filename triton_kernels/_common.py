@@ -1,5 +1,6 @@
-"""Helpers shared by the Triton kernels: bf16 rounding, fixed-order row sums, the precise
-math of the gate kernels, the launch options, the device context of a launch.
+"""Helpers shared by the Triton kernels: the programs' prologues (a gate chunk's rows, a
+row tile of slots, the tokens of expert-major rows), bf16 rounding, fixed-order row sums,
+the precise math of the gate kernels, the launch options, the device context of a launch.
 
 NOTE on math (checked on the PTX of every specialisation by tools/triton_compile_check.py):
 
@@ -88,6 +89,43 @@ def cast_rne(x, DT: tl.constexpr):
         return (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(DT)
+
+
+# ------------------------------------------------------------------ program prologues
+@triton.jit
+def chunk_rows(T, SINGLE: tl.constexpr, BLOCK_T: tl.constexpr):
+    """This program's rows [row_begin, row_end) in the gate kernels' chunking: every row
+    with SINGLE (one program), else BLOCK_T rows per program. Returns (pid as int64,
+    row_begin, row_end)."""
+    pid = tl.program_id(0).to(tl.int64)
+    if SINGLE:
+        row_begin = 0
+        row_end = T
+    else:
+        row_begin = pid * BLOCK_T
+        row_end = tl.minimum(row_begin + BLOCK_T, T)
+    return pid, row_begin, row_end
+
+
+@triton.jit
+def row_tile(r0, T, K, BLOCK_T: tl.constexpr, K_PAD: tl.constexpr):
+    """The [BLOCK_T, K_PAD] tile of slots of rows r0 .. r0 + BLOCK_T - 1: (rows as int64,
+    cols, the rows' mask, the slots' mask)."""
+    rows = (r0 + tl.arange(0, BLOCK_T)).to(tl.int64)
+    cols = tl.arange(0, K_PAD)
+    rmask = rows < T
+    return rows, cols, rmask, rmask[:, None] & (cols < K)[None, :]
+
+
+@triton.jit
+def sorted_row_tokens(Sorted_ptr, r, rmask, n_sorted, T, K):
+    """The token of each expert-major row r: (its slot, -1 for a padding row, a masked row
+    or r >= n_sorted; the slot's token as int64, 0 where there is none; whether the row
+    has a token in [0, T))."""
+    # int32 slots (< 2^31) divided in 32 bits: a 64-bit division is a subroutine on the GPU
+    slot = tl.load(Sorted_ptr + r, mask=rmask & (r < n_sorted), other=-1)
+    tok = tl.where(slot >= 0, slot // K, 0).to(tl.int64)
+    return slot, tok, (slot >= 0) & (tok < T)
 
 
 # Widest row `row_sum` adds (the Triton gate takes K <= this; see gate.MAX_TOPK).

@@ -43,8 +43,8 @@ import triton.language as tl
 from replay_ops import scores
 from replay_ops.plan import plan_capacity
 
-from ._common import (LAUNCH_OPTIONS, ROW_SUM_MAX_WIDTH, cast_rne, compute_type, device_ctx,
-                      fdiv, fsqrt, precise_exp, row_sum)
+from ._common import (LAUNCH_OPTIONS, ROW_SUM_MAX_WIDTH, cast_rne, chunk_rows, compute_type,
+                      device_ctx, fdiv, fsqrt, precise_exp, row_sum, row_tile)
 
 # Score function ids, from the one table (replay_ops/scores.py).
 _SOFTMAX: tl.constexpr = tl.constexpr(scores.SOFTMAX.id)
@@ -260,10 +260,7 @@ def _gate_weights_block(
     SCORE: tl.constexpr, NORMALIZE: tl.constexpr, CDT: tl.constexpr,
     BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, E_BLOCK: tl.constexpr,
 ):
-    rows = (r0 + tl.arange(0, BLOCK_T)).to(tl.int64)
-    cols = tl.arange(0, K_PAD)
-    rmask = rows < T
-    m2 = rmask[:, None] & (cols < K)[None, :]
+    rows, cols, rmask, m2 = row_tile(r0, T, K, BLOCK_T, K_PAD)
     idx, valid = _load_slots(Idx_ptr, rows, cols, m2, stride_it, stride_ik, E)
     w = _slot_weights(idx, valid, Logits_ptr, rows, rmask, E, stride_lt, stride_le, scale_hi,
                       scale_lo, SCORE, NORMALIZE, CDT, BLOCK_T, K_PAD, E_BLOCK)
@@ -386,13 +383,7 @@ def _gate_fwd_kernel(
 ):
     """Weights for this program's rows, then either the whole plan (SINGLE) or this
     chunk's slot ranks (kept in row_id_map) and expert histogram (multi-chunk)."""
-    pid = tl.program_id(0).to(tl.int64)
-    if SINGLE:
-        row_begin = 0
-        row_end = T
-    else:
-        row_begin = pid * BLOCK_T
-        row_end = tl.minimum(row_begin + BLOCK_T, T)
+    pid, row_begin, row_end = chunk_rows(T, SINGLE, BLOCK_T)
     for r0 in range(row_begin, row_end, BLOCK_T):
         _gate_weights_block(Logits_ptr, Idx_ptr, W_ptr, IdxOut_ptr, r0, T, E, K,
                             stride_lt, stride_le, stride_it, stride_ik, scale_hi, scale_lo,
@@ -484,6 +475,18 @@ def _col(x, cols, k):
 
 
 @triton.jit
+def _slot_sums(idx, v, cols, ecols, K, R: tl.constexpr, E_BLOCK: tl.constexpr,
+               CDT: tl.constexpr):
+    """The [R, E_BLOCK] tile of dense columns ecols: column e is the sum of v's slots routed
+    to e, added in column order k = 0..K-1 (a loop, not unrolled: see `_gate_bwd_kernel`)."""
+    acc = tl.zeros([R, E_BLOCK], CDT)
+    for k in range(0, K):
+        acc += tl.where(_col(idx, cols, k)[:, None] == ecols[None, :],
+                        _col(v, cols, k)[:, None], 0.0)
+    return acc
+
+
+@triton.jit
 def _store_logit_grad(g, idx, valid, Logits_ptr, DLogits_ptr, rows, cols, rmask, E, K,
                       stride_lt, stride_le, SCORE: tl.constexpr, NORMALIZE: tl.constexpr,
                       DENSE: tl.constexpr, CDT: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -517,10 +520,7 @@ def _store_logit_grad(g, idx, valid, Logits_ptr, DLogits_ptr, rows, cols, rmask,
     for e0 in range(0, E, E_BLOCK):
         ecols = e0 + tl.arange(0, E_BLOCK)
         emask = rmask[:, None] & (ecols < E)[None, :]
-        acc = tl.zeros([BLOCK_T, E_BLOCK], CDT)
-        for k in range(0, K):
-            acc += tl.where(_col(idx, cols, k)[:, None] == ecols[None, :],
-                            _col(dz, cols, k)[:, None], 0.0)
+        acc = _slot_sums(idx, dz, cols, ecols, K, BLOCK_T, E_BLOCK, CDT)
         if DENSE:
             xl = tl.load(Logits_ptr + rows[:, None] * stride_lt
                          + ecols.to(tl.int64)[None, :] * stride_le,
@@ -552,11 +552,8 @@ def _gate_bwd_kernel(
     The slot gradients of a column are added in column order k = 0..K-1 (a loop, not
     unrolled: unrolled, K = 200 took 9 s to compile and spilled 2.8 KB). Each output element
     is written exactly once; no atomics."""
-    pid = tl.program_id(0).to(tl.int64)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, K_PAD)
-    rmask = rows < T
-    m2 = rmask[:, None] & (cols < K)[None, :]
+    rows, cols, rmask, m2 = row_tile(tl.program_id(0).to(tl.int64) * BLOCK_T, T, K, BLOCK_T,
+                                     K_PAD)
     kk = rows[:, None] * K + cols[None, :]
     idx, valid = _load_slots(Idx_ptr, rows, cols, m2, K, 1, E)
     g = tl.load(G_ptr + kk, mask=valid, other=0.0).to(CDT) * _scale(scale_hi, scale_lo, CDT)
@@ -599,33 +596,51 @@ def gate_fwd(logits, expert_indices, score_func, normalize, scaling_factor, alig
             PAD_J=cfg.PAD_J, TAIL_BLOCK=cfg.TAIL_BLOCK, **LAUNCH_OPTIONS,
         )
         if not cfg.single:
-            _plan_scan_kernel[(1,)](
-                chunk_counts, tpe, offsets, sorted_slots, cfg.num_chunks, E, align, n_sorted,
-                E_HIST=cfg.E_HIST, CHUNK_BLOCK=cfg.CHUNK_BLOCK, PAD_J=cfg.PAD_J,
-                TAIL_BLOCK=cfg.TAIL_BLOCK, **LAUNCH_OPTIONS,
-            )
-            _plan_scatter_kernel[(cfg.num_chunks,)](
-                idx_out, row_id_map, chunk_counts, offsets, sorted_slots, T, E, K,
-                BLOCK_T=cfg.BLOCK_T, SLOT_BLOCK=cfg.SLOT_BLOCK, **LAUNCH_OPTIONS,
-            )
+            launch_plan_scan_scatter(cfg, idx_out, row_id_map, chunk_counts, tpe, offsets,
+                                     sorted_slots, T, E, K, align, n_sorted)
     return weights, idx_out, tpe, offsets, row_id_map, sorted_slots
+
+
+def launch_plan_scan_scatter(cfg: GateConfig, idx_out, row_id_map, chunk_counts, tpe, offsets,
+                             sorted_slots, T, E, K, align, n_sorted):
+    """Launches (2) and (3) of a multi-chunk plan (both gate forwards): the scan of the
+    chunks' histograms, then the scatter of every chunk's slots to their rows."""
+    _plan_scan_kernel[(1,)](
+        chunk_counts, tpe, offsets, sorted_slots, cfg.num_chunks, E, align, n_sorted,
+        E_HIST=cfg.E_HIST, CHUNK_BLOCK=cfg.CHUNK_BLOCK, PAD_J=cfg.PAD_J,
+        TAIL_BLOCK=cfg.TAIL_BLOCK, **LAUNCH_OPTIONS,
+    )
+    _plan_scatter_kernel[(cfg.num_chunks,)](
+        idx_out, row_id_map, chunk_counts, offsets, sorted_slots, T, E, K,
+        BLOCK_T=cfg.BLOCK_T, SLOT_BLOCK=cfg.SLOT_BLOCK, **LAUNCH_OPTIONS,
+    )
 
 
 def gate_bwd(grad_weights, logits, expert_indices, score_func, normalize, scaling_factor):
     """Dense [T, E] logits gradient (the backend contract's gate_bwd)."""
+    return launch_logit_grad(_gate_bwd_kernel, "gate_backward", grad_weights.contiguous(), (),
+                             logits, expert_indices, score_func, normalize, scaling_factor)
+
+
+def launch_logit_grad(kernel, op, grad, grad_strides, logits, expert_indices, score_func,
+                      normalize, scaling_factor):
+    """Both gates' backward launch: `kernel` (this module's or gate_dense's) writes the dense
+    [T, E] logits gradient from `grad` (its strides `grad_strides` passed after T, E, K
+    where the kernel reads them), one program per BLOCK_T rows."""
     T, E = logits.shape
     K = expert_indices.shape[1]
-    grad = torch.empty(T, E, dtype=logits.dtype, device=logits.device)
+    check_top_k(K, op)
+    out = torch.empty(T, E, dtype=logits.dtype, device=logits.device)
     if T == 0:
-        return grad
+        return out
     sf = scores.get(score_func)
     cfg = gate_bwd_config(T, K, E)
     with device_ctx(logits):
-        _gate_bwd_kernel[(triton.cdiv(T, cfg.BLOCK_T),)](
-            grad_weights.contiguous(), logits, expert_indices.contiguous(), grad,
-            T, E, K, logits.stride(0), logits.stride(1), *split_scale(scaling_factor),
-            SCORE=sf.id, NORMALIZE=bool(normalize),
+        kernel[(triton.cdiv(T, cfg.BLOCK_T),)](
+            grad, logits, expert_indices.contiguous(), out,
+            T, E, K, *grad_strides, logits.stride(0), logits.stride(1),
+            *split_scale(scaling_factor), SCORE=sf.id, NORMALIZE=bool(normalize),
             DENSE=(sf is scores.SOFTMAX and not normalize), CDT=compute_type(logits.dtype),
             BLOCK_T=cfg.BLOCK_T, K_PAD=cfg.K_PAD, E_BLOCK=cfg.E_BLOCK, **LAUNCH_OPTIONS,
         )
-    return grad
+    return out

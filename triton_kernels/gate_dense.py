@@ -36,17 +36,21 @@ import triton.language as tl
 from replay_ops import scores
 from replay_ops.plan import PADDING_MODES, plan_capacity
 
-from . import gate as _gate  # its plan kernels, looked up at launch (tools patch them there)
-from ._common import LAUNCH_OPTIONS, cast_rne, compute_type, device_ctx
+from . import gate as _gate  # its plan launches: the kernels are looked up there (tools patch them)
+from ._common import (LAUNCH_OPTIONS, cast_rne, chunk_rows, compute_type, device_ctx,
+                      row_tile, sorted_row_tokens)
 from .gate import (
+    _load_slots,
     _plan_of_slots,
     _slot_weights,
     _col,
     _store_logit_grad,
     _scale,
+    _slot_sums,
     check_top_k,
     gate_bwd_config,
     gate_config,
+    launch_logit_grad,
     split_scale,
 )
 
@@ -145,10 +149,7 @@ def _dense_rows(
     HAS_MASK: tl.constexpr, HAS_FB: tl.constexpr, GUARD: tl.constexpr,
     ROW_BLOCK: tl.constexpr, K_PAD: tl.constexpr, E_BLOCK: tl.constexpr,
 ):
-    rows = (r0 + tl.arange(0, ROW_BLOCK)).to(tl.int64)
-    cols = tl.arange(0, K_PAD)
-    rmask = rows < T
-    m2 = rmask[:, None] & (cols < K)[None, :]
+    rows, cols, rmask, m2 = row_tile(r0, T, K, ROW_BLOCK, K_PAD)
     idx, flags = _resolve_rows(Idx_ptr, Mask_ptr, Fb_ptr, rows, rmask, cols, T, E, K,
                                stride_it, stride_ik, stride_ft, stride_fk, ep_size,
                                offset_mod, HAS_MASK, HAS_FB, PADDING)
@@ -195,13 +196,7 @@ def _gate_dense_fwd_kernel(
     """The dense rows of this program's chunk (every row with SINGLE), then the plan over
     the int32 experts it wrote: the whole plan (SINGLE), or the chunk's ranks (kept in
     row_id_map) and expert histogram for gate.py's scan and scatter kernels."""
-    pid = tl.program_id(0).to(tl.int64)
-    if SINGLE:
-        row_begin = 0
-        row_end = T
-    else:
-        row_begin = pid * BLOCK_T
-        row_end = tl.minimum(row_begin + BLOCK_T, T)
+    pid, row_begin, row_end = chunk_rows(T, SINGLE, BLOCK_T)
     for r0 in range(row_begin, row_end, ROW_BLOCK):
         _dense_rows(Logits_ptr, Idx_ptr, Mask_ptr, Fb_ptr, Probs_ptr, Map_ptr, Flags_ptr,
                     IdxOut_ptr, r0, row_end, E, K, stride_lt, stride_le, stride_it,
@@ -229,14 +224,9 @@ def _gate_dense_bwd_kernel(
 ):
     """gate.py's _gate_bwd_kernel with g[t, k] = s * grad_probs[t, idx[t, k]]: the slot
     gradients of a column added in column order; each output element written once."""
-    pid = tl.program_id(0).to(tl.int64)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, K_PAD)
-    rmask = rows < T
-    m2 = rmask[:, None] & (cols < K)[None, :]
-    idx = tl.load(Idx_ptr + rows[:, None] * K + cols[None, :], mask=m2, other=-1)
-    valid = m2 & (idx >= 0) & (idx < E)
-    idx = tl.where(valid, idx, -1)
+    rows, cols, rmask, m2 = row_tile(tl.program_id(0).to(tl.int64) * BLOCK_T, T, K, BLOCK_T,
+                                     K_PAD)
+    idx, valid = _load_slots(Idx_ptr, rows, cols, m2, K, 1, E)
     g = tl.load(G_ptr + rows[:, None] * stride_gt + idx.to(tl.int64) * stride_ge, mask=valid,
                 other=0.0).to(CDT) * _scale(scale_hi, scale_lo, CDT)
     _store_logit_grad(g, idx, valid, Logits_ptr, DLogits_ptr, rows, cols, rmask, E, K,
@@ -258,10 +248,7 @@ def _permute_probs_fwd_kernel(
     pid = tl.program_id(0).to(tl.int64)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < num_rows
-    # int32 slots (< 2^31) divided in 32 bits: a 64-bit division is a subroutine on the GPU
-    slot = tl.load(Sorted_ptr + r, mask=rmask & (r < n_sorted), other=-1)
-    tok = tl.where(slot >= 0, slot // K, 0).to(tl.int64)
-    has = (slot >= 0) & (tok < T)
+    slot, tok, has = sorted_row_tokens(Sorted_ptr, r, rmask, n_sorted, T, K)
     e = tl.load(Idx_ptr + tl.where(has, slot, 0).to(tl.int64), mask=has, other=-1).to(tl.int64)
     ok = has & (e >= 0) & (e < E)
     v = tl.load(Probs_ptr + tok * stride_pt + e * stride_pe, mask=ok, other=0.0)
@@ -279,11 +266,8 @@ def _permute_probs_bwd_kernel(
     # constexprs
     CDT: tl.constexpr, BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, E_BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, K_PAD)
-    rmask = rows < T
-    m2 = rmask[:, None] & (cols < K)[None, :]
+    rows, cols, rmask, m2 = row_tile(tl.program_id(0).to(tl.int64) * BLOCK_T, T, K, BLOCK_T,
+                                     K_PAD)
     flat = rows[:, None] * K + cols[None, :]
     row = tl.load(RowMap_ptr + flat, mask=m2, other=-1).to(tl.int64)
     idx = tl.load(Idx_ptr + flat, mask=m2, other=-1)
@@ -293,10 +277,7 @@ def _permute_probs_bwd_kernel(
     for e0 in range(0, E, E_BLOCK):
         ecols = e0 + tl.arange(0, E_BLOCK)
         emask = rmask[:, None] & (ecols < E)[None, :]
-        acc = tl.zeros([BLOCK_T, E_BLOCK], CDT)
-        for k in range(0, K):
-            acc += tl.where(_col(idx, cols, k)[:, None] == ecols[None, :],
-                            _col(g, cols, k)[:, None], 0.0)
+        acc = _slot_sums(idx, g, cols, ecols, K, BLOCK_T, E_BLOCK, CDT)
         tl.store(Out_ptr + rows[:, None] * E + ecols[None, :],
                  cast_rne(acc, Out_ptr.dtype.element_ty), mask=emask)
 
@@ -348,37 +329,16 @@ def gate_dense_fwd(logits, expert_indices, replay_mask, fallback, score_func, no
             TAIL_BLOCK=pc.TAIL_BLOCK, **LAUNCH_OPTIONS,
         )
         if with_plan and not pc.single:
-            _gate._plan_scan_kernel[(1,)](
-                chunk_counts, tpe, offsets, sorted_slots, pc.num_chunks, E, align, n_sorted,
-                E_HIST=pc.E_HIST, CHUNK_BLOCK=pc.CHUNK_BLOCK, PAD_J=pc.PAD_J,
-                TAIL_BLOCK=pc.TAIL_BLOCK, **LAUNCH_OPTIONS,
-            )
-            _gate._plan_scatter_kernel[(pc.num_chunks,)](
-                idx_out, row_id_map, chunk_counts, offsets, sorted_slots, T, E, K,
-                BLOCK_T=pc.BLOCK_T, SLOT_BLOCK=pc.SLOT_BLOCK, **LAUNCH_OPTIONS,
-            )
+            _gate.launch_plan_scan_scatter(pc, idx_out, row_id_map, chunk_counts, tpe, offsets,
+                                           sorted_slots, T, E, K, align, n_sorted)
     return probs, rmap, flags, idx_out, tpe, offsets, row_id_map, sorted_slots
 
 
 def gate_dense_bwd(grad_probs, logits, expert_indices, score_func, normalize, scaling_factor):
-    T, E = logits.shape
-    K = expert_indices.shape[1]
-    check_top_k(K, "gate_dense_backward")
-    grad = torch.empty(T, E, dtype=logits.dtype, device=logits.device)
-    if T == 0:
-        return grad
-    sf = scores.get(score_func)
-    cfg = gate_bwd_config(T, K, E)
-    with device_ctx(logits):
-        _gate_dense_bwd_kernel[(triton.cdiv(T, cfg.BLOCK_T),)](
-            grad_probs, logits, expert_indices.contiguous(), grad,
-            T, E, K, grad_probs.stride(0), grad_probs.stride(1), logits.stride(0),
-            logits.stride(1), *split_scale(scaling_factor),
-            SCORE=sf.id, NORMALIZE=bool(normalize),
-            DENSE=(sf is scores.SOFTMAX and not normalize), CDT=compute_type(logits.dtype),
-            BLOCK_T=cfg.BLOCK_T, K_PAD=cfg.K_PAD, E_BLOCK=cfg.E_BLOCK, **LAUNCH_OPTIONS,
-        )
-    return grad
+    # the probs gradient is read in place, any strides
+    return launch_logit_grad(_gate_dense_bwd_kernel, "gate_dense_backward", grad_probs,
+                             (grad_probs.stride(0), grad_probs.stride(1)), logits,
+                             expert_indices, score_func, normalize, scaling_factor)
 
 
 PROBS_BLOCK_R = 1024

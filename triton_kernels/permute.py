@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LAUNCH_OPTIONS, device_ctx, row_config
+from ._common import LAUNCH_OPTIONS, device_ctx, row_config, sorted_row_tokens
 from .unpermute import gather_sum
 
 
@@ -33,10 +33,7 @@ def _permute_fwd_kernel(
     pid = tl.program_id(0).to(tl.int64)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < num_rows
-    # int32 slots (< 2^31) divided in 32 bits: a 64-bit division is a subroutine on the GPU
-    slot = tl.load(Sorted_ptr + r, mask=rmask & (r < n_sorted), other=-1)
-    tok = tl.where(slot >= 0, slot // K, 0).to(tl.int64)
-    has = (slot >= 0) & (tok < T)
+    _, tok, has = sorted_row_tokens(Sorted_ptr, r, rmask, n_sorted, T, K)
     for h0 in range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         hm = (h < H)[None, :]
