@@ -11,8 +11,8 @@
 #include <ATen/ATen.h>
 
 #include <string>
-#include <tuple>
 
+#include "native_ops.h"
 #include "replay_math.h"
 #include "replay_score_funcs.h"
 
@@ -236,8 +236,7 @@ struct GateOutputs {
     sorted_slots = at::empty({checked_plan_capacity(T, K, E, align)}, i32);
   }
 
-  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> tuple()
-      const {
+  GateFwdResult tuple() const {
     return {weights, idx32, counts, offsets, row_id_map, sorted_slots};
   }
 };
@@ -261,9 +260,7 @@ struct DenseGateOutputs {
     sorted_slots = at::empty({with_plan ? n : 0}, i32);
   }
 
-  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-             at::Tensor>
-  tuple() const {
+  GateDenseFwdResult tuple() const {
     return {probs, routing_map, row_flags, idx32, counts, offsets, row_id_map, sorted_slots};
   }
 };

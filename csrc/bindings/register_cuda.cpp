@@ -144,9 +144,9 @@ void check_backward_topk(const at::Tensor& idx) {
                     "gate_backward supports K <= ", replay_cuda::kMaxTopK, ", got K=", idx.size(1));
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gate_fwd(
-    const at::Tensor& logits_in, const at::Tensor& idx, int64_t score_func, bool normalize,
-    double scaling_factor, int64_t align) {
+replay_native::GateFwdResult gate_fwd(const at::Tensor& logits_in, const at::Tensor& idx,
+                                      int64_t score_func, bool normalize,
+                                      double scaling_factor, int64_t align) {
   replay_native::check_gate_fwd(logits_in, idx, logits_in.device());
   const c10::cuda::CUDAGuard guard(logits_in.device());
   const int sf = replay_native::checked_score_func(score_func);
@@ -188,13 +188,11 @@ at::Tensor gate_bwd(const at::Tensor& grad_weights, const at::Tensor& logits_in,
   return grad;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-           at::Tensor>
-gate_dense_fwd(const at::Tensor& logits_in, const at::Tensor& idx,
-               const c10::optional<at::Tensor>& replay_mask,
-               const c10::optional<at::Tensor>& fallback, int64_t score_func, bool normalize,
-               double scaling_factor, int64_t padding, int64_t ep_size, int64_t spread_offset,
-               bool underflow_guard, int64_t align, bool with_plan) {
+replay_native::GateDenseFwdResult gate_dense_fwd(
+    const at::Tensor& logits_in, const at::Tensor& idx,
+    const c10::optional<at::Tensor>& replay_mask, const c10::optional<at::Tensor>& fallback,
+    int64_t score_func, bool normalize, double scaling_factor, int64_t padding, int64_t ep_size,
+    int64_t spread_offset, bool underflow_guard, int64_t align, bool with_plan) {
   replay_native::check_gate_dense_fwd(logits_in, idx, replay_mask, fallback, padding, ep_size,
                                       spread_offset, logits_in.device());
   const c10::cuda::CUDAGuard guard(logits_in.device());
@@ -332,11 +330,11 @@ at::Tensor unpermute_fwd(const at::Tensor& expert_out, const at::Tensor& row_id_
   return gather(expert_out, row_id_map, &weights, "unpermute");
 }
 
-std::tuple<at::Tensor, at::Tensor> unpermute_bwd(const at::Tensor& grad_out_in,
-                                                 const at::Tensor& expert_out_in,
-                                                 const at::Tensor& row_id_map,
-                                                 const at::Tensor& sorted_slots,
-                                                 const at::Tensor& weights) {
+replay_native::UnpermuteBwdResult unpermute_bwd(const at::Tensor& grad_out_in,
+                                                const at::Tensor& expert_out_in,
+                                                const at::Tensor& row_id_map,
+                                                const at::Tensor& sorted_slots,
+                                                const at::Tensor& weights) {
   replay_native::check_unpermute_bwd(grad_out_in, expert_out_in, row_id_map, sorted_slots,
                                      weights, expert_out_in.device());
   const c10::cuda::CUDAGuard guard(expert_out_in.device());

@@ -409,9 +409,9 @@ void gate_bwd_impl(GradAt grad_at, const at::Tensor& logits, const at::Tensor& i
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gate_fwd(
-    const at::Tensor& logits_in, const at::Tensor& expert_indices, int64_t score_func,
-    bool normalize, double scaling_factor, int64_t align) {
+replay_native::GateFwdResult gate_fwd(const at::Tensor& logits_in,
+                                      const at::Tensor& expert_indices, int64_t score_func,
+                                      bool normalize, double scaling_factor, int64_t align) {
   replay_native::check_gate_fwd(logits_in, expert_indices, c10::Device(c10::kCPU));
   const int sf = replay_native::checked_score_func(score_func);
   const at::Tensor logits = logits_in.contiguous();
@@ -449,13 +449,11 @@ at::Tensor gate_bwd(const at::Tensor& grad_weights, const at::Tensor& logits_in,
   return grad;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-           at::Tensor>
-gate_dense_fwd(const at::Tensor& logits_in, const at::Tensor& expert_indices,
-               const c10::optional<at::Tensor>& replay_mask,
-               const c10::optional<at::Tensor>& fallback, int64_t score_func, bool normalize,
-               double scaling_factor, int64_t padding, int64_t ep_size, int64_t spread_offset,
-               bool underflow_guard, int64_t align, bool with_plan) {
+replay_native::GateDenseFwdResult gate_dense_fwd(
+    const at::Tensor& logits_in, const at::Tensor& expert_indices,
+    const c10::optional<at::Tensor>& replay_mask, const c10::optional<at::Tensor>& fallback,
+    int64_t score_func, bool normalize, double scaling_factor, int64_t padding, int64_t ep_size,
+    int64_t spread_offset, bool underflow_guard, int64_t align, bool with_plan) {
   const c10::Device cpu(c10::kCPU);
   replay_native::check_gate_dense_fwd(logits_in, expert_indices, replay_mask, fallback, padding,
                                       ep_size, spread_offset, cpu);
@@ -500,5 +498,8 @@ at::Tensor gate_dense_bwd(const at::Tensor& grad_probs, const at::Tensor& logits
   });
   return grad;
 }
+
+// Each op's name is one function here, of its signature in native_ops.inc.
+REPLAY_NATIVE_OPS(REPLAY_NATIVE_CHECK_ONE)
 
 }  // namespace replay_cpu

@@ -2,9 +2,7 @@
 // are written once, in ../bindings/native_ops.inc).
 #pragma once
 
-#include <ATen/ATen.h>
-
-#include <tuple>
+#include "../bindings/native_ops.h"
 
 namespace replay_cpu {
 

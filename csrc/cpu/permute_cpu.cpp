@@ -146,11 +146,11 @@ at::Tensor unpermute_fwd(const at::Tensor& expert_out_in, const at::Tensor& row_
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> unpermute_bwd(const at::Tensor& grad_out_in,
-                                                 const at::Tensor& expert_out_in,
-                                                 const at::Tensor& row_id_map_in,
-                                                 const at::Tensor& sorted_slots_in,
-                                                 const at::Tensor& weights) {
+replay_native::UnpermuteBwdResult unpermute_bwd(const at::Tensor& grad_out_in,
+                                                const at::Tensor& expert_out_in,
+                                                const at::Tensor& row_id_map_in,
+                                                const at::Tensor& sorted_slots_in,
+                                                const at::Tensor& weights) {
   replay_native::check_unpermute_bwd(grad_out_in, expert_out_in, row_id_map_in, sorted_slots_in,
                                      weights, kCpu);
   const at::Tensor x = expert_out_in.contiguous();
@@ -273,5 +273,8 @@ at::Tensor permute_probs_bwd(const at::Tensor& grad_in, const at::Tensor& row_id
   });
   return out;
 }
+
+// Each op's name is one function here, of its signature in native_ops.inc.
+REPLAY_NATIVE_OPS(REPLAY_NATIVE_CHECK_ONE)
 
 }  // namespace replay_cpu
