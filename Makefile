@@ -113,7 +113,7 @@ check-cuda:
 # installed once into $(TRITON_FLOOR_DIR) (about 640 MB, 90 s measured; kept while it holds
 # that version) and put first on PYTHONPATH: Triton 3.6 compiles what the launchers launch,
 # for sm_90 (the GPU machines' H100 / H200; 359 compiles). Its register allocation spills
-# more than 3.9's in 5 of them (12 to 140 bytes, the largest tiles), so its spill budget is
+# more than 3.9's in 7 of them (4 to 140 bytes, the largest tiles), so its spill budget is
 # TRITON_FLOOR_SPILL_BUDGET; every other rule is the same.
 .PHONY: check-triton install-triton-floor
 install-triton-floor:

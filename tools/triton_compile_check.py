@@ -676,12 +676,12 @@ def write_report(rows: list[dict], n_cases: int, wall: float, args, failures: li
             "cases": n_cases, "compiles": len(rows), "wall_s": round(wall, 1),
             "jobs": args.jobs, "failures": failures, "rows": slim}
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
+    tmp = out.with_name(out.name + ".json.tmp")
     head = json.dumps({k: v for k, v in data.items() if k != "rows"}, indent=1)[:-2]
     tmp.write_text(head + ',\n "rows": [\n'
                    + ",\n".join(json.dumps(r, separators=(",", ":")) for r in slim)
                    + "\n ]\n}\n")
-    tmp.replace(out.with_suffix(".json"))
+    tmp.replace(out.with_name(out.name + ".json"))
 
     L = [f"# Triton kernels compiled for sm_80 and sm_90 (no GPU)", "",
          f"Command: `{data['command']}` (also `make check-triton`, part of `make test`)", "",
@@ -736,9 +736,9 @@ def write_report(rows: list[dict], n_cases: int, wall: float, args, failures: li
         L.append(f"| {r['kernel']} | sm_{r['arch']} | {ce} | {r['registers']} | "
                  f"{r['spill_stores']} | {r['stack']} | {r['shared']} | {r['ld_global_bits']} | "
                  f"{r['cases'][0]} (of {len(r['cases'])}) |")
-    tmp = out.with_suffix(".md.tmp")
+    tmp = out.with_name(out.name + ".md.tmp")
     tmp.write_text("\n".join(L) + "\n")
-    tmp.replace(out.with_suffix(".md"))
+    tmp.replace(out.with_name(out.name + ".md"))
 
 
 def main(argv=None) -> int:
@@ -759,7 +759,7 @@ def main(argv=None) -> int:
                          "be compiled by one)")
     ap.add_argument("--list", action="store_true", help="print the cases and jobs, compile nothing")
     ap.add_argument("--no-write", action="store_true", help="do not write bench/results")
-    ap.add_argument("--out", type=Path, default=OUT, help="results path without suffix")
+    ap.add_argument("--out", type=Path, default=OUT, help="results path without suffix (.json and .md are appended: a name may hold dots)")
     args = ap.parse_args(argv)
 
     cache_dir = setup_environment()
