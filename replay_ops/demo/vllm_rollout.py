@@ -157,7 +157,8 @@ def sequences(engine: str, outs: dict, prompts: dict, resp_lens: dict):
 def train_and_compare(cfg: DemoConfig, device: torch.device, timing: dict, model_dir: str,
                       seqs: dict, prompt_lens: dict, infer_lp: dict, adapt):
     """The training side of a real engine's run: the checkpoint in fp32 (`TrainingEngine`),
-    the engine's routing through its adapter (`adapt(moe)` -> (routing, mask, batch), `moe` the MoE blocks),
+    the engine's routing through its adapter (`adapt(moe)` -> (routing, mask, batch), `moe`
+    the model's MoE blocks),
     the response log-probs with the model's own routing and with the routing replayed (R3), the
     comparison with the engine's own log-probs `infer_lp`, and the R2 round trip. Returns
     (engine, results, r2, batch)."""

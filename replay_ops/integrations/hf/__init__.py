@@ -41,6 +41,7 @@ from .families import (
     unregister_family,
 )
 from ..._deprecated import deprecated_names
+from . import patch as _patch
 from .patch import (
     MoEBlocks,
     ReplayPatch,
@@ -73,10 +74,7 @@ __all__ = [
 ]
 
 
-# Renamed, kept for one release (they warn): "layout" now names data layouts only.
-_RENAMED = {"MoELayout": ("MoEBlocks", MoEBlocks),
-            "moe_layout": ("find_moe_blocks", find_moe_blocks)}
-_deprecated = deprecated_names(__name__, _RENAMED)
+_deprecated = deprecated_names(__name__, _patch.RENAMED)  # renamed names, for one release
 
 
 def __getattr__(name: str):
@@ -85,6 +83,6 @@ def __getattr__(name: str):
         from . import ep
 
         return getattr(ep, name)
-    if name in _RENAMED:
+    if name in _patch.RENAMED:
         return _deprecated(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

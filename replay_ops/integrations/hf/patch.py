@@ -360,6 +360,8 @@ def unpatch_model(model: torch.nn.Module) -> None:
         patch.remove()
 
 
-# Renamed, kept for one release (they warn).
-__getattr__ = deprecated_names(__name__, {"MoELayout": ("MoEBlocks", MoEBlocks),
-                                          "moe_layout": ("find_moe_blocks", find_moe_blocks)})
+# Renamed, kept for one release (they warn; the package re-exports them): "layout" now
+# names data layouts only.
+RENAMED = {"MoELayout": ("MoEBlocks", MoEBlocks),
+           "moe_layout": ("find_moe_blocks", find_moe_blocks)}
+__getattr__ = deprecated_names(__name__, RENAMED)
