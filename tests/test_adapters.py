@@ -568,7 +568,7 @@ def test_deprecated_layout_module_warns_and_still_works():
     from replay_ops.router_replay.adapters import batch
 
     sys.modules.pop("replay_ops.router_replay.adapters.layout", None)
-    with pytest.warns(DeprecationWarning, match=r"adapters.layout is deprecated; use "
+    with pytest.warns(DeprecationWarning, match=r"adapters.layout is deprecated; import "
                                                 r"replay_ops.router_replay.adapters.batch"):
         old = importlib.import_module("replay_ops.router_replay.adapters.layout")
     assert old.ReplayBatch is batch.ReplayBatch and old.pack_thd is batch.pack_thd

@@ -3,12 +3,11 @@
 Its names are looked up on first use, so importing `replay_ops.distributed` never imports
 the Hugging Face integration.
 """
-import warnings
+from .._deprecated import deprecated_module
 
 __all__ = ["enable_expert_parallel", "EPState"]
 
-warnings.warn("replay_ops.distributed.hf is deprecated; import "
-              "replay_ops.integrations.hf.ep instead", DeprecationWarning, stacklevel=2)
+deprecated_module("replay_ops.distributed.hf", "replay_ops.integrations.hf.ep")
 
 
 def __getattr__(name: str):

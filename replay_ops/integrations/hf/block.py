@@ -40,13 +40,13 @@ bias an expert maps them to zero, and nothing reads them either.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 
 import replay_ops
+from replay_ops._deprecated import deprecated_property
 from replay_ops.plan import RoutingPlan
 from replay_ops.router_replay import ReplayAction
 
@@ -90,20 +90,8 @@ class BlockRouting:
     recompute: bool  # an activation recompute (its routing is not reported again)
 
     # deprecated names of own_weights / own_indices ("native" names the C++/CUDA backend)
-    @property
-    def native_weights(self) -> torch.Tensor:
-        _renamed("BlockRouting.native_weights", "BlockRouting.own_weights")
-        return self.own_weights
-
-    @property
-    def native_indices(self) -> torch.Tensor:
-        _renamed("BlockRouting.native_indices", "BlockRouting.own_indices")
-        return self.own_indices
-
-
-def _renamed(old: str, new: str) -> None:
-    warnings.warn(f"replay_ops.integrations.hf: {old} is deprecated; use {new} (the model's "
-                  f"own routing)", DeprecationWarning, stacklevel=3)
+    native_weights = deprecated_property("own_weights", "BlockRouting.native_weights")
+    native_indices = deprecated_property("own_indices", "BlockRouting.native_indices")
 
 
 def route_block(patch, lid: int, block: torch.nn.Module,

@@ -43,13 +43,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from replay_ops import scores
+from replay_ops._deprecated import deprecated_function
 from replay_ops.router_replay.config import FALLBACKS
 
 __all__ = [
@@ -180,12 +180,10 @@ def own_topk(model_type: str, gate: torch.nn.Module, logits: torch.Tensor) -> to
     return spec_for(model_type).topk(gate, logits)
 
 
-def native_topk(model_type: str, gate: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
-    """Deprecated alias of `own_topk` ("native" names the C++/CUDA backend)."""
-    warnings.warn("replay_ops.integrations.hf.native_topk is deprecated; use "
-                  "replay_ops.integrations.hf.own_topk (the model's own routing)",
-                  DeprecationWarning, stacklevel=2)
-    return own_topk(model_type, gate, logits)
+# "native" names the C++/CUDA backend
+native_topk = deprecated_function(own_topk, "replay_ops.integrations.hf.native_topk",
+                                  "replay_ops.integrations.hf.own_topk",
+                                  " (the model's own routing)")
 
 
 # ----------------------------------------------------------------------------- registration

@@ -78,7 +78,7 @@ from replay_ops.router_replay import (
     RouterReplayConfig,
 )
 
-from ..._deprecated import deprecated_names
+from ..._deprecated import deprecated_names, deprecated_property
 from .block import patched_forward
 from .families import ArchSpec, UnsupportedModelError, spec_for, supported_architectures
 
@@ -245,12 +245,7 @@ class ReplayPatch:
         self._last: dict[int, torch.Tensor | None] = dict.fromkeys(moe.moe_layer_ids)
         self.active = False
 
-    @property
-    def layout(self) -> MoEBlocks:
-        """Deprecated name of `.moe`."""
-        warnings.warn("ReplayPatch.layout is deprecated; use ReplayPatch.moe",
-                      DeprecationWarning, stacklevel=2)
-        return self.moe
+    layout = deprecated_property("moe", "ReplayPatch.layout")
 
     @property
     def moe_layer_ids(self) -> list[int]:

@@ -29,13 +29,12 @@ stated otherwise. Padding rows are -1 with `replay_mask` False, never 0.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import replace
 from typing import Sequence
 
 import torch
 
-from ..._deprecated import deprecated_names
+from ..._deprecated import deprecated_function, deprecated_names, resolve_renamed
 from ..._validate import first_bad_route, int16_routing, signed_routing, unsigned_note
 from ...router_replay.adapters.batch import ReplayBatch, SequenceRouting
 from ...router_replay.adapters.batch import pack_thd as _concat_thd
@@ -73,13 +72,7 @@ __getattr__ = deprecated_names(__name__, _DEPRECATED)
 
 def _scheme(scheme, layout, who: str, default=None):
     """The CP split scheme from `scheme=`, or from the deprecated `layout=`."""
-    if layout is not None:
-        warnings.warn(f"{who}(layout=...) is deprecated; use scheme=", DeprecationWarning,
-                      stacklevel=3)
-        if scheme is not None and scheme != layout:
-            raise ValueError(f"{who}: scheme={scheme!r} and layout={layout!r} disagree")
-        return layout
-    return default if scheme is None else scheme
+    return resolve_renamed(who, "layout", "scheme", layout, scheme, default)
 
 
 class LayoutError(ValueError):
@@ -293,12 +286,9 @@ def pad_thd(batch: ReplayBatch, *, align: int = 1, total_align: int = 1,
                    cu_seqlens_padded=cup)
 
 
-def pack_thd(*args, **kwargs) -> ReplayBatch:
-    """Deprecated name of `pack_megatron_thd` (`adapters.pack_thd` is the unpadded THD
-    packing; this one pads for Megatron)."""
-    warnings.warn("replay_ops.integrations.megatron.pack_thd is deprecated; use "
-                  "pack_megatron_thd", DeprecationWarning, stacklevel=2)
-    return pack_megatron_thd(*args, **kwargs)
+# (`adapters.pack_thd` is the unpadded THD packing; this one pads for Megatron)
+pack_thd = deprecated_function(pack_megatron_thd, "replay_ops.integrations.megatron.pack_thd",
+                               "pack_megatron_thd")
 
 
 def unpack_thd(packed: ReplayBatch, *, with_placeholder: bool = True) -> list[torch.Tensor]:

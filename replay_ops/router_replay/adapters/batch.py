@@ -16,7 +16,6 @@ import binascii
 import json
 import math
 import struct
-import warnings
 import zlib
 from dataclasses import dataclass, field, fields
 from typing import Sequence
@@ -24,11 +23,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..._deprecated import deprecated_names
+from ..._deprecated import (deprecated_names, deprecated_property, renamed_keyword,
+                             resolve_renamed)
 from ..._validate import int16_routing, signed_routing, unsigned_note
 from .._bounds import MAX_LAYER_SLOTS, MAX_LAYERS, MAX_TOP_K, check_limits
 from ..shape import MAPPINGS, ModelShape, describe_bad_route, first_bad_route
-from ..._deprecated import renamed_keyword
 
 INDEX_DTYPE = torch.int16
 
@@ -201,12 +200,7 @@ class MultiTurnRouting:
         self.mapping: str | None = None
         self.masked: list[tuple[int, int, str]] = []  # (first row, end row, why)
 
-    @property
-    def layout(self) -> ModelShape:
-        """Deprecated name of `model_shape` (one release)."""
-        warnings.warn("MultiTurnRouting.layout is deprecated; use model_shape",
-                      DeprecationWarning, stacklevel=2)
-        return self.model_shape
+    layout = deprecated_property("model_shape", "MultiTurnRouting.layout")
 
     def add_turn(self, routing, seq_len: int, start: int = 0) -> None:
         who = f"request {self.request} turn {self.turns}"
@@ -339,12 +333,7 @@ class ReplayBatch:
         return (f"ReplayBatch(tokens={self.num_tokens}, sequences={self.num_sequences}, "
                 f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, cp_scheme={self.cp_scheme})")
 
-    @property
-    def cp_layout(self) -> str | None:
-        """Deprecated name of `cp_scheme`."""
-        warnings.warn("ReplayBatch.cp_layout is deprecated; use ReplayBatch.cp_scheme",
-                      DeprecationWarning, stacklevel=2)
-        return self.cp_scheme
+    cp_layout = deprecated_property("cp_scheme", "ReplayBatch.cp_layout")
 
     def _megatron_fields(self) -> bool:
         return self.cu_seqlens_padded is not None or self.cp_size != 1 or self.cp_scheme is not None
@@ -636,15 +625,8 @@ def pack(seqs, prompt_lens, packing, max_prompt_len=None, max_response_len=None)
 
 
 def packing_arg(packing: str | None, layout_kind: str | None, who: str) -> str:
-    """`packing=`, or the deprecated `packing=` it replaces (which warns)."""
-    if layout_kind is not None:
-        warnings.warn(f"{who}(layout_kind=...) is deprecated; use packing=",
-                      DeprecationWarning, stacklevel=3)
-        if packing is not None and packing != layout_kind:
-            raise ValueError(f"{who}: packing={packing!r} and layout_kind={layout_kind!r} "
-                             f"disagree")
-        return layout_kind
-    return "padded" if packing is None else packing
+    """`packing=`, or the deprecated `layout_kind=` it replaces (which warns)."""
+    return resolve_renamed(who, "layout_kind", "packing", layout_kind, packing, "padded")
 
 
 # deprecated (one release): the model shape is ModelShape

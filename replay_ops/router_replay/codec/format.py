@@ -18,6 +18,7 @@ import zlib
 import numpy as np
 import torch
 
+from ..._deprecated import deprecated_property
 from .._bounds import MAX_IDS, MAX_LAYERS, MAX_TOKENS, MAX_TOP_K
 
 FORMAT_VERSION = 3
@@ -230,14 +231,7 @@ class ChunkInfo(typing.NamedTuple):
     payload_crc: int
     token_start: int       # of the chunk's first token in the whole blob
 
-    @property
-    def layout(self) -> int:
-        """Deprecated name of `transform` (kept for one release)."""
-        import warnings
-
-        warnings.warn("ChunkInfo.layout is deprecated; use ChunkInfo.transform",
-                      DeprecationWarning, stacklevel=2)
-        return self.transform
+    layout = deprecated_property("transform", "ChunkInfo.layout")
 
 
 def _blob_header(order: str, E: int, L: int, K: int, has_tokens: bool,
