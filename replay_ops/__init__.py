@@ -18,9 +18,10 @@ from __future__ import annotations
 from . import backends
 from . import ops as _ops  # noqa: F401  (registers torch.ops.replay.*)
 from .api import gate, gate_dense, permute, unpermute
+from .errors import RoutingError
 from .options import GateOptions
 from .plan import DenseRouting, RoutingPlan
 
 __all__ = ["gate", "gate_dense", "permute", "unpermute", "GateOptions", "RoutingPlan",
-           "DenseRouting", "backends"]
+           "DenseRouting", "RoutingError", "backends"]
 __version__ = "0.1.0"

@@ -72,6 +72,7 @@ import numpy as np
 import torch
 
 from .._atomic import atomic_target
+from ..errors import RoutingError
 from ._bounds import MAX_LAYERS, MAX_TOP_K
 from .shape import ModelShape, first_bad_route
 
@@ -94,7 +95,7 @@ _CODEC_TENSOR = "indices_codec"
 _ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 
 
-class RoutingFileError(ValueError):
+class RoutingFileError(RoutingError, ValueError):
     """A record file that cannot be used: truncated, corrupt, wrong checksum, wrong
     version, or recorded for a different model shape. The message names the file."""
 

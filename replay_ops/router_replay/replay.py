@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..errors import RoutingError
 from ..plan import RoutingPlan
 from .config import ConfigError, ReplayAction, ReplayMode, RouterReplayConfig, check_combination
 from .._validate import UNSIGNED, signed_routing, unsigned_note
@@ -37,7 +38,7 @@ from .shape import LAYER_INDEX, ModelShape, describe_bad_route, first_bad_route
 LAYER_MAPPINGS = LAYER_INDEX  # the choices of layer_index=
 
 
-class RouterReplayError(RuntimeError):
+class RouterReplayError(RoutingError, RuntimeError):
     """Routing that cannot be replayed as asked (missing, mis-shaped, out of order)."""
 
 

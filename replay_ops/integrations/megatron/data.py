@@ -35,6 +35,7 @@ from typing import Sequence
 import torch
 
 from ..._deprecated import deprecated_function, deprecated_names, resolve_renamed
+from ...errors import RoutingError
 from ..._validate import first_bad_route, int16_routing, signed_routing, unsigned_note
 from ...router_replay.adapters.batch import ReplayBatch, SequenceRouting
 from ...router_replay.adapters.batch import pack_thd as _concat_thd
@@ -75,7 +76,7 @@ def _scheme(scheme, layout, who: str, default=None):
     return resolve_renamed(who, "layout", "scheme", layout, scheme, default)
 
 
-class LayoutError(ValueError):
+class LayoutError(RoutingError, ValueError):
     """Routing whose layout does not match the tokens it is meant to follow."""
 
 

@@ -73,6 +73,7 @@ import torch
 import replay_ops
 from replay_ops import scores as scores_table
 from replay_ops._validate import signed_routing
+from replay_ops.errors import RoutingError
 from replay_ops.plan import (
     ROW_EMPTY_SLOT,
     ROW_OUT_OF_RANGE,
@@ -115,7 +116,7 @@ class UnsupportedConfigError(ValueError):
     """A TransformerConfig combination the replay router does not support (named flag)."""
 
 
-class ReplayRoutingError(RuntimeError):
+class ReplayRoutingError(RoutingError, RuntimeError):
     """Replay data that cannot be used as given (missing, mis-shaped, a bad row)."""
 
 

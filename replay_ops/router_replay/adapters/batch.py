@@ -25,6 +25,7 @@ import torch
 
 from ..._deprecated import (deprecated_names, deprecated_property, renamed_keyword,
                              resolve_renamed)
+from ...errors import RoutingError
 from ..._validate import int16_routing, signed_routing, unsigned_note
 from .._bounds import MAX_LAYER_SLOTS, MAX_LAYERS, MAX_TOP_K, check_limits
 from ..shape import MAPPINGS, ModelShape, describe_bad_route, first_bad_route
@@ -36,7 +37,7 @@ INDEX_DTYPE = torch.int16
 PACKINGS = ("padded", "thd")
 
 
-class RoutingMismatchError(ValueError):
+class RoutingMismatchError(RoutingError, ValueError):
     """Rollout routing that does not line up with the batch it belongs to."""
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..._deprecated import deprecated_property
+from ...errors import RoutingError
 from .._bounds import MAX_IDS, MAX_LAYERS, MAX_TOKENS, MAX_TOP_K
 
 FORMAT_VERSION = 3
@@ -116,7 +117,7 @@ def header_size(version) -> int:
     return as_format(version).header_size
 
 
-class CodecError(ValueError):
+class CodecError(RoutingError, ValueError):
     """A blob that cannot be decoded (corrupt, truncated, foreign, newer version, wrong or
     missing token ids), or input that cannot be encoded. Decoding problems name the byte
     offset in the blob."""
