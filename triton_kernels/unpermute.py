@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LAUNCH_OPTIONS, cast_rne, compute_type, device_ctx, row_config, row_sum
+from ._common import (LAUNCH_OPTIONS, cast_rne, compute_type, device_ctx, row_config, row_sum,
+                      sorted_row_tokens)
 
 # NOTE: [BLOCK_T, K_PAD] accumulators of the dw kernel (one per slot of a token block): with
 # them grad_out is read once per column block instead of once per slot. 1024 fp32 values are
@@ -73,13 +74,9 @@ def _unpermute_bwd_dx_kernel(
     pid = tl.program_id(0).to(tl.int64)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < R
-    # int32 slots (< 2^31) divided in 32 bits: a 64-bit division is a subroutine on the GPU
-    slot = tl.load(Sorted_ptr + r, mask=rmask & (r < n_sorted), other=-1)
-    s = tl.where(slot >= 0, slot, 0)
-    tok = (s // K).to(tl.int64)
-    s = s.to(tl.int64)
-    has = (slot >= 0) & (tok < T)
-    w = tl.load(W_ptr + s, mask=has, other=0.0).to(CDT)
+    slot, tok, has = sorted_row_tokens(Sorted_ptr, r, rmask, n_sorted, T, K)
+    # the slot's weight (slot t*K + k is weights' flat index)
+    w = tl.load(W_ptr + tl.where(has, slot, 0).to(tl.int64), mask=has, other=0.0).to(CDT)
     for h0 in range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         hm = (h < H)[None, :]
