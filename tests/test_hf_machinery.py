@@ -534,3 +534,23 @@ def test_aux_loss_of_an_unpatched_model_is_transformers_own():
     assert count() == held
     if held == 0:
         assert modeling.load_balancing_loss_func is original
+
+
+def test_aux_loss_under_torch_compile_counts_the_replayed_routing():
+    """The marked indices travel through a compiled forward (fullgraph; Dynamo only, the
+    marking is Python state of the trace)."""
+    model = make_model("qwen3_moe")
+    ids = make_ids(2, 5, seed=15)
+    routing = other_routing(model, ids)
+    with hf.patch_model(model, "R3") as patch:
+        patch.replay.set_routing(routing)
+        patch.replay.set_action(ReplayAction.REPLAY_FORWARD)
+        with torch.no_grad():
+            want = model(ids, output_router_logits=True)
+            torch._dynamo.reset()
+            got = torch.compile(model, fullgraph=True, backend="eager")(
+                ids, output_router_logits=True)
+        torch._dynamo.reset()
+    assert torch.equal(got.aux_loss, want.aux_loss)
+    torch.testing.assert_close(want.aux_loss.double(),
+                               switch_loss(want.router_logits, routing, 8), rtol=1e-6, atol=0)

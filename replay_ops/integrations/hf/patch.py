@@ -16,13 +16,22 @@ Each supported MoE block (see `SUPPORTED`) gets an instance-level `forward` that
    as the unpatched model computes them (and keeps `output_router_logits` working);
 2. asks the replay object for a plan: `replay.route(layer_id, logits, topk_fn=<the block's
    own selection>, score_func=..., normalize=..., scaling_factor=...)`;
-3. runs the experts through the implementation the model's config names
-   (`config._experts_implementation`, transformers' `ExpertsInterface`) with the replayed
-   routing: for "grouped_mm", `replay_ops.permute` -> two grouped GEMMs over the plan's
-   expert offsets -> `replay_ops.unpermute` (fp32 accumulation in the recorded column
-   order); for any other implementation, that function itself given the replayed indices
-   and weights (see `replay_ops.integrations.hf.block`);
+3. runs the experts, through the experts module's own call (so its hooks run), with the
+   implementation the model's config names (`config._experts_implementation`,
+   transformers' `ExpertsInterface`) and the replayed routing: for "grouped_mm",
+   `replay_ops.permute` -> two grouped GEMMs over the plan's expert offsets ->
+   `replay_ops.unpermute` (fp32 accumulation in the recorded column order); for any other
+   implementation, that function itself given the replayed indices and weights (see
+   `replay_ops.integrations.hf.block`);
 4. adds the shared experts where the architecture has them.
+
+The experts module gets an instance-level forward too (`block.experts_forward`): called
+as the unpatched block calls it, it is the class's own; the replayed block hands it the
+plan. Both forwards go inside accelerate's hooks when the module has them already
+(`from_pretrained(..., device_map=...)`: the hooks call `module._old_forward`, which the
+patch replaces, and `remove()` restores); hooks added after patching wrap them. So an
+offloaded patched model loads its expert weights where the unpatched one does, and forward
+hooks and pre-hooks on the experts run in every mode.
 
 When the replay object returns no plan (mode "disabled", or no action set) the block runs
 its original forward, so a patched model in disabled mode is the unpatched model.
@@ -35,7 +44,18 @@ autograd is executing a backward pass is a recompute, so a REPLAY_FORWARD action
 as REPLAY_BACKWARD for that call (`route(..., action=REPLAY_BACKWARD)`: it pops the layer's
 queue, and the replay object's own action is left alone), and a RECORD action gates with
 the model's own choice again without recording it twice. Turn this off with
-`patch_model(..., auto_recompute=False)` and set the action yourself.
+`patch_model(..., auto_recompute=False)` and set the action yourself. Non-reentrant and
+reentrant checkpoints both queue their forward (the reentrant one runs it without grad
+inside its autograd Function, whose node then holds the queue entry: see
+`RouterReplay`'s recompute queue in docs/router_replay.md).
+
+Auxiliary loss: with `output_router_logits=True` the architecture's load-balancing loss
+counts the experts each token was sent to (the replayed routing), not a top-k of the
+logits taken again (`replay_ops.integrations.hf.aux_loss`).
+
+Pickling: a patched model pickles (and `torch.save`s whole, deep-copies) into a patched
+model; the patch keeps its blocks, family (by model type), `auto_recompute` and the
+replay's config and shape, not the replay state (`ReplayPatch.__getstate__`).
 
 Host syncs: none in a MoE block forward with the "grouped_mm" experts (the permuted buffer
 has the plan's static `max_rows` rows and the grouped GEMM takes the offsets on the device),
