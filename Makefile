@@ -69,6 +69,7 @@ install-test: install
 	$(PIP) --no-deps "verl==$(VERL_PIN)" "ray==2.60.0" "tensordict==0.10.0" "pyvers==0.2.3" \
 		"codetiming==1.4.0" "msgpack==1.2.4" "protobuf==7.36.2"
 	$(PIP) click filelock jsonschema requests cloudpickle orjson pyyaml pydantic
+	$(PIP) --no-deps "accelerate==1.15.0" "psutil==7.2.2"
 	@test -f $(MCORE_NEW_DIR)/megatron/core/__init__.py || $(PIP) --no-deps \
 		--ignore-requires-python --target $(MCORE_NEW_DIR) "megatron-core==$(MCORE_NEW)"
 	@test -f $(SKYRL_DIR)/skyrl/backends/skyrl_train/utils/replay_utils.py || $(PIP) --no-deps \

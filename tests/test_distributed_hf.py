@@ -108,7 +108,16 @@ def _hf_checks(rank, world):
         loss_of(want, ids_all).backward()
         patch.replay.set_routing(routing[tok])
         patch.replay.set_action(ReplayAction.REPLAY_FORWARD)
+        # the exchange runs inside the experts module's own call: its hooks see it
+        seen_hooks = []
+        handles = [blk.experts.register_forward_hook(
+            lambda m, i, o: seen_hooks.append((i[0].shape, o.shape)))
+            for blk in lay.blocks.values()]
         got = model(ids).logits
+        for h in handles:
+            h.remove()
+        x_shape = (ids.numel(), model.config.hidden_size)
+        assert seen_hooks == [(x_shape, x_shape)] * L, f"{where} experts hooks {seen_hooks}"
         loss_of(got, ids).backward()
         close(got.detach(), want.detach()[mine], f"{where} R3 logits", LOGIT_TOL)
         assert torch.equal(patch.last_routing(), routing[tok]), f"{where} replayed routing"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import os
+import sys
 import weakref
 from typing import Callable, Sequence
 
@@ -449,7 +450,8 @@ class RouterReplay:
 
     def _route_replay_forward(self, layer_id, logits, topk_fn, opts) -> RoutingPlan:
         """The routing set (or recorded) for this layer; fallback rows use native top-k.
-        With grad enabled and recompute=True the indices used go onto the layer's queue."""
+        With recompute=True the indices used go onto the layer's queue when a recompute can
+        follow (grad enabled, or inside a reentrant checkpoint's forward)."""
         T = logits.shape[0]
         self._replayed = True
         if self._routing is None and self.mode is ReplayMode.R2 and self._has_records():
@@ -480,7 +482,13 @@ class RouterReplay:
             idx = torch.where(mask[:, None], idx.to(torch.int32), native.to(torch.int32))
             mask = None
         plan = self._gate(logits, idx, replay_mask=mask, **opts)
-        if self.config.recompute and torch.is_grad_enabled() and not _compiling():
+        if not self.config.recompute or _compiling():
+            return plan
+        # queued when a recompute can follow: a grad-enabled forward (non-reentrant
+        # checkpoint), or a forward run without grad inside an autograd Function's forward
+        # (a reentrant checkpoint), whose node then holds the entry
+        node = None if torch.is_grad_enabled() else _enclosing_function_node()
+        if torch.is_grad_enabled() or node is not None:
             q = self._queues[layer_id]
             _drop_dead(q)
             if len(q) >= self.config.max_queue:
@@ -491,7 +499,9 @@ class RouterReplay:
                     f"clear_queues() after each step"
                 )
             entry = _QueueEntry(plan.expert_indices.detach())
-            if plan.weights.requires_grad:
+            if node is not None:
+                _bind_to_node(node, entry)
+            elif plan.weights.requires_grad:
                 plan = plan._replace(weights=_bind_to_graph(plan.weights, entry))
             q.append(entry)
         return plan
@@ -505,9 +515,9 @@ class RouterReplay:
             raise RouterReplayError(
                 f"RouterReplay.route: layer {layer_id}: REPLAY_BACKWARD but the layer's "
                 f"queue is empty: the recompute has no matching REPLAY_FORWARD (forwards "
-                f"are queued only when grad is enabled and recompute=True; reentrant "
-                f"activation checkpointing, use_reentrant=True, runs the forward without "
-                f"grad and is not supported: use use_reentrant=False)"
+                f"are queued when recompute=True and grad is enabled, or inside a reentrant "
+                f"checkpoint's forward; an entry goes when the graph of its forward is "
+                f"freed)"
             )
         idx = q.popleft().indices
         if idx.shape[0] != logits.shape[0]:
@@ -716,6 +726,43 @@ def _bind_to_graph(weights: torch.Tensor, entry: _QueueEntry) -> torch.Tensor:
 
     entry.token_ref = weakref.ref(token, _freed)
     return _Bind.apply(weights, token)
+
+
+def _bind_to_node(node, entry: _QueueEntry) -> None:
+    """The entry lives as long as `node`, the context (and backward node) of the autograd
+    Function whose forward runs the layer: a reentrant checkpoint's, which its backward
+    recomputes; freed without a backward (no input needed grad, or the graph was
+    dropped), it takes the entry with it."""
+    token = _GraphToken()
+    entry_ref = weakref.ref(entry)
+
+    def _freed(_ref, entry_ref=entry_ref):
+        e = entry_ref()
+        if e is not None:
+            e.alive = False
+
+    entry.token_ref = weakref.ref(token, _freed)
+    tokens = getattr(node, "_replay_ops_tokens", None)
+    if tokens is None:
+        tokens = node._replay_ops_tokens = []
+    tokens.append(token)
+
+
+def _enclosing_function_node():
+    """The context of the innermost autograd Function whose forward is running further up
+    this call (a reentrant checkpoint: `torch.utils.checkpoint(..., use_reentrant=True)`
+    runs the layers inside `CheckpointFunction.forward`, without grad, and again in its
+    backward), or None. Looked up only for a replayed forward run without grad."""
+    ctx_type = torch.autograd.function.FunctionCtx
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "forward" and code.co_varnames[:1] == ("ctx",):
+            ctx = frame.f_locals.get("ctx")
+            if isinstance(ctx, ctx_type):
+                return ctx
+        frame = frame.f_back
+    return None
 
 
 def _drop_dead(q: collections.deque) -> None:

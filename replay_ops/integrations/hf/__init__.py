@@ -18,8 +18,11 @@ The package, one module per part:
   the `ReplayPatch` handle; its docstring covers recompute, host syncs, torch.compile and
   CUDA graphs;
 * `block`: the one forward every patched block runs (`patched_forward`): the router and the
-  replay plan (`route_block`), then the experts through the implementation the config
-  names (`plan_experts`, `rows_experts`);
+  replay plan (`route_block`), then the experts through the experts module's own call
+  (`call_experts`, `experts_forward`) and the implementation the config names
+  (`plan_experts`, `rows_experts`);
+* `aux_loss`: the auxiliary load-balancing loss of a patched model counts the routing the
+  tokens were sent to;
 * `ep`: expert parallelism (`patch_model(..., ep_group=g)`, `enable_expert_parallel`), on
   top of `replay_ops.distributed`'s dispatch and combine.
 

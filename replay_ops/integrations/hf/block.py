@@ -9,6 +9,21 @@ parallelism (`ep.enable_expert_parallel`). This module imports neither of them.
 dispatch -> `rows_experts` -> combine under expert parallelism (the block's
 `_replay_ops_ep` state, an `ExpertsRunner`).
 
+The experts always run through the experts module's own call, `block.experts(hidden_states,
+top_k_index, top_k_weights)`, as the unpatched block calls it (`call_experts`), so that
+everything hooked on the module runs around them: accelerate's offload hooks (which load
+the weights before the forward and offload them after), forward pre-hooks and forward
+hooks (which may change the inputs or the output). `patch_model` installs `experts_forward`
+as the module's forward (inside accelerate's wrapper when there is one); called as the
+unpatched block calls it, it is the class's own forward. The replayed block passes it the
+replayed routing and, where replay_ops computes the experts itself (the grouped_mm plan
+path, expert parallelism), the plan as the keyword `replay_ops_plan`: the hooks see
+`top_k_index` = `plan.expert_indices` (int32, -1 on an empty slot) and `top_k_weights` =
+`plan.weights` there, and the output is the routed `[T, H]` as unpatched. A pre-hook that
+replaces the routing arguments is obeyed: the forward then runs the config's
+implementation on them (one device; under expert parallelism it raises, since the
+exchange is planned from the plan).
+
 The experts run through the implementation the model's config names
 (`config._experts_implementation`, looked up in transformers' `ExpertsInterface` exactly as
 the unpatched experts module looks it up):
@@ -40,6 +55,7 @@ bias an expert maps them to zero, and nothing reads them either.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Protocol
 
 import torch
@@ -50,11 +66,16 @@ from replay_ops._deprecated import deprecated_property
 from replay_ops.plan import RoutingPlan
 from replay_ops.router_replay import ReplayAction
 
+from .aux_loss import mark_routed
+
 __all__ = [
     "BlockRouting",
     "ExpertsRunner",
     "GROUPED_MM",
+    "PLAN_KWARG",
     "block_forward",
+    "call_experts",
+    "experts_forward",
     "experts_function",
     "grouped_mlp",
     "own_routing_plan",
@@ -65,6 +86,7 @@ __all__ = [
 ]
 
 GROUPED_MM = "grouped_mm"
+PLAN_KWARG = "replay_ops_plan"  # experts_forward's keyword: (plan, run_experts)
 
 
 # ----------------------------------------------------------------------------- routing
@@ -109,6 +131,7 @@ def route_block(patch, lid: int, block: torch.nn.Module,
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
     gate = block.gate
     logits, own_w, own_idx = gate(x)
+    router_logits = logits  # the tensor transformers' `router_logits` output collects
     if spec.weights_fp32:
         logits = logits.float()
 
@@ -147,6 +170,8 @@ def route_block(patch, lid: int, block: torch.nn.Module,
     if top1_norm and plan is not None:
         w = plan.weights
         plan = plan._replace(weights=(w / (w + 1e-20)) * scaling)
+    if plan is not None:  # the auxiliary loss counts the experts the tokens are sent to
+        mark_routed(router_logits, plan.expert_indices)
     return BlockRouting(hidden_states, x, logits, own_w, own_idx, plan, recompute)
 
 
@@ -201,22 +226,96 @@ def patched_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> torc
         patch._last[lid] = plan.expert_indices
     if plan is not r.plan:
         r = dataclasses.replace(r, plan=plan)
-    return block_forward(block, r, spec, plan_experts if runner is None else runner.run_experts)
-
-
-patched_forward._replay_ops_forward = True  # remove() takes only its own forward
+    return block_forward(block, r, spec, None if runner is None else runner.run_experts)
 
 
 def block_forward(block: torch.nn.Module, r: BlockRouting, spec,
                   run_experts: Callable[[torch.nn.Module, torch.Tensor, RoutingPlan],
-                                        torch.Tensor]) -> torch.Tensor:
-    """The routed block's output: `run_experts(block.experts, r.x, r.plan)` plus the shared
-    experts where the architecture (`spec`, a `families.ArchSpec`) has them, in the block's
-    input shape."""
-    routed = run_experts(block.experts, r.x, r.plan)
+                                        torch.Tensor] | None = None) -> torch.Tensor:
+    """The routed block's output: the experts over `r.plan` (`call_experts`, through the
+    experts module's own call; `run_experts` None or `plan_experts`: on one device) plus
+    the shared experts where the architecture (`spec`, a `families.ArchSpec`) has them, in
+    the block's input shape."""
+    routed = call_experts(block.experts, r.x, r.plan, run_experts)
     out = routed if spec.add_shared is None else spec.add_shared(block, r.x, r.hidden_states,
                                                                  routed)
     return out.reshape(r.hidden_states.shape)
+
+
+def installed_forward(module: torch.nn.Module, fn: Callable) -> Callable:
+    """The instance forward `patch_model` installs: `fn` bound to `module` (a
+    `functools.partial`, which pickles by reference, unlike a bound method of a
+    function the module's class does not have)."""
+    return functools.partial(fn, module)
+
+
+def is_installed(fwd, fn: Callable) -> bool:
+    return isinstance(fwd, functools.partial) and fwd.func is fn
+
+
+# ----------------------------------------------------------------------------- the experts call
+
+
+def _dense_routing(idx: torch.Tensor, weights: torch.Tensor):
+    """Index and weights as the unpatched router gives them (int64, no -1): an empty slot
+    (-1) becomes expert 0 with weight 0, which adds an exact zero."""
+    valid = idx >= 0
+    return torch.where(valid, idx, 0).long(), torch.where(valid, weights, 0)
+
+
+def call_experts(experts: torch.nn.Module, x: torch.Tensor, plan: RoutingPlan,
+                 run_experts: Callable | None = None) -> torch.Tensor:
+    """`sum_k w[t,k] * MLP_{e[t,k]}(x[t])` over `plan`, through the experts module's own call
+    (`experts(...)`: its hooks run, module docstring). On one device (`run_experts` None
+    or `plan_experts`) with an implementation other than grouped_mm, the module is called
+    exactly as the unpatched block calls it, with the replayed indices and weights; with
+    grouped_mm, or under expert parallelism (`run_experts`, an `ExpertsRunner`'s), the plan
+    goes along (`PLAN_KWARG`) and `experts_forward` runs `run_experts` over it."""
+    if run_experts is None or run_experts is plan_experts:
+        if experts_function(experts) != GROUPED_MM:
+            idx, weights = _dense_routing(plan.expert_indices, plan.weights)
+            return experts(x, idx, weights)
+        run_experts = plan_experts
+    return experts(x, plan.expert_indices, plan.weights, **{PLAN_KWARG: (plan, run_experts)})
+
+
+def _sharded_error(experts: torch.nn.Module) -> RuntimeError:
+    return RuntimeError(
+        "replay_ops.integrations.hf.ep: this experts module holds only this rank's experts "
+        f"(shape {tuple(experts.gate_up_proj.shape)}, sharded by enable_expert_parallel); it "
+        "runs only through the expert-parallel patched forward, not the original one")
+
+
+def experts_forward(experts: torch.nn.Module, hidden_states: torch.Tensor,
+                    top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args,
+                    **kwargs) -> torch.Tensor:
+    """The forward `patch_model` installs on each MoE block's experts module (module
+    docstring). Without `PLAN_KWARG` it is the class's own forward (the experts
+    implementation the config names); a module whose weights expert parallelism sharded
+    refuses that. With `PLAN_KWARG=(plan, run_experts)` it returns `run_experts(experts,
+    hidden_states, plan)`, unless a pre-hook replaced the routing arguments, which are
+    then run as given."""
+    job = kwargs.pop(PLAN_KWARG, None)
+    sharded = experts.__dict__.get("_replay_ops_sharded", False)
+    if job is None:
+        if sharded:
+            raise _sharded_error(experts)
+        return type(experts).forward(experts, hidden_states, top_k_index, top_k_weights,
+                                     *args, **kwargs)
+    plan, run_experts = job
+    if top_k_index is not plan.expert_indices or top_k_weights is not plan.weights:
+        # a hook gave other routing arguments (or moved them to another device) than the
+        # plan's: the plan does not describe them, run them as the unpatched module would
+        if run_experts is not plan_experts:
+            raise RuntimeError(
+                "replay_ops.integrations.hf: a hook of the experts module replaced its "
+                "routing arguments (top_k_index, top_k_weights); under expert parallelism "
+                "the exchange is planned from the replayed routing, so the experts cannot "
+                "run other routing. Change the routing before the block (set_routing), not "
+                "in a hook")
+        idx, weights = _dense_routing(top_k_index, top_k_weights)
+        return type(experts).forward(experts, hidden_states, idx, weights, *args, **kwargs)
+    return run_experts(experts, hidden_states, plan)
 
 
 # ----------------------------------------------------------------------------- experts
@@ -289,17 +388,16 @@ def grouped_mlp(experts: torch.nn.Module, rows: torch.Tensor, offs: torch.Tensor
 
 def plan_experts(experts: torch.nn.Module, x: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
     """sum_k w[t,k] * MLP_{e[t,k]}(x[t]) on one device, through the experts implementation
-    the config names (module docstring). No host read on the grouped_mm path."""
+    the config names (module docstring), reading the module's weights as they are (the
+    patched block calls it inside the module's own call, `call_experts`, so that hooks
+    that load them have run). No host read on the grouped_mm path."""
     fn = experts_function(experts)
     if fn == GROUPED_MM:
         rows = replay_ops.permute(x, plan, plan.max_rows, validate=False)
         y = grouped_mlp(experts, rows, plan.expert_offsets[1:])
         # y has plan.max_rows rows: unpermute reads only those the slots point to.
         return replay_ops.unpermute(y, plan, validate=False)
-    idx = plan.expert_indices
-    valid = idx >= 0
-    weights = torch.where(valid, plan.weights, 0)
-    idx = torch.where(valid, idx, 0).long()
+    idx, weights = _dense_routing(plan.expert_indices, plan.weights)
     return fn(experts, x, idx, weights)
 
 

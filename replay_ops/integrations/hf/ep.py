@@ -32,7 +32,9 @@ raises `DistributedInputError` naming it; none is left waiting.
 
 The experts run through the same function as on one device
 (`replay_ops.integrations.hf.block.rows_experts`, the implementation the config names):
-with "grouped_mm" a grouped GEMM over the received rows and `handle.local_offsets`.
+with "grouped_mm" a grouped GEMM over the received rows and `handle.local_offsets`. The
+whole exchange runs inside the experts module's own call (`block.call_experts`), so its
+hooks run around it as on one device.
 
 Host reads per MoE block forward: the dispatch's one (the split sizes of the exchange); the
 experts add none with "grouped_mm" (its fallback op and "eager" read what they read
@@ -44,7 +46,6 @@ this module imports it, never the other way round.
 from __future__ import annotations
 
 import dataclasses
-import types
 
 import torch
 
@@ -77,14 +78,6 @@ class EPState:
         ep.report_failure(exc, self.group)
 
 
-def _sharded_experts_forward(experts, *args, **kwargs):
-    raise RuntimeError(
-        "replay_ops.integrations.hf.ep: this experts module holds only this rank's experts "
-        f"(shape {tuple(experts.gate_up_proj.shape)}, sharded by enable_expert_parallel); it "
-        "runs only through the expert-parallel patched forward, not the original one"
-    )
-
-
 def enable_expert_parallel(patch, group=None, *, shard_weights: bool = True):
     """Run every MoE block of `patch` (a `ReplayPatch` from
     `replay_ops.integrations.hf.patch_model`) with its experts sharded over `group`.
@@ -114,7 +107,9 @@ def enable_expert_parallel(patch, group=None, *, shard_weights: bool = True):
                 part = torch.nn.Parameter(full.detach()[local.start:local.stop].clone(),
                                           requires_grad=full.requires_grad)
                 setattr(experts, name, part)
-            experts.forward = types.MethodType(_sharded_experts_forward, experts)
+            # the experts forward patch_model installed (block.experts_forward) now refuses
+            # to run as the unpatched block calls it; it stays after patch.remove()
+            experts._replay_ops_sharded = True
         block._replay_ops_ep = EPState(group, rank, world, local, shard_weights)
     patch.ep_group = group
     return patch

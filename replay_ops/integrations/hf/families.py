@@ -127,30 +127,51 @@ class ArchSpec:
     fallback: str = "gate"  # RouterReplayConfig.fallback that matches the model's own selection
 
 
+# The per-gate values are module-level functions or `_Constant`s, never lambdas, so that a
+# family (and a patched model holding one) pickles.
+
+
 def _norm_attr(gate) -> bool:
     return bool(gate.norm_topk_prob)
 
 
+def _routed_scaling(gate) -> float:
+    return float(gate.routed_scaling_factor)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Constant:
+    """A per-gate value that does not depend on the gate (`register_family`'s constants)."""
+
+    value: object
+
+    def __call__(self, gate: torch.nn.Module):
+        return self.value
+
+
+_ALWAYS = _Constant(True)
+_ONE = _Constant(1.0)
+
+
 SUPPORTED: dict[str, ArchSpec] = {
     "mixtral": ArchSpec(
-        "mixtral", "MixtralSparseMoeBlock", "softmax", lambda g: True, lambda g: 1.0,
+        "mixtral", "MixtralSparseMoeBlock", "softmax", _ALWAYS, _ONE,
         weights_fp32=True, topk=softmax_topk, jitter=True,
     ),
     "qwen2_moe": ArchSpec(
-        "qwen2_moe", "Qwen2MoeSparseMoeBlock", "softmax", _norm_attr, lambda g: 1.0,
+        "qwen2_moe", "Qwen2MoeSparseMoeBlock", "softmax", _norm_attr, _ONE,
         weights_fp32=False, topk=softmax_topk, add_shared=_qwen2_moe_shared,
     ),
     "qwen3_moe": ArchSpec(
-        "qwen3_moe", "Qwen3MoeSparseMoeBlock", "softmax", _norm_attr, lambda g: 1.0,
+        "qwen3_moe", "Qwen3MoeSparseMoeBlock", "softmax", _norm_attr, _ONE,
         weights_fp32=False, topk=softmax_topk,
     ),
     "olmoe": ArchSpec(
-        "olmoe", "OlmoeSparseMoeBlock", "softmax", _norm_attr, lambda g: 1.0,
+        "olmoe", "OlmoeSparseMoeBlock", "softmax", _norm_attr, _ONE,
         weights_fp32=False, topk=softmax_topk,
     ),
     "deepseek_v3": ArchSpec(
-        "deepseek_v3", "DeepseekV3MoE", "sigmoid", _norm_attr,
-        lambda g: float(g.routed_scaling_factor),
+        "deepseek_v3", "DeepseekV3MoE", "sigmoid", _norm_attr, _routed_scaling,
         weights_fp32=True, topk=_deepseek_v3_topk, add_shared=_deepseek_v3_shared,
         fallback="topk_fn",
     ),
@@ -201,11 +222,11 @@ def _of_gate(arg: str, value, kind: type, check) -> Callable[[torch.nn.Module], 
     if kind is bool:
         if not isinstance(value, bool):
             raise _bad(arg, value, "expected a bool or a callable of the router module")
-        return lambda gate, v=value: v
+        return _Constant(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not check(value):
         raise _bad(arg, value, "expected a finite number > 0 or a callable of the router "
                                "module")
-    return lambda gate, v=float(value): v
+    return _Constant(float(value))
 
 
 def register_family(

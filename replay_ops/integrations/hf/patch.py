@@ -16,13 +16,22 @@ Each supported MoE block (see `SUPPORTED`) gets an instance-level `forward` that
    as the unpatched model computes them (and keeps `output_router_logits` working);
 2. asks the replay object for a plan: `replay.route(layer_id, logits, topk_fn=<the block's
    own selection>, score_func=..., normalize=..., scaling_factor=...)`;
-3. runs the experts through the implementation the model's config names
-   (`config._experts_implementation`, transformers' `ExpertsInterface`) with the replayed
-   routing: for "grouped_mm", `replay_ops.permute` -> two grouped GEMMs over the plan's
-   expert offsets -> `replay_ops.unpermute` (fp32 accumulation in the recorded column
-   order); for any other implementation, that function itself given the replayed indices
-   and weights (see `replay_ops.integrations.hf.block`);
+3. runs the experts, through the experts module's own call (so its hooks run), with the
+   implementation the model's config names (`config._experts_implementation`,
+   transformers' `ExpertsInterface`) and the replayed routing: for "grouped_mm",
+   `replay_ops.permute` -> two grouped GEMMs over the plan's expert offsets ->
+   `replay_ops.unpermute` (fp32 accumulation in the recorded column order); for any other
+   implementation, that function itself given the replayed indices and weights (see
+   `replay_ops.integrations.hf.block`);
 4. adds the shared experts where the architecture has them.
+
+The experts module gets an instance-level forward too (`block.experts_forward`): called
+as the unpatched block calls it, it is the class's own; the replayed block hands it the
+plan. Both forwards go inside accelerate's hooks when the module has them already
+(`from_pretrained(..., device_map=...)`: the hooks call `module._old_forward`, which the
+patch replaces, and `remove()` restores); hooks added after patching wrap them. So an
+offloaded patched model loads its expert weights where the unpatched one does, and forward
+hooks and pre-hooks on the experts run in every mode.
 
 When the replay object returns no plan (mode "disabled", or no action set) the block runs
 its original forward, so a patched model in disabled mode is the unpatched model.
@@ -35,7 +44,18 @@ autograd is executing a backward pass is a recompute, so a REPLAY_FORWARD action
 as REPLAY_BACKWARD for that call (`route(..., action=REPLAY_BACKWARD)`: it pops the layer's
 queue, and the replay object's own action is left alone), and a RECORD action gates with
 the model's own choice again without recording it twice. Turn this off with
-`patch_model(..., auto_recompute=False)` and set the action yourself.
+`patch_model(..., auto_recompute=False)` and set the action yourself. Non-reentrant and
+reentrant checkpoints both queue their forward (the reentrant one runs it without grad
+inside its autograd Function, whose node then holds the queue entry: see
+`RouterReplay`'s recompute queue in docs/router_replay.md).
+
+Auxiliary loss: with `output_router_logits=True` the architecture's load-balancing loss
+counts the experts each token was sent to (the replayed routing), not a top-k of the
+logits taken again (`replay_ops.integrations.hf.aux_loss`).
+
+Pickling: a patched model pickles (and `torch.save`s whole, deep-copies) into a patched
+model; the patch keeps its blocks, family (by model type), `auto_recompute` and the
+replay's config and shape, not the replay state (`ReplayPatch.__getstate__`).
 
 Host syncs: none in a MoE block forward with the "grouped_mm" experts (the permuted buffer
 has the plan's static `max_rows` rows and the grouped GEMM takes the offsets on the device),
@@ -69,6 +89,7 @@ import dataclasses
 import re
 import types
 import warnings
+import weakref
 
 import torch
 
@@ -79,8 +100,15 @@ from replay_ops.router_replay import (
 )
 
 from ..._deprecated import deprecated_names, deprecated_property
-from .block import patched_forward
-from .families import ArchSpec, UnsupportedModelError, spec_for, supported_architectures
+from . import aux_loss
+from .block import experts_forward, installed_forward, is_installed, patched_forward
+from .families import (
+    SUPPORTED,
+    ArchSpec,
+    UnsupportedModelError,
+    spec_for,
+    supported_architectures,
+)
 
 __all__ = [
     "MoEBlocks",
@@ -113,6 +141,20 @@ class MoEBlocks:
     top_k = property(lambda self: self.shape.top_k)
     moe_layer_ids = property(lambda self: list(self.shape.moe_layer_ids))
     num_hidden_layers = property(lambda self: self.shape.num_hidden_layers)
+
+    # A registered family pickles by its model type, as a class pickles by its name: it is
+    # code, found again with `spec_for` where the model is loaded (a family registered with
+    # register_family must be registered there too). An unregistered spec pickles as it is.
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        if SUPPORTED.get(self.model_type) is self.spec:
+            state["spec"] = self.model_type
+        return state
+
+    def __setstate__(self, state):
+        if isinstance(state["spec"], str):
+            state = dict(state, spec=spec_for(state["spec"]))
+        self.__dict__.update(state)
 
 
 def find_moe_blocks(model: torch.nn.Module) -> MoEBlocks:
@@ -171,6 +213,42 @@ def find_moe_blocks(model: torch.nn.Module) -> MoEBlocks:
     )
 
 
+def _accelerate_wrapped(module: torch.nn.Module) -> bool:
+    """accelerate's hooks (`add_hook_to_module`: offload, device_map) replace the instance
+    forward with a wrapper that calls `module._old_forward` between the hook's pre- and
+    post-forward."""
+    d = module.__dict__
+    return "_hf_hook" in d and "_old_forward" in d
+
+
+def _install(module: torch.nn.Module, fn) -> None:
+    """Make `fn(module, ...)` the module's forward: its instance forward, or, under
+    accelerate's hooks, the forward their wrapper calls (so the hooks still run around it,
+    and a wrapper installed later wraps it the same way)."""
+    d = module.__dict__
+    if _accelerate_wrapped(module):
+        if not is_installed(d["_old_forward"], fn):
+            d["_replay_ops_old_forward"] = d["_old_forward"]
+        d["_old_forward"] = installed_forward(module, fn)
+    else:
+        d["forward"] = installed_forward(module, fn)
+
+
+def _uninstall(module: torch.nn.Module, fn) -> bool:
+    """Undo `_install`; False where the forward was wrapped after patching by something
+    other than accelerate (the wrapper is left in place)."""
+    d = module.__dict__
+    old = d.pop("_replay_ops_old_forward", None)
+    if is_installed(d.get("forward"), fn):
+        del d["forward"]
+        return True
+    if is_installed(d.get("_old_forward"), fn):  # accelerate's wrapper around the patch
+        d["_old_forward"] = old if old is not None else types.MethodType(type(module).forward,
+                                                                          module)
+        return True
+    return "forward" not in d
+
+
 def _check_patchable(lid: int, block: torch.nn.Module) -> None:
     """Refuse a block that patching would silently get wrong."""
     ep_state = getattr(block, "_replay_ops_ep", None)
@@ -181,13 +259,16 @@ def _check_patchable(lid: int, block: torch.nn.Module) -> None:
             f"{ep_state.local_experts.stop - 1} of {int(block.gate.num_experts)}); a patch "
             f"without them would run the wrong experts. Load the model again to patch it "
             f"differently")
-    if "forward" in block.__dict__:
-        raise UnsupportedModelError(
-            f"replay_ops.integrations.hf.patch_model: layer {lid}'s MoE block already has a "
-            f"forward of its own instance ({block.__dict__['forward']!r}), e.g. accelerate's "
-            f"device_map/offload hooks; patching would bypass it and removing the patch would "
-            f"drop it. Patch the model before installing such hooks (accelerate then wraps "
-            f"the patched forward)")
+    for what, module in (("MoE block", block), ("experts module", block.experts)):
+        if "forward" in module.__dict__ and not _accelerate_wrapped(module):
+            raise UnsupportedModelError(
+                f"replay_ops.integrations.hf.patch_model: layer {lid}'s {what} already has a "
+                f"forward of its own instance ({module.__dict__['forward']!r}); patching "
+                f"would bypass it and removing the patch would drop it. Patch the model "
+                f"before installing such a wrapper (it then wraps the patched forward), or "
+                f"use module hooks (register_forward_pre_hook / register_forward_hook), which "
+                f"run in every mode. accelerate's hooks (device_map, offload) are kept: the "
+                f"patched forward runs inside them")
 
 
 def _check_block(name: str, block: torch.nn.Module) -> None:
@@ -244,6 +325,39 @@ class ReplayPatch:
         # (a new key would change the dict's keys, which torch.compile guards on)
         self._last: dict[int, torch.Tensor | None] = dict.fromkeys(moe.moe_layer_ids)
         self.active = False
+        self._aux_release = None  # undoes aux_loss.acquire (also when collected unremoved)
+
+    # Pickling (pickle, torch.save of the whole model, copy.deepcopy) keeps the patch: the
+    # model, its MoE blocks and family, auto_recompute, and the RouterReplay's config and
+    # shape. Not the replay state (the routing set, recordings, recompute queues, the
+    # action, static buffers, the last routing): the loaded patch has a new RouterReplay
+    # built from that config, as patch_model builds one (a replay_file it names is loaded
+    # again), with no action set.
+    def __getstate__(self):
+        for lid, block in self.moe.blocks.items():
+            if block.__dict__.get("_replay_ops_ep") is not None:
+                raise TypeError(
+                    f"replay_ops.integrations.hf: cannot pickle an expert-parallel patch "
+                    f"(layer {lid} runs its experts over a process group, which does not "
+                    f"pickle); save the model's state_dict instead")
+        return {"model": self.model, "moe": self.moe, "config": self.replay.config,
+                "auto_recompute": self.auto_recompute, "active": self.active}
+
+    def __setstate__(self, state):
+        self.__init__(state["model"], state["moe"],
+                      RouterReplay(state["config"], shape=state["moe"].shape),
+                      state["auto_recompute"])
+        self.active = state["active"]
+        if self.active:
+            self._acquire_aux_loss()
+
+    def _acquire_aux_loss(self) -> None:
+        """Count the routing used in the architecture's auxiliary loss (`aux_loss`) while
+        this patch is active."""
+        first = self.moe.blocks[self.moe.moe_layer_ids[0]]
+        module = type(first).__module__  # the architecture's modeling module
+        if aux_loss.acquire(module):
+            self._aux_release = weakref.finalize(self, aux_loss.release, module)
 
     layout = deprecated_property("moe", "ReplayPatch.layout")
 
@@ -269,22 +383,29 @@ class ReplayPatch:
         return torch.stack(per, dim=1)
 
     def remove(self) -> None:
-        """Restore every block's original forward."""
+        """Restore every block's and experts module's original forward (inside accelerate's
+        hooks where they were added, before or after patching)."""
         if not self.active:
             return
         for lid, block in self.moe.blocks.items():
-            fwd = block.__dict__.get("forward")
-            if getattr(getattr(fwd, "__func__", None), "_replay_ops_forward", False):
-                del block.__dict__["forward"]
-            elif fwd is not None:  # wrapped after patching (accelerate, say): left as it is
+            if not _uninstall(block, patched_forward):
+                # wrapped after patching by something else: left as it is
                 warnings.warn(f"replay_ops.integrations.hf: layer {lid}'s forward was wrapped "
-                              f"after patching ({fwd!r}); the wrapper is left in place and the "
-                              f"patched forward inside it now runs the original forward",
-                              stacklevel=2)
+                              f"after patching ({block.__dict__['forward']!r}); the wrapper is "
+                              f"left in place and the patched forward inside it now runs the "
+                              f"original forward", stacklevel=2)
             block.__dict__.pop("_replay_ops_layer", None)
             ep_state = block.__dict__.get("_replay_ops_ep")
             if ep_state is not None and not ep_state.sharded:
                 del block.__dict__["_replay_ops_ep"]  # all experts are still here
+            # sharded experts keep the patched experts forward: it refuses the original
+            # block's call, which would run the wrong experts; any other runs its class's
+            # own forward when called without a plan, so one wrapped later can stay
+            if not block.experts.__dict__.get("_replay_ops_sharded", False):
+                _uninstall(block.experts, experts_forward)
+        if self._aux_release is not None:
+            self._aux_release()
+            self._aux_release = None
         if getattr(self.model, "_replay_ops_patch", None) is self:
             del self.model._replay_ops_patch
         self.active = False
@@ -338,9 +459,11 @@ def patch_model(
     patch = ReplayPatch(model, lay, replay, auto_recompute)
     for lid, block in lay.blocks.items():
         block._replay_ops_layer = (patch, lid)
-        block.forward = types.MethodType(patched_forward, block)
+        _install(block, patched_forward)
+        _install(block.experts, experts_forward)
     model._replay_ops_patch = patch
     patch.active = True
+    patch._acquire_aux_loss()
     if ep_group is not None:
         from .ep import enable_expert_parallel
 
