@@ -17,6 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
+import gpu_test_plan as tp  # tools/ (pyproject's pytest pythonpath)
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "gpu_check.py"
 
@@ -121,6 +123,30 @@ def test_test_steps_are_make_test_gpu_split_by_sanitizer(tmp_path):
     steps = by_name(gc.plan_steps(args("--workers", "0"), facts(), tmp_path, "h"))
     assert " -n " not in steps["test"].commands[0][0][-1]
     assert sum(gc.LIMITS_S.values()) <= gc.BUDGET_S <= 25 * 60
+
+
+def test_a_second_run_resumes_from_the_last_one(tmp_path):
+    """--resume last: the test step leaves out what passed in this machine's last run (its
+    per-test log, moved aside when the step starts) and orders the rest by its durations;
+    --resume FILE takes an earlier summary.json."""
+    steps = by_name(gc.plan_steps(args(), facts(), tmp_path, "h"))
+    assert "--gpu-durations" not in steps["test"].commands[0][0][-1]
+    (tmp_path / "h.test.progress.jsonl").write_text("")
+    prev = tmp_path / "h.test.progress.prev.jsonl"
+    steps = by_name(gc.plan_steps(args("--resume", "last"), facts(), tmp_path, "h"))
+    line = steps["test"].commands[0][0][-1]
+    assert f"--gpu-skip-passed={prev}" in line and f"--gpu-durations={prev}" in line
+    assert any("not run again" in n for n in steps["test"].notes)
+    steps = by_name(gc.plan_steps(args("--resume", "s.json", "--test-durations", "d.json"),
+                                  facts(), tmp_path, "h"))
+    line = steps["test"].commands[0][0][-1]
+    assert "--gpu-skip-passed=s.json" in line and "--gpu-durations=d.json" in line
+    doc = {"steps": [{"name": "test", "tests": {"a[cuda-native]": ["passed", 1.5],
+                                                "b[cuda-triton]": ["failed", 0.25]}}]}
+    (tmp_path / "summary.json").write_text(json.dumps(doc))
+    assert tp.load_passed(tmp_path / "summary.json") == {"a[cuda-native]"}
+    assert tp.load_durations(tmp_path / "summary.json") == {"a[cuda-native]": 1.5,
+                                                            "b[cuda-triton]": 0.25}
 
 
 def test_a_step_that_cannot_run_says_why(tmp_path):
@@ -507,7 +533,6 @@ def test_a_rehearsal_build_is_reused_only_for_the_same_inputs(tmp_path):
 
 
 # ------------------------------------------------------------- the test step's plan and log
-import gpu_test_plan as tp  # noqa: E402  (tools/)
 
 
 def test_the_plan_runs_guards_then_a_first_pass_then_the_rest_slowest_last():
@@ -651,8 +676,7 @@ def test_the_test_step_counts_from_the_log_and_fails_on_a_missing_backend(tmp_pa
                       tmp_path, "t", 60, echo=False)
     assert res.status == "timeout"
     assert res.detail.startswith("3 passed, 0 failed, 0 errors, 0 skipped of 5 collected; "
-                                 "not reached: 1, running when stopped: 1 (first pass: 1 of 3 "
-                                 "ran)")
+                                 "not reached: 1, running when stopped: 1; CUDA cases")
     assert "ran past its limit of 3 s" in res.detail
     assert "running when the step was stopped: t.py::f[cuda-torch-a]" in res.notes
     # no log at all: the coverage cannot be counted, the step fails
@@ -694,8 +718,8 @@ def test_cpu_only():
 """
 
 
-def _plugin_run(tmp_path, workers, hang_s=0.0, timeout=120, kill_at=None):
-    d = tmp_path / f"suite{workers}{int(hang_s)}"
+def _plugin_run(tmp_path, workers, hang_s=0.0, timeout=120, kill_at=None, extra=()):
+    d = tmp_path / f"suite{workers}{int(hang_s)}{len(extra)}"
     d.mkdir()
     (d / "conftest.py").write_text("def pytest_configure(config):\n"
                                    "    config.addinivalue_line('markers', 'gpu: GPU')\n")
@@ -703,7 +727,7 @@ def _plugin_run(tmp_path, workers, hang_s=0.0, timeout=120, kill_at=None):
     log = d / "log.jsonl"
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
             "-p", "gpu_pytest_plugin", f"--gpu-log={log}", "--gpu-order",
-            *[f"--gpu-include={g}" for g in tp.GUARD_TESTS], "test_a.py"]
+            *[f"--gpu-include={g}" for g in tp.GUARD_TESTS], *extra, "test_a.py"]
     if workers:
         argv += ["-n", str(workers)]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "tools"), HANG_S=str(hang_s))
@@ -742,7 +766,18 @@ def test_the_plugin_writes_the_log_as_the_tests_run(tmp_path, workers):
     assert s["guards"] == dict.fromkeys(tp.GUARD_TESTS, "passed")
     assert s["coverage"] == {"native": 2, "triton": 2, "torch": 1} and s["finished"] == 1
     if workers:
-        return  # the kill below, in one process (a worker's reports reach the log alike)
+        return  # the rest in one process (a worker's reports reach the log alike)
+    # a second run leaves out what passed in the first (--resume); the guards run again
+    first = tmp_path / "first.jsonl"
+    first.write_text((tmp_path / "suite000" / "log.jsonl").read_text())
+    log, out = _plugin_run(tmp_path, workers, extra=(f"--gpu-skip-passed={first}",))
+    assert [n.split("::")[1] for n, _ in log["order"]] == [
+        *tp.GUARD_TESTS, "test_parity[cuda-torch-float32]", "test_on_cuda1[native]",
+        "test_on_cuda1[triton]"], out
+    assert log["skipped_earlier"] == 5
+    s = tp.summarize(log)
+    assert "passed in the earlier run, not run again: 5" in tp.describe(s)[0]
+    # killed while the slowest case runs: the counts so far
     log, out = _plugin_run(tmp_path, workers, hang_s=60, kill_at="test_compile_slowest")
     s = tp.summarize(log)
     assert "test_a.py::test_compile_slowest" in s["running"], out
@@ -752,6 +787,33 @@ def test_the_plugin_writes_the_log_as_the_tests_run(tmp_path, workers):
     # everything before the slowest case ran, nothing after it
     assert (s["passed"], s["failed"], s["first_pass"]) == (5, 1, (6, 7))
     assert s["not_reached"] == ["test_a.py::test_parity[cuda-native-float32-T9]"]
+
+
+def test_the_plugin_logs_modules_that_do_not_collect(tmp_path):
+    """A test module that fails to import is a collection error (the step fails, naming
+    it); one that skips itself at import is listed with its reason."""
+    (tmp_path / "conftest.py").write_text("def pytest_configure(config):\n"
+                                          "    config.addinivalue_line('markers', 'gpu: GPU')\n")
+    (tmp_path / "test_ok.py").write_text("import pytest\n@pytest.mark.gpu\n"
+                                         "def test_a():\n    pass\n")
+    (tmp_path / "test_broken.py").write_text("import not_a_module_anywhere\n")
+    (tmp_path / "test_skipped.py").write_text(
+        "import pytest\npytest.skip('zstandard is not installed', allow_module_level=True)\n")
+    log = tmp_path / "log.jsonl"
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "-m", "gpu", "-p", "gpu_pytest_plugin", f"--gpu-log={log}",
+                          "--continue-on-collection-errors", "."], cwd=tmp_path,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT / "tools")),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stdout + out.stderr
+    s = tp.summarize(tp.read_log(log), (), guards=())
+    assert s["passed"] == 1 and list(s["collection_errors"]) == ["test_broken.py"]
+    assert s["failed_tests"] == ["test_broken.py"]
+    assert "zstandard is not installed" in s["collection_skips"]["test_skipped.py"]
+    line, problems = tp.describe(s)
+    assert "collection errors: 1" in line
+    assert problems == ["test_broken.py did not collect: E   ModuleNotFoundError: No module "
+                        "named 'not_a_module_anywhere'"]
 
 
 def test_bench_cases_runs_with_a_flagged_fraction():

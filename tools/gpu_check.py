@@ -453,9 +453,13 @@ def plan_steps(args, facts: dict, logs: Path, slug: str) -> list[Step]:
     use_xdist = xdist or args.dry_run
     workers = {"test": n if use_xdist else 0, "sanitizer": min(n, 3) if use_xdist else 0}
     progress = {k: logs / f"{slug}.{k}.progress.jsonl" for k in ("test", "sanitizer")}
+    # this machine's last run: the test step moves its log aside before it starts
+    last = progress["test"].with_suffix(".prev.jsonl")
+    had_last = progress["test"].exists() or last.exists()
     durations = args.test_durations
-    if durations is None and progress["test"].with_suffix(".prev.jsonl").exists():
-        durations = progress["test"].with_suffix(".prev.jsonl")  # this machine's last run
+    if durations is None and had_last:
+        durations = last
+    resume = last if str(args.resume) == "last" else args.resume
     steps = [
         Step("build", "build the CUDA extension", build_commands(py, arch, jobs), limits["build"],
              notes=[f"TORCH_CUDA_ARCH_LIST={arch} ({arch_from})"]),
@@ -463,14 +467,15 @@ def plan_steps(args, facts: dict, logs: Path, slug: str) -> list[Step]:
              pytest_commands(py, "not sanitizer", logs / f"{slug}.test.junit.xml", use_make,
                              workers["test"], log=progress["test"], order=True,
                              include=test_plan.GUARD_TESTS, durations=durations,
-                             skip_passed=args.resume),
+                             skip_passed=resume),
              limits["test"], junit=logs / f"{slug}.test.junit.xml", progress=progress["test"],
              coverage=test_plan.DEFAULT_CUDA_BACKENDS,
              notes=["order: the registry guards, one case per test, backend and dtype, then "
                     "the rest, slowest last" + (f" (durations of {durations})" if durations
                                                 else "")]
-             + ([f"the tests that passed in {args.resume} are not run again"]
-                if args.resume else [])),
+             + ([f"the tests that passed in {resume} are not run again"
+                 + ("" if had_last or resume != last else " (no earlier run on this machine)")]
+                if resume else [])),
         Step("sanitizer", "compute-sanitizer" + (
                  " memcheck, racecheck, initcheck, synccheck"
                  if args.sanitizer_select == SANITIZER_ALL
@@ -687,6 +692,11 @@ def run_step(step: Step, logs: Path, slug: str, time_left: float, echo: bool = T
         if summ["running"]:
             res.notes.append("running when the step was stopped: " + ", ".join(
                 summ["running"][:20]))
+        if summ["collection_skips"]:
+            res.notes.append("modules skipped at collection (their gpu tests, if any, did not "
+                             "run): "
+                             + "; ".join(f"{n} ({(why or '').strip()[:120]})" for n, why in
+                                         list(summ["collection_skips"].items())[:10]))
         if summ["collected"] and summ["collected"] == summ["skipped"] + len(summ["two_gpu"]):
             res.notes.append("every selected test was skipped")
         if step.junit is not None and step.junit.exists():
@@ -983,7 +993,8 @@ def parse_args(argv=None):
                          "summary.json or per-test log; default: the last run's log here)")
     ap.add_argument("--resume", type=Path, default=None, metavar="FILE",
                     help="leave out of the test step the tests that passed in an earlier "
-                         "run (its summary.json or per-test log); the registry guards run")
+                         "run (its summary.json or per-test log; 'last': the last run on "
+                         "this machine); the registry guards run")
     ap.add_argument("--bench-args", default="",
                     help='more arguments for bench/bench_all.py, e.g. "--runs 2"')
     ap.add_argument("--hf-args", default="", help="more arguments for bench/bench_hf.py")

@@ -138,6 +138,17 @@ def pytest_xdist_node_collection_finished(node, ids):
     _write_plan(node.config, list(ids))
 
 
+def pytest_collectreport(report):
+    """A module that fails to collect, or skips itself at import (a missing package): its
+    tests, gpu-marked ones included, are not in the plan."""
+    if _log is None or report.passed:
+        return
+    lr = report.longrepr
+    reason = lr[2] if isinstance(lr, tuple) and len(lr) == 3 else str(lr)
+    _log.write(event="collect", nodeid=report.nodeid, outcome=report.outcome,
+               reason=str(reason)[-500:])
+
+
 def pytest_runtest_logstart(nodeid, location):
     if _log is not None:
         _log.write(event="start", nodeid=nodeid)

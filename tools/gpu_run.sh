@@ -10,10 +10,11 @@
 #                                       test step's collection (the plan, the registry guards)
 #   tools/gpu_run.sh --dry-run --no-build   the same, the build only resolved offline (pip
 #                                       install --dry-run) and checked on the tree's library
-#   tools/gpu_run.sh --steps build test --resume FILE
-#                                       a second run: some steps only; the tests that passed
-#                                       in FILE (the first run's summary.json) are not run
-#                                       again, and the rest run in the order of its durations
+#   tools/gpu_run.sh --steps test --resume last
+#                                       a second run on the same machine: some steps only;
+#                                       the tests that passed in the last run (or in FILE,
+#                                       an earlier summary.json) are not run again, the rest
+#                                       in the order of its durations
 #
 # What it uses: the machine's own python3 (PY), torch, Triton, nvcc and compute-sanitizer.
 # Nothing is downloaded. The wheels in .whl/ (GPU_WHEELS; `make gpu-wheels` fills it on a
@@ -66,7 +67,7 @@ while (( $# )); do
     --no-build) MORE+=(--rehearse-build resolve) ;;
     --steps) shift; while (( $# )) && [[ "$1" != --* ]]; do STEPS+=("$1"); shift; done; continue ;;
     --resume|--durations)
-      [[ $# -ge 2 ]] || { echo "gpu_run: $1 needs a file (an earlier run's summary.json)"; exit 2; }
+      [[ $# -ge 2 ]] || { echo "gpu_run: $1 needs a file (an earlier run's summary.json; --resume: or 'last')"; exit 2; }
       [[ "$1" == --resume ]] && MORE+=(--resume "$2") || MORE+=(--test-durations "$2"); shift ;;
     -h|--help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "gpu_run: unknown argument '$1' (--dry-run, --no-build, --steps, --resume, --durations, --help)"; exit 2 ;;

@@ -205,7 +205,12 @@ def read_log(path: str | Path) -> dict | None:
     if plan is None:
         return None
     finish = [ev for ev in events if ev.get("event") == "finish"]
+    collect = {}
+    for ev in events:
+        if ev.get("event") == "collect":
+            collect[ev["nodeid"]] = (ev.get("outcome"), ev.get("reason"))
     return {"n": int(plan.get("n", len(plan.get("order", [])))),
+            "collect": collect,
             "order": [tuple(x) for x in plan.get("order", [])],
             "skipped_earlier": int(plan.get("passed_earlier", 0)),
             "outcomes": _outcomes(events),
@@ -242,11 +247,17 @@ def summarize(log: dict, cuda_backends=DEFAULT_CUDA_BACKENDS, guards=GUARD_TESTS
         "two_gpu": two_gpu,
         "not_reached": sorted(planned - set(out) - log["started"]),
         "running": sorted(log["started"] - set(out)),
-        "first_pass": (sum(1 for n in first if n in out), len(first)),
+        "first_pass": (sum(1 for n in first if n in out), len(first))
+        if any(p == 2 for _, p in order) else None,  # None: no plan of passes
         "coverage": coverage,
         "gaps": [b for b, c in coverage.items() if c == 0],
         "guards": guard_state,
-        "failed_tests": [n for n, r in out.items() if r["outcome"] in ("failed", "error")],
+        "failed_tests": [n for n, r in out.items() if r["outcome"] in ("failed", "error")]
+        + [n for n, (o, _) in log.get("collect", {}).items() if o == "failed"],
+        "collection_errors": {n: why for n, (o, why) in log.get("collect", {}).items()
+                              if o == "failed"},
+        "collection_skips": {n: why for n, (o, why) in log.get("collect", {}).items()
+                             if o == "skipped"},
         "finished": log["finished"],
         "passed_earlier": log["skipped_earlier"],
         "tests": {n: [r["outcome"], round(r["duration"], 3)] for n, r in out.items()},
@@ -261,15 +272,20 @@ def describe(s: dict) -> tuple[str, list[str]]:
         parts.append(f"not runnable here (needs 2 GPUs): {len(s['two_gpu'])}")
     if s["passed_earlier"]:
         parts.append(f"passed in the earlier run, not run again: {s['passed_earlier']}")
-    done, total = s["first_pass"]
     if s["not_reached"] or s["running"]:
+        done, total = s["first_pass"] or (None, None)
         parts.append(f"not reached: {len(s['not_reached'])}, running when stopped: "
-                     f"{len(s['running'])} (first pass: {done} of {total} ran)")
+                     f"{len(s['running'])}" + (f" (first pass: {done} of {total} ran)"
+                                               if total else ""))
     if s["coverage"]:
         parts.append("CUDA cases run per backend: " + ", ".join(
             f"{b} {c}" for b, c in s["coverage"].items()))
+    if s["collection_errors"]:
+        parts.append(f"collection errors: {len(s['collection_errors'])}")
     problems = [f"no CUDA case of the {b} backend ran (the registry names it for CUDA)"
                 for b in s["gaps"]]
+    problems += [f"{n} did not collect: {why.strip().splitlines()[-1] if why else '?'}"
+                 for n, why in s["collection_errors"].items()]
     problems += [f"registry guard {name}: {state}" for name, state in s["guards"].items()
                  if state != "passed"]
     return "; ".join(parts), problems
