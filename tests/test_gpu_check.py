@@ -508,6 +508,16 @@ def test_gpu_run_dry_run(tmp_path):
                                    for p in files)
 
 
+def test_the_build_check_refuses_a_library_from_elsewhere(tmp_path):
+    """The rehearsal's check names the package it must load (the copy's, or the tree's):
+    a replay_ops imported from anywhere else fails it."""
+    env = dict(os.environ, GPU_CHECK_EXPECT_PACKAGE=str(tmp_path / "replay_ops"))
+    out = subprocess.run([sys.executable, str(SCRIPT), "--verify-build"], capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path, env=env)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"expected replay_ops from {tmp_path / 'replay_ops'}, not " in out.stdout
+
+
 def test_a_rehearsal_build_is_reused_only_for_the_same_inputs(tmp_path):
     """--dry-run --rehearse-build full keeps the library of a passing rehearsal with the
     sha256 of its inputs: csrc/, setup.py, pyproject.toml, CMakeLists.txt, torch, Python and

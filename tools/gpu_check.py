@@ -203,7 +203,12 @@ def verify_build() -> int:
     import replay_ops
     from replay_ops import _C
 
-    print(f"replay_ops from {Path(replay_ops.__file__).parent}, library {Path(_C.__file__).name}")
+    where = Path(replay_ops.__file__).resolve().parent
+    print(f"replay_ops from {where}, library {Path(_C.__file__).name}")
+    expect = os.environ.get("GPU_CHECK_EXPECT_PACKAGE")  # --dry-run: the copy's, or the tree's
+    if expect and where != Path(expect).resolve():
+        print(f"expected replay_ops from {expect}, not {where}")
+        return 1
     if torch.version.cuda is None:  # the rehearsal of --dry-run on a CPU torch
         print(f"torch {torch.__version__} is a CPU build: CPU kernels only "
               f"(replay_ops._C.WITH_CUDA = {bool(_C.WITH_CUDA)})")
@@ -1117,12 +1122,17 @@ def rehearse_build(args, facts: dict, step: Step, logs: Path) -> Result:
     notes = [f"rehearsal in a copy of the tree ({n} files, {src.relative_to(ROOT)}) with "
              f"torch {facts.get('torch')}"]
     if not vpy.exists():
+        stamp.unlink(missing_ok=True)  # a kept library needs the venv's editable install
         rc, out = _run_quiet([args.python, "-m", "venv", "--system-site-packages",
                               "--without-pip", str(venv)], timeout=120)
         if rc != 0:
             return Result(step.name, step.title, "fail", detail=f"venv: {out[-300:]}",
                           notes=notes)
     commands, cuda_ok = _rehearsal_commands(args, facts, step, vpy)
+    # the check must load the copy's library (or, with resolve, the tree's own)
+    expect = str((ROOT if args.rehearse_build == "resolve" else src) / "replay_ops")
+    commands = commands[:1] + [(argv, dict(env, GPU_CHECK_EXPECT_PACKAGE=expect))
+                               for argv, env in commands[1:]]
     if not cuda_ok:
         notes.append("REPLAY_OPS_CUDA=1 -> 0: this torch is not a CUDA build or nvcc is "
                      "missing (the GPU machine builds the CUDA kernels)")
