@@ -2,8 +2,10 @@
 `-p gpu_pytest_plugin`, tools/ on PYTHONPATH). Works with and without pytest-xdist.
 
   --gpu-log FILE          write the per-test log (tools/gpu_test_plan.py): the plan, then one
-                          line per test start and per report, each flushed as it is written,
-                          so a run killed at its time limit still leaves its counts
+                          line per test start, per report (a setup or teardown only when it
+                          did not pass; the durations are the reports') and per module that
+                          did not collect, each flushed as it is written, so a run killed at
+                          its time limit still leaves its counts
   --gpu-order             run in the plan's order: the registry guards, one case per test
                           function, backend and float dtype, then the rest; fastest first
                           within each pass (the slowest cases last)

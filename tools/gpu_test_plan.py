@@ -17,13 +17,17 @@ grid: what it covers (torch.compile, opcheck, 2**31 elements) nothing else does.
 
 The log (`read_log`) is JSON Lines, one event per line, flushed as it is written:
 
-  {"event": "collected", "n": N, "order": [[nodeid, pass], ...]}   the plan, in run order
+  {"event": "collected", "n": N, "order": [[nodeid, pass], ...], "passed_earlier": n}
+                                                                   the plan, in run order
+  {"event": "collect", "nodeid": ..., "outcome": "failed"|"skipped", "reason": ...}
+                                                                   a module that did not collect
   {"event": "start", "nodeid": ...}                                a test started
   {"event": "report", "nodeid": ..., "when": "setup"|"call"|"teardown",
    "outcome": "passed"|"failed"|"skipped", "duration": s, "reason": ...}
   {"event": "finish", "exitstatus": n}                             pytest ended by itself
 
-`summarize` turns it into counts: passed, failed, errors, skipped, the tests that need two
+`summarize` turns it into counts: passed, failed, errors, skipped, collection errors (and
+the modules skipped at collection), the tests that need two
 GPUs on a machine with one (not counted: "not runnable here"), those not reached and those
 running when the run was stopped, the first pass's progress, and the executed (not skipped)
 CUDA cases of each backend (`coverage`): a backend the registry names for CUDA with none is
