@@ -7,8 +7,11 @@ CPU targets: gate plus plan at T=16384, E=128, K=8 (native vs the vectorised eag
 backend, >= 3x), and permute plus unpermute at H=1024 (native vs the same, >= 2x).
 GPU targets: gate plus plan at T=16k..128k, E=64..256, K=2..8 (native vs the eager replay
 path, >= 10x), and permute / unpermute at H=4096 and 7168 in bf16 (>= 80% of the copy
-bandwidth measured in the same run).
-Results go to bench/results/<out>.json and .md (default stem: <device>_<UTC date>).
+bandwidth measured in the same run). On CUDA, bench_cases.py runs first: the permute at
+4096 tokens, top-8 of 128 experts, H=7168 in bf16 against a copy of the same bytes, and the
+gate at (16384, 128, 8) and (8192, 256, 8) against softmax + topk.
+Results go to bench/results/<out>.json and .md (default stem: <device>_<UTC date>),
+rewritten after each benchmark, so a run stopped at a time limit keeps what it measured.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_cases  # noqa: E402
 import bench_gate  # noqa: E402
 import bench_permute  # noqa: E402
 import harness  # noqa: E402
@@ -63,23 +67,24 @@ def main(argv=None):
         gate_runs.append(["--T", "16384", "--E", "128", "--K", "8", "--modes", "bwd", "full"])
         perm_runs.append(["--T", "2048", "--E", "64", "--K", "8", "--H", "1024",
                           "--dtypes", "float32", "bfloat16"])
+    case_runs = [[]] if cuda and not args.quick else []
     rows, summary = [], []
-    env = None
-    for bench, runs in ((bench_gate, gate_runs), (bench_permute, perm_runs)):
+    stem = args.out or f"{'cuda' if cuda else 'cpu'}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d_%H%M}"
+    cols = ["op", "mode", "provider", "T", "E", "K", "H", "dtype", "score_func", "normalize",
+            "validate", "flagged", "ms_median", "ms_p20", "ms_p80", "speedup_vs_torch",
+            "speedup_vs_softmax_topk", "gbps", "frac_of_copy_bw"]
+    for bench, runs in ((bench_cases, case_runs), (bench_gate, gate_runs),
+                        (bench_permute, perm_runs)):
         for extra in runs:
             a = bench.parser().parse_args(common + extra)
             a.copy_bw = copy_bw
             r, s = bench.run(a)
             rows += r
             summary += s
-            env = a.env
+            env = dict(a.env, command=" ".join(["python"] + sys.argv))
             print("\n".join(s), flush=True)
-    env["command"] = " ".join(["python"] + sys.argv)
-    stem = args.out or f"{'cuda' if cuda else 'cpu'}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d_%H%M}"
-    cols = ["op", "mode", "provider", "T", "E", "K", "H", "dtype", "score_func", "normalize",
-            "validate", "ms_median", "ms_p20", "ms_p80", "speedup_vs_torch", "gbps",
-            "frac_of_copy_bw"]
-    print("wrote", *harness.save(rows, summary, stem, env, copy_bw, cols))
+            paths = harness.save(rows, summary, stem, env, copy_bw, cols)  # after each
+    print("wrote", *paths)
 
 
 if __name__ == "__main__":

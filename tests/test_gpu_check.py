@@ -4,16 +4,20 @@ the summary with a failing step, results kept across invocations, and the comman
 the GPU steps skipped. No step here needs CUDA; each test takes seconds."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+import gpu_test_plan as tp  # tools/ (pyproject's pytest pythonpath)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "gpu_check.py"
@@ -96,16 +100,53 @@ def test_test_steps_are_make_test_gpu_split_by_sanitizer(tmp_path):
     (argv, _), = steps["megatron"].commands
     assert argv[1:] == ["bench/bench_megatron.py", "--device", "cuda", "--out", "h100_megatron"]
     assert steps["megatron"].bench_stem == "h100_megatron"
-    # pytest-xdist, where installed: workers share the GPU (fewer for the sanitizer runs)
+    # pytest-xdist, where installed: workers share the GPU (fewer for the sanitizer runs);
+    # every core but four, 12 at most
     steps = by_name(gc.plan_steps(args(), facts(packages=dict(ALL_PACKAGES)), tmp_path, "h"))
-    assert "-n 4" in steps["test"].commands[0][0][-1]
+    assert steps["test"].commands[0][0][-1].endswith(" -n 12")
     assert "-n 3" in steps["sanitizer"].commands[0][0][-1]
+    steps = by_name(gc.plan_steps(args(), facts(cpus=6), tmp_path, "h"))
+    assert steps["test"].commands[0][0][-1].endswith(" -n 2")
+    # the test step's plugin: the per-test log, the order, the registry guards selected
+    (argv, env), = by_name(gc.plan_steps(args(), facts(), tmp_path, "h"))["test"].commands
+    line = argv[-1]
+    for want in ("-p gpu_pytest_plugin", f"--gpu-log={tmp_path}/h.test.progress.jsonl",
+                 "--gpu-order", "--gpu-include=test_backends_cover_the_registry",
+                 "--gpu-include=test_every_cuda_backend_of_the_registry_has_cases"):
+        assert want in line, want
+    assert env["PYTHONPATH"] == str(gc.ROOT / "tools")
+    assert gc.step_env(env, "/wheels")["PYTHONPATH"].startswith(
+        f"{gc.ROOT / 'tools'}{os.pathsep}/wheels")
     steps = by_name(gc.plan_steps(args(), facts(packages=dict(
         ALL_PACKAGES, **{"pytest-xdist": None})), tmp_path, "h"))
     assert " -n " not in steps["test"].commands[0][0][-1]
     steps = by_name(gc.plan_steps(args("--workers", "0"), facts(), tmp_path, "h"))
     assert " -n " not in steps["test"].commands[0][0][-1]
     assert sum(gc.LIMITS_S.values()) <= gc.BUDGET_S <= 25 * 60
+
+
+def test_a_second_run_resumes_from_the_last_one(tmp_path):
+    """--resume last: the test step leaves out what passed in this machine's last run (its
+    per-test log, moved aside when the step starts) and orders the rest by its durations;
+    --resume FILE takes an earlier summary.json."""
+    steps = by_name(gc.plan_steps(args(), facts(), tmp_path, "h"))
+    assert "--gpu-durations" not in steps["test"].commands[0][0][-1]
+    (tmp_path / "h.test.progress.jsonl").write_text("")
+    prev = tmp_path / "h.test.progress.prev.jsonl"
+    steps = by_name(gc.plan_steps(args("--resume", "last"), facts(), tmp_path, "h"))
+    line = steps["test"].commands[0][0][-1]
+    assert f"--gpu-skip-passed={prev}" in line and f"--gpu-durations={prev}" in line
+    assert any("not run again" in n for n in steps["test"].notes)
+    steps = by_name(gc.plan_steps(args("--resume", "s.json", "--test-durations", "d.json"),
+                                  facts(), tmp_path, "h"))
+    line = steps["test"].commands[0][0][-1]
+    assert "--gpu-skip-passed=s.json" in line and "--gpu-durations=d.json" in line
+    doc = {"steps": [{"name": "test", "tests": {"a[cuda-native]": ["passed", 1.5],
+                                                "b[cuda-triton]": ["failed", 0.25]}}]}
+    (tmp_path / "summary.json").write_text(json.dumps(doc))
+    assert tp.load_passed(tmp_path / "summary.json") == {"a[cuda-native]"}
+    assert tp.load_durations(tmp_path / "summary.json") == {"a[cuda-native]": 1.5,
+                                                            "b[cuda-triton]": 0.25}
 
 
 def test_a_step_that_cannot_run_says_why(tmp_path):
@@ -331,7 +372,10 @@ def test_the_gpu_run_plan_fits_eight_minutes(tmp_path):
     """tools/gpu_run.sh's plan: every step's limit within the budget, which leaves room for
     the machine facts and the summary inside 8 minutes; the sanitizer subset; the HF and
     Megatron benchmarks with one run each; sm_90 only, every core."""
-    assert sum(gc.LIMITS_S.values()) <= gc.BUDGET_S <= 8 * 60 - 15
+    # the steps' limits and the facts / wheels / probes within the budget; the budget, the
+    # last step's TERM-then-KILL (10 s) and the summary (15 s) within the wall of 8 minutes
+    assert sum(gc.LIMITS_S.values()) + gc.OVERHEAD_S <= gc.BUDGET_S == gc.WALL_S - 25
+    assert gc.WALL_S == 8 * 60
     assert gc.STEPS == ("build", "test", "sanitizer", "bench", "hf", "megatron")
     a = args("--arch", "9.0", "--sanitizer-select", gc.SANITIZER_SUBSET, "--hf-args",
              "--runs 1", "--megatron-args", "--runs 1", "--workers", "0")
@@ -350,7 +394,9 @@ def test_the_gpu_run_plan_fits_eight_minutes(tmp_path):
     assert s["hf"].skip.startswith("missing Python packages: transformers")
     text = GPU_RUN.read_text()
     assert "--arch \"$ARCH\"" in text and 'ARCH="${GPU_RUN_ARCH:-9.0}"' in text
-    assert 'BUDGET_S="${GPU_RUN_BUDGET_S:-480}"' in text and "timeout -k 5" in text
+    assert 'BUDGET_S="${GPU_RUN_BUDGET_S:-480}"' in text
+    assert "--budget $((BUDGET_S - 25))" in text and "timeout -k 5 $((BUDGET_S - 5))" in text
+    assert 'WORKERS="${GPU_RUN_WORKERS:-12}"' in text and '--workers "$WORKERS"' in text
 
 
 def shlex_quote(s):
@@ -420,27 +466,389 @@ def test_carried_wheels_only_fill_what_is_missing(tmp_path):
 
 
 def test_gpu_run_dry_run(tmp_path):
-    """`tools/gpu_run.sh --dry-run` (`make gpu-check GPU_RUN_ARGS=--dry-run`) on this CPU
-    machine: every step's command is printed, and the build step's own command runs with
-    this Python's torch in a copy of the tree (CPU kernels only with a CPU torch), then
-    the build's check (a native gate call). Takes as long as a CPU build of the extension."""
+    """`tools/gpu_run.sh --dry-run --no-build` (`make gpu-check GPU_RUN_ARGS="--dry-run
+    --no-build"`) on this CPU machine: every step's command and limit is printed, the test
+    step as sized for the GPU machine (12 pytest-xdist workers, the plugin's log and order,
+    the registry guards selected), the build step's install resolved offline in a copy of
+    the tree (pip --dry-run: nothing compiled; `make install` and the CUDA build jobs
+    compile the same build), the build's check on the tree's own library (a native gate
+    call), and the test step's command run with --collect-only: the guards are collected
+    first and the plan is written."""
     env = dict(os.environ, OUT=str(tmp_path / "out"), PY=sys.executable)
-    for k in ("TORCH_CUDA_ARCH_LIST", "MAX_JOBS", "TRITON_INTERPRET", "GPU_RUN_BUDGET_S"):
+    for k in ("TORCH_CUDA_ARCH_LIST", "MAX_JOBS", "TRITON_INTERPRET", "GPU_RUN_BUDGET_S",
+              "GPU_RUN_WORKERS"):
         env.pop(k, None)
-    out = subprocess.run(["bash", str(GPU_RUN), "--dry-run"], capture_output=True, text=True,
-                         timeout=1500, cwd=tmp_path, env=env)
+    out = subprocess.run(["bash", str(GPU_RUN), "--dry-run", "--no-build"], capture_output=True,
+                         text=True, timeout=900, cwd=tmp_path, env=env)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
     for want in ("-m pip install --no-build-isolation --no-deps --no-index -v -e .",
-                 "TORCH_CUDA_ARCH_LIST=9.0", "PIP_BREAK_SYSTEM_PACKAGES=1",
-                 "tools/gpu_check.py --verify-build", "GPU_PYTEST_ARGS=-k 'not sanitizer'",
-                 "bench/bench_all.py --device cuda", "--runs 1",
+                 "-m pip install --dry-run --no-build-isolation --no-deps --no-index -v -e .",
+                 "Would install replay", "TORCH_CUDA_ARCH_LIST=9.0",
+                 "PIP_BREAK_SYSTEM_PACKAGES=1", "tools/gpu_check.py --verify-build",
+                 f"replay_ops from {ROOT / 'replay_ops'}", "native gate ran on the CPU",
+                 "GPU_PYTEST_ARGS=-k 'not sanitizer'", "-p gpu_pytest_plugin", "--gpu-order",
+                 "--gpu-include=test_backends_cover_the_registry", " -n 12",
+                 "12 pytest-xdist workers", "registry guard: test_backends_cover_the_registry",
+                 "(native, triton, torch) runs no CUDA case",
+                 "limits 425 s + 30 s for the facts, wheels and probes, within the budget "
+                 "of 455 s", "bench/bench_all.py --device cuda", "--runs 1",
                  "bench/bench_hf.py --device cuda", "bench/bench_megatron.py --device cuda",
-                 "native gate ran on the CPU", "rehearsal passed", "===== steps ====="):
+                 "rehearsal passed", "===== steps ====="):
         assert want in text, want
     assert "test_cuda_compute_sanitizer or (test_gpu_sanitizer_mixed_chain and memcheck)" in text
+    guards = ("guards first: tests/test_gate.py::test_backends_cover_the_registry, "
+              "tests/test_gpu_registry.py::test_every_cuda_backend_of_the_registry_has_cases;")
+    assert guards in text
     md = (tmp_path / "out" / "summary.md").read_text()
-    assert "| build | PASS |" in md and "| test | skipped |" in md
+    assert "| build | PASS |" in md and "| test | skipped |" in md and guards in md
+    assert "build resolved offline only" in md
     files = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
     assert len(files) <= 8 and all(len(p.relative_to(tmp_path / "out").parts) <= 2
                                    for p in files)
+
+
+def test_the_build_check_refuses_a_library_from_elsewhere(tmp_path):
+    """The rehearsal's check names the package it must load (the copy's, or the tree's):
+    a replay_ops imported from anywhere else fails it."""
+    env = dict(os.environ, GPU_CHECK_EXPECT_PACKAGE=str(tmp_path / "replay_ops"))
+    out = subprocess.run([sys.executable, str(SCRIPT), "--verify-build"], capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path, env=env)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"expected replay_ops from {tmp_path / 'replay_ops'}, not " in out.stdout
+
+
+def test_a_rehearsal_build_is_reused_only_for_the_same_inputs(tmp_path):
+    """--dry-run --rehearse-build full keeps the library of a passing rehearsal with the
+    sha256 of its inputs: csrc/, setup.py, pyproject.toml, CMakeLists.txt, torch, Python and
+    the build's environment. Another input is another build; a file outside them is not."""
+    src = tmp_path / "src"
+    for rel, text in (("setup.py", "x"), ("pyproject.toml", "y"), ("csrc/a.cu", "k"),
+                      ("csrc/include/h.h", "h"), ("replay_ops/api.py", "p")):
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(text)
+    f = facts()
+    env = {"REPLAY_OPS_CUDA": "0", "TORCH_CUDA_ARCH_LIST": "9.0", "MAX_JOBS": "2"}
+    h = gc.build_inputs_hash(src, f, env)
+    assert h == gc.build_inputs_hash(src, f, dict(env, MAX_JOBS="16"))
+    (src / "replay_ops" / "api.py").write_text("changed")
+    assert gc.build_inputs_hash(src, f, env) == h
+    assert gc.build_inputs_hash(src, facts(torch="2.14.1+cu130"), env) != h
+    assert gc.build_inputs_hash(src, f, dict(env, REPLAY_OPS_CUDA="1")) != h
+    (src / "csrc" / "include" / "h.h").write_text("h2")
+    assert gc.build_inputs_hash(src, f, env) != h
+    (src / "csrc" / "include" / "h.h").write_text("h")
+    (src / "csrc" / "include" / "h.h").rename(src / "csrc" / "include" / "g.h")
+    assert gc.build_inputs_hash(src, f, env) != h
+
+
+# ------------------------------------------------------------- the test step's plan and log
+
+
+def test_the_plan_runs_guards_then_a_first_pass_then_the_rest_slowest_last():
+    tests = [
+        ("tests/test_gate.py::test_gate_parity[cuda-native-T7-float32]", ()),
+        ("tests/test_gate.py::test_gate_parity[cuda-native-T9-float32]", ()),
+        ("tests/test_gate.py::test_gate_parity[cuda-native-T7-bfloat16]", ()),
+        ("tests/test_gate.py::test_gate_parity[cuda-triton-T7-float32]", ()),
+        ("tests/test_gate.py::test_gate_gradcheck[cuda-torch-softmax]", ()),
+        ("tests/test_gate.py::test_gate_gradcheck[cuda-torch-sigmoid]", ()),
+        ("tests/test_ops_registration.py::test_compile_fullgraph_matches_eager[cuda-native]", ()),
+        ("tests/test_unpermute.py::test_unpermute_dtypes[cuda-native-xbfloat16-wfloat32]", ()),
+        ("tests/test_unpermute.py::test_unpermute_dtypes[cuda-native-xfloat32-wfloat32]", ()),
+        ("tests/test_unpermute.py::test_unpermute_dtypes[cuda-native-xbfloat16-wbfloat16]", ()),
+        ("tests/test_x.py::test_big[cuda-triton]", ("slow", "gpu")),
+        ("tests/test_gate.py::test_backends_cover_the_registry", ()),
+        ("tests/test_gpu_registry.py::test_every_cuda_backend_of_the_registry_has_cases", ()),
+    ]
+    names = [n for n, _ in tests]
+    order = [(tp.function_name(names[i]), p) for i, p in tp.plan_order(tests)]
+    assert [p for _, p in order] == sorted(p for _, p in order)  # passes in order
+    assert order[:2] == [("test_backends_cover_the_registry", 0),
+                         ("test_every_cuda_backend_of_the_registry_has_cases", 0)]
+    first = [names[i] for i, p in tp.plan_order(tests) if p == 1]
+    # one case per test function, device, backend and float dtype: the first of each
+    assert "tests/test_gate.py::test_gate_parity[cuda-native-T9-float32]" not in first
+    assert "tests/test_gate.py::test_gate_parity[cuda-native-T7-bfloat16]" in first
+    assert "tests/test_gate.py::test_gate_parity[cuda-triton-T7-float32]" in first
+    assert "tests/test_gate.py::test_gate_gradcheck[cuda-torch-sigmoid]" not in first
+    assert "tests/test_unpermute.py::test_unpermute_dtypes[cuda-native-xbfloat16-wbfloat16]" \
+        not in first  # the first float dtype of the id is the key's
+    assert len(first) == 8
+    # within a pass the slowest last: torch.compile, then the slow mark, then gradcheck
+    tail = [n for n, p in order if p == 1][-3:]
+    assert tail == ["test_gate_gradcheck", "test_big", "test_compile_fullgraph_matches_eager"]
+    # measured durations of an earlier run come before the guesses
+    d = {names[6]: 0.1, names[0]: 9.0}
+    first_d = [names[i] for i, p in tp.plan_order(tests, d) if p == 1]
+    assert first_d[0] == names[6] and first_d[-1] == names[0]
+    assert tp.backends_of("t.py::f[cuda-torch-T0E7K2]") == {"torch"}
+    assert tp.backends_of("t.py::f[torch.float32-native]") == {"native"}
+    assert tp.backends_of("t.py::f[True-sigmoid-dtype2-1-8]") == set()
+
+
+def _log_lines(order, reports, started=(), finish=None):
+    ev = [{"event": "session"}, {"event": "collected", "n": len(order), "order": order}]
+    ev += [{"event": "start", "nodeid": n} for n in started]
+    ev += [dict(event="report", nodeid=n, when=w, outcome=o, duration=0.5, reason=r)
+           for n, w, o, r in reports]
+    if finish is not None:
+        ev.append({"event": "finish", "exitstatus": finish})
+    return "".join(json.dumps(e) + "\n" for e in ev)
+
+
+G1, G2 = (f"tests/test_gate.py::{tp.GUARD_TESTS[0]}",
+          f"tests/test_gpu_registry.py::{tp.GUARD_TESTS[1]}")
+
+
+def test_the_per_test_log_gives_counts_coverage_and_gaps(tmp_path):
+    """A log cut by a kill (its last line half written): the counts of what ran, the tests
+    not reached and those running, the first pass's progress, the two-GPU tests apart, the
+    CUDA cases each backend ran, and a backend of the registry with none is a problem."""
+    order = [[G1, 0], [G2, 0], ["t.py::f[cuda-native-a]", 1], ["t.py::f[cuda-torch-a]", 1],
+             ["t.py::g[cuda-triton-a]", 1], ["t.py::cuda1[native]", 1],
+             ["t.py::cuda1[triton]", 1], ["t.py::f[cuda-native-b]", 2],
+             ["t.py::f[cuda-native-c]", 2]]
+    two = "needs two CUDA devices; this machine has 1"
+    reports = [(G1, "call", "passed", None), (G2, "call", "passed", None),
+               ("t.py::f[cuda-native-a]", "call", "passed", None),
+               ("t.py::f[cuda-torch-a]", "call", "failed", None),
+               ("t.py::f[cuda-torch-a]", "teardown", "failed", None),
+               ("t.py::g[cuda-triton-a]", "setup", "skipped", "no Triton for CUDA"),
+               ("t.py::cuda1[native]", "setup", "skipped", two),
+               ("t.py::cuda1[triton]", "setup", "skipped", two)]
+    started = [n for n, _ in order[:8]]
+    p = tmp_path / "log.jsonl"
+    p.write_text(_log_lines(order, reports, started) + '{"event": "rep')
+    s = tp.summarize(tp.read_log(p))
+    assert (s["passed"], s["failed"], s["error"], s["skipped"]) == (3, 1, 0, 1)
+    assert s["two_gpu"] == ["t.py::cuda1[native]", "t.py::cuda1[triton]"]
+    assert s["running"] == ["t.py::f[cuda-native-b]"]
+    assert s["not_reached"] == ["t.py::f[cuda-native-c]"]
+    assert s["first_pass"] == (5, 5) and s["finished"] is None
+    assert s["coverage"] == {"native": 1, "triton": 0, "torch": 1}
+    assert s["gaps"] == ["triton"] and s["failed_tests"] == ["t.py::f[cuda-torch-a]"]
+    line, problems = tp.describe(s)
+    assert line.startswith("3 passed, 1 failed, 0 errors, 1 skipped of 9 collected; "
+                           "not runnable here (needs 2 GPUs): 2; not reached: 1, running "
+                           "when stopped: 1 (first pass: 5 of 5 ran); CUDA cases run per "
+                           "backend: native 1, triton 0, torch 1")
+    assert problems == ["no CUDA case of the triton backend ran (the registry names it for "
+                        "CUDA)"]
+    # a guard that did not pass, or that is not collected, is a problem too
+    p.write_text(_log_lines([o for o in order if o[0] != G2],
+                            [(G1, "setup", "failed", None)] + reports[2:], finish=1))
+    s = tp.summarize(tp.read_log(p), ("native", "torch"))
+    assert s["guards"] == {tp.GUARD_TESTS[0]: "error", tp.GUARD_TESTS[1]: "not collected"}
+    assert s["gaps"] == [] and s["finished"] == 1
+    assert len(tp.describe(s)[1]) == 2
+    # the durations and the passed tests, for the next run's order and --resume
+    assert tp.load_durations(p)["t.py::f[cuda-torch-a]"] == 1.0
+    assert tp.load_passed(p) == {"t.py::f[cuda-native-a]"}
+    assert tp.read_log(tmp_path / "none.jsonl") is None
+
+
+def test_the_test_step_counts_from_the_log_and_fails_on_a_missing_backend(tmp_path,
+                                                                          monkeypatch):
+    """run_step on the test step: the counts come from the per-test log; a pytest run that
+    passes but ran no CUDA case of a backend the registry names fails the step; one killed
+    at the step's limit still gives its counts and names the tests it was running."""
+    monkeypatch.setattr(gc, "MIN_STEP_S", 1)
+    log = tmp_path / "t.test.progress.jsonl"
+    order = [[G1, 0], [G2, 0], ["t.py::f[cuda-native-a]", 1], ["t.py::f[cuda-torch-a]", 1],
+             ["t.py::cuda1[triton]", 1]]
+    reports = [(G1, "call", "passed", None), (G2, "call", "passed", None),
+               ("t.py::f[cuda-native-a]", "call", "passed", None),
+               ("t.py::f[cuda-torch-a]", "call", "passed", None),
+               ("t.py::cuda1[triton]", "setup", "skipped", "needs two CUDA devices; 1")]
+    text = _log_lines(order, reports, finish=0)
+    write = f"import pathlib; pathlib.Path({str(log)!r}).write_text({text!r})"
+    step = gc.Step("test", "tests", [(_py(write), {})], 30, progress=log,
+                   coverage=("native", "triton", "torch"))
+    res = gc.run_step(step, tmp_path, "t", 60, echo=False)
+    assert res.status == "fail", res
+    assert res.detail.startswith("4 passed, 0 failed, 0 errors, 0 skipped of 5 collected; "
+                                 "not runnable here (needs 2 GPUs): 1;")
+    assert "no CUDA case of the triton backend ran (the registry names it for CUDA)" in \
+        res.notes
+    assert "not runnable here (needs 2 GPUs): t.py::cuda1[triton]" in res.notes
+    assert res.tests["t.py::f[cuda-native-a]"] == ["passed", 0.5]
+    # the same log with the triton backend not asked for: a pass
+    res = gc.run_step(dataclasses.replace(step, coverage=("native", "torch")), tmp_path, "t",
+                      60, echo=False)
+    assert res.status == "pass", res
+    assert log.with_suffix(".prev.jsonl").exists()  # the last run's log: its durations
+    # killed at its limit, half way: the counts so far, the tests it was running
+    part = _log_lines(order, reports[:3], started=[n for n, _ in order[:4]])
+    hang = (f"import pathlib, time; pathlib.Path({str(log)!r}).write_text({part!r}); "
+            "time.sleep(60)")
+    res = gc.run_step(dataclasses.replace(step, commands=[(_py(hang), {})], limit_s=3),
+                      tmp_path, "t", 60, echo=False)
+    assert res.status == "timeout"
+    assert res.detail.startswith("3 passed, 0 failed, 0 errors, 0 skipped of 5 collected; "
+                                 "not reached: 1, running when stopped: 1; CUDA cases")
+    assert "ran past its limit of 3 s" in res.detail
+    assert "running when the step was stopped: t.py::f[cuda-torch-a]" in res.notes
+    # no log at all: the coverage cannot be counted, the step fails
+    log.unlink()
+    res = gc.run_step(dataclasses.replace(step, commands=[(_py("pass"), {})]), tmp_path, "t",
+                      60, echo=False)
+    assert res.status == "fail" and any("no per-test log" in n for n in res.notes)
+
+
+PLUGIN_TESTS = """
+import os, time, pytest
+
+def test_backends_cover_the_registry():  # no gpu mark: selected by --gpu-include
+    pass
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["cuda-native-float32", "cuda-native-float32-T9",
+                                  "cuda-triton-float32", "cuda-triton-bfloat16",
+                                  "cuda-torch-float32"])
+def test_parity(case):
+    assert case != "cuda-torch-float32"
+
+@pytest.mark.gpu
+def test_every_cuda_backend_of_the_registry_has_cases():
+    pass
+
+@pytest.mark.gpu
+@pytest.mark.skipif(True, reason="needs two CUDA devices; this machine has 1")
+@pytest.mark.parametrize("backend", ["native", "triton"])
+def test_on_cuda1(backend):
+    pass
+
+@pytest.mark.gpu
+def test_compile_slowest():
+    time.sleep(float(os.environ.get("HANG_S", "0")))
+
+def test_cpu_only():
+    pass
+"""
+
+
+def _plugin_run(tmp_path, workers, hang_s=0.0, timeout=120, kill_at=None, extra=()):
+    d = tmp_path / f"suite{workers}{int(hang_s)}{len(extra)}"
+    d.mkdir()
+    (d / "conftest.py").write_text("def pytest_configure(config):\n"
+                                   "    config.addinivalue_line('markers', 'gpu: GPU')\n")
+    (d / "test_a.py").write_text(PLUGIN_TESTS)
+    log = d / "log.jsonl"
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+            "-p", "gpu_pytest_plugin", f"--gpu-log={log}", "--gpu-order",
+            *[f"--gpu-include={g}" for g in tp.GUARD_TESTS], *extra, "test_a.py"]
+    if workers:
+        argv += ["-n", str(workers)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "tools"), HANG_S=str(hang_s))
+    proc = subprocess.Popen(argv, cwd=d, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while kill_at and time.monotonic() < deadline and proc.poll() is None:
+        if log.exists() and f'"start", "nodeid": "test_a.py::{kill_at}"' in log.read_text():
+            break
+        time.sleep(0.2)
+    if kill_at:
+        os.killpg(proc.pid, 9)  # what the step's limit does
+    out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    return tp.read_log(log), out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_plugin_writes_the_log_as_the_tests_run(tmp_path, workers):
+    """The plugin in a real pytest run (one process, and two pytest-xdist workers where
+    pytest-xdist is installed): the guard without a gpu mark is selected, the guards run
+    first and the slowest last, every report is logged; killed while the slowest test
+    runs, the log still holds the counts."""
+    if workers:
+        pytest.importorskip("xdist", reason="pytest-xdist is not installed here (the GPU "
+                                            "machines have it)")
+    log, out = _plugin_run(tmp_path, workers)
+    assert log is not None, out
+    names = [n.split("::")[1] for n, _ in log["order"]]
+    assert names[:2] == list(tp.GUARD_TESTS), names
+    # the first pass, slowest last, then the rest of the grid (the second native float32)
+    assert names[-2:] == ["test_compile_slowest", "test_parity[cuda-native-float32-T9]"]
+    assert "test_cpu_only" not in names and log["n"] == 10
+    assert [p for _, p in log["order"]].count(2) == 1
+    s = tp.summarize(log)
+    assert (s["passed"], s["failed"], s["skipped"], len(s["two_gpu"])) == (7, 1, 0, 2), out
+    assert s["guards"] == dict.fromkeys(tp.GUARD_TESTS, "passed")
+    assert s["coverage"] == {"native": 2, "triton": 2, "torch": 1} and s["finished"] == 1
+    if workers:
+        return  # the rest in one process (a worker's reports reach the log alike)
+    # a second run leaves out what passed in the first (--resume); the guards run again
+    first = tmp_path / "first.jsonl"
+    first.write_text((tmp_path / "suite000" / "log.jsonl").read_text())
+    log, out = _plugin_run(tmp_path, workers, extra=(f"--gpu-skip-passed={first}",))
+    assert [n.split("::")[1] for n, _ in log["order"]] == [
+        *tp.GUARD_TESTS, "test_parity[cuda-torch-float32]", "test_on_cuda1[native]",
+        "test_on_cuda1[triton]"], out
+    assert log["skipped_earlier"] == 5
+    s = tp.summarize(log)
+    assert "passed in the earlier run, not run again: 5" in tp.describe(s)[0]
+    # killed while the slowest case runs: the counts so far
+    log, out = _plugin_run(tmp_path, workers, hang_s=60, kill_at="test_compile_slowest")
+    s = tp.summarize(log)
+    assert "test_a.py::test_compile_slowest" in s["running"], out
+    assert s["finished"] is None
+    done = s["passed"] + s["failed"] + s["error"] + s["skipped"] + len(s["two_gpu"])
+    assert done + len(s["running"]) + len(s["not_reached"]) == 10
+    # everything before the slowest case ran, nothing after it
+    assert (s["passed"], s["failed"], s["first_pass"]) == (5, 1, (6, 7))
+    assert s["not_reached"] == ["test_a.py::test_parity[cuda-native-float32-T9]"]
+
+
+def test_the_plugin_logs_modules_that_do_not_collect(tmp_path):
+    """A test module that fails to import is a collection error (the step fails, naming
+    it); one that skips itself at import is listed with its reason."""
+    (tmp_path / "conftest.py").write_text("def pytest_configure(config):\n"
+                                          "    config.addinivalue_line('markers', 'gpu: GPU')\n")
+    (tmp_path / "test_ok.py").write_text("import pytest\n@pytest.mark.gpu\n"
+                                         "def test_a():\n    pass\n")
+    (tmp_path / "test_broken.py").write_text("import not_a_module_anywhere\n")
+    (tmp_path / "test_skipped.py").write_text(
+        "import pytest\npytest.skip('zstandard is not installed', allow_module_level=True)\n")
+    log = tmp_path / "log.jsonl"
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "-m", "gpu", "-p", "gpu_pytest_plugin", f"--gpu-log={log}",
+                          "--continue-on-collection-errors", "."], cwd=tmp_path,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT / "tools")),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stdout + out.stderr
+    s = tp.summarize(tp.read_log(log), (), guards=())
+    assert s["passed"] == 1 and list(s["collection_errors"]) == ["test_broken.py"]
+    assert s["failed_tests"] == ["test_broken.py"]
+    assert "zstandard is not installed" in s["collection_skips"]["test_skipped.py"]
+    line, problems = tp.describe(s)
+    assert "collection errors: 1" in line
+    assert problems == ["test_broken.py did not collect: E   ModuleNotFoundError: No module "
+                        "named 'not_a_module_anywhere'"]
+
+
+def test_bench_cases_runs_with_a_flagged_fraction():
+    """bench/bench_cases.py at its small shapes on the CPU: the permute against a copy of
+    the same bytes, the gate against softmax + topk; the pending flagged-row case is the
+    one-line addition of a fraction (here on the command line), labelled as the replay_mask
+    path it runs today."""
+    import bench_cases
+
+    assert bench_cases.FLAGGED_FRACTIONS == (0.0,)
+    assert bench_cases.PERMUTE_CASE == {"T": 4096, "K": 8, "E": 128, "H": 7168}
+    assert bench_cases.GATE_CASES == ((16384, 128, 8), (8192, 256, 8))
+    a = bench_cases.parser().parse_args(["--device", "cpu", "--quick", "--runs", "1",
+                                         "--reps", "1", "--warmup", "0", "--flagged", "0",
+                                         "0.01"])
+    rows, summary = bench_cases.run(a)
+    perm = {r["provider"]: r for r in rows if r["op"] == "permute"}
+    assert perm["copy (same bytes)"]["frac_of_copy_bw"] == pytest.approx(1.0)
+    assert perm["torch"]["baseline"] == "copy (same bytes)" and perm["torch"]["gbps"] > 0
+    gate = {r["provider"]: r for r in rows if r["op"] == "gate"}
+    assert gate["softmax+topk"]["speedup_vs_softmax_topk"] == 1.0
+    assert gate["torch replay"]["flagged"] == 0.0
+    assert gate["torch replay, 1% flagged (replay_mask: top-k on every row)"]["flagged"] == 0.01
+    assert summary[0].startswith("permute T=64 K=4 E=16 H=256 bf16 (R=256): ")
+    assert "a copy of the same" in summary[0]
+    assert summary[-1].startswith("flagged rows run through replay_mask")
+    mask = bench_cases.flagged_mask(1000, 0.01, "cpu")
+    assert int((~mask).sum()) == 10

@@ -8,7 +8,7 @@ sanitizer subset, one run per benchmark):
     python tools/gpu_check.py --steps test         # some steps (results add up)
     python tools/gpu_check.py --skip-gpu           # a machine without CUDA: facts and commands
 
-Steps, in order, each under its own time limit (and all of them under --budget, 465 s):
+Steps, in order, each under its own time limit (and all of them under --budget, 455 s):
 
   build      (150 s) the CUDA extension, offline:
              REPLAY_OPS_CUDA=1 TORCH_CUDA_ARCH_LIST=<--arch, else the capability of GPU 0>
@@ -16,15 +16,22 @@ Steps, in order, each under its own time limit (and all of them under --budget, 
              then a native gate call on the GPU (the kernel image loads and runs)
   test       (150 s) make test-gpu GPU_PYTEST_ARGS="-k 'not sanitizer' ..."  (every gpu-marked
              test, without the compute-sanitizer runs; -n: pytest-xdist workers sharing the
-             GPU, where pytest-xdist is installed and --workers > 0)
-  sanitizer  (60 s) make test-gpu GPU_PYTEST_ARGS="-k <--sanitizer-select> ..."  (default
+             GPU, where pytest-xdist is installed and --workers > 0). The plugin
+             tools/gpu_pytest_plugin.py orders the tests (tools/gpu_test_plan.py: the
+             registry guards first, one case per test, backend and dtype, then the rest,
+             slowest last) and writes a per-test log as they run: the counts come from it,
+             also when the step is stopped at its limit. The step fails when a registry
+             guard does not pass or when a backend the registry names for CUDA runs no CUDA
+             case; tests that need two GPUs are reported as not runnable here
+  sanitizer  (45 s) make test-gpu GPU_PYTEST_ARGS="-k <--sanitizer-select> ..."  (default
              every compute-sanitizer run: memcheck, racecheck, initcheck and synccheck of
              tests/test_gpu_sanitizer.py and tests/test_native.py; tools/gpu_run.sh: a subset)
-  bench      (45 s) python bench/bench_all.py --device cuda --out <device>_bench  (the speed
-             target shapes with their baselines; --bench-args adds arguments, e.g. "--runs 1")
-  hf         (30 s) python bench/bench_hf.py --device cuda --out <device>_hf  (a transformers
+  bench      (40 s) python bench/bench_all.py --device cuda --out <device>_bench  (the speed
+             target shapes with their baselines, bench/bench_cases.py first; --bench-args adds
+             arguments, e.g. "--runs 1")
+  hf         (20 s) python bench/bench_hf.py --device cuda --out <device>_hf  (a transformers
              MoE model, R3 against its grouped GEMM; --hf-args)
-  megatron   (30 s) python bench/bench_megatron.py --device cuda --out <device>_megatron
+  megatron   (20 s) python bench/bench_megatron.py --device cuda --out <device>_megatron
              (Megatron-Core's router and permutation against the replay router and the plan
              dispatcher's calls, in the same run: launches, syncs, bytes and GPU times, with
              the fast path's targets; needs megatron-core, a --no-deps wheel is enough;
@@ -83,15 +90,24 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_test_plan as test_plan  # noqa: E402  (tools/; no pytest needed)
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 LOG_DIR = "gpu_check_logs"
 STEPS = ("build", "test", "sanitizer", "bench", "hf", "megatron")
-# 465 s in all: tools/gpu_run.sh runs the whole check within 8 minutes of wall time, the
-# machine facts, the wheels and the summary included.
-LIMITS_S = {"build": 150, "test": 150, "sanitizer": 60, "bench": 45, "hf": 30,
-            "megatron": 30}
-BUDGET_S = 465
+# tools/gpu_run.sh runs the whole check within 8 minutes of wall time (WALL_S): `timeout`
+# stops it 5 s before, and this script's budget (BUDGET_S, counted from its start) is 25 s
+# under the wall: 10 s for ending a step at its limit (TERM, then KILL) and 15 s for the
+# summary and the shell. The step limits add up to the budget less OVERHEAD_S, the machine
+# facts, the wheels and the probe of the backends after the build.
+LIMITS_S = {"build": 150, "test": 150, "sanitizer": 45, "bench": 40, "hf": 20,
+            "megatron": 20}
+WALL_S = 480
+BUDGET_S = WALL_S - 25
+OVERHEAD_S = 30
 MIN_STEP_S = 20  # a step with less time left than this is not started
 # The sanitizer step's default selection (pytest -k): every compute-sanitizer run.
 # tools/gpu_run.sh picks a small subset (SANITIZER_SUBSET).
@@ -166,7 +182,9 @@ print("FACTS " + json.dumps(facts))
 BACKENDS_PROBE = r"""
 import json
 import replay_ops
+from replay_ops import backends as rb
 info = replay_ops.backends()
+info["cuda_order"] = list(rb.AUTO_ORDER["cuda"])
 try:
     from replay_ops import _C
     info["with_cuda_kernels"] = bool(_C.WITH_CUDA)
@@ -185,6 +203,12 @@ def verify_build() -> int:
     import replay_ops
     from replay_ops import _C
 
+    where = Path(replay_ops.__file__).resolve().parent
+    print(f"replay_ops from {where}, library {Path(_C.__file__).name}")
+    expect = os.environ.get("GPU_CHECK_EXPECT_PACKAGE")  # --dry-run: the copy's, or the tree's
+    if expect and where != Path(expect).resolve():
+        print(f"expected replay_ops from {expect}, not {where}")
+        return 1
     if torch.version.cuda is None:  # the rehearsal of --dry-run on a CPU torch
         print(f"torch {torch.__version__} is a CPU build: CPU kernels only "
               f"(replay_ops._C.WITH_CUDA = {bool(_C.WITH_CUDA)})")
@@ -240,12 +264,19 @@ def _last_line_with(text: str, word: str) -> str:
     return lines[-1] if lines else text.strip().splitlines()[-1] if text.strip() else ""
 
 
+def _paths(*parts) -> str:
+    return os.pathsep.join(p for p in parts if p)
+
+
 def step_env(extra: dict | None = None, pythonpath: str | None = None) -> dict:
+    """This environment with `extra`; a PYTHONPATH in `extra` goes before the one here."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)  # the GPU steps run compiled Triton kernels
-    if pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
-    env.update(extra or {})
+    extra = dict(extra or {})
+    env["PYTHONPATH"] = _paths(extra.pop("PYTHONPATH", None), pythonpath, env.get("PYTHONPATH"))
+    if not env["PYTHONPATH"]:
+        del env["PYTHONPATH"]
+    env.update(extra)
     return env
 
 
@@ -313,6 +344,8 @@ class Step:
     requested: bool = False  # skipped on request, not for a missing need
     notes: list = dataclasses.field(default_factory=list)
     junit: Path | None = None  # pytest's report, parsed for the counts
+    progress: Path | None = None  # the per-test log (tools/gpu_pytest_plugin.py), preferred
+    coverage: tuple | None = None  # backends that must each run CUDA cases (the test step)
     bench_stem: str | None = None
 
 
@@ -329,6 +362,8 @@ class Result:
     tail: list = dataclasses.field(default_factory=list)
     log: str | None = None
     failed_tests: list = dataclasses.field(default_factory=list)
+    counts: dict = dataclasses.field(default_factory=dict)  # the per-test log's counts
+    tests: dict = dataclasses.field(default_factory=dict)  # nodeid: [outcome, seconds]
     when: str = ""
     earlier: bool = False  # taken from an earlier invocation
 
@@ -359,16 +394,35 @@ def build_commands(py: str, arch: str, jobs: int) -> list:
     return [(install, env), ([py, "tools/gpu_check.py", "--verify-build"], {})]
 
 
-def pytest_commands(py: str, keyword: str, junit: Path, use_make: bool, workers: int = 0) -> list:
+PLUGIN = "gpu_pytest_plugin"  # tools/gpu_pytest_plugin.py, loaded with -p (tools/ on PYTHONPATH)
+
+
+def pytest_commands(py: str, keyword: str, junit: Path, use_make: bool, workers: int = 0,
+                    log: Path | None = None, order: bool = False, include=(),
+                    durations: Path | None = None, skip_passed: Path | None = None,
+                    more=()) -> list:
     """`make test-gpu` with extra pytest arguments (or the same pytest call without make);
-    `workers` > 0: that many pytest-xdist workers, which share the GPU."""
+    `workers` > 0: that many pytest-xdist workers, which share the GPU. With `log`, the
+    plugin writes the per-test log as the tests run; `order`: the plan's order (guards, a
+    first pass, the rest; slowest last); `include`: test functions run although they have
+    no gpu mark (the registry guard); `durations` / `skip_passed`: an earlier run's log or
+    summary.json, to order by its durations / to leave out what passed there."""
     extra = ["-k", keyword, f"--junitxml={junit}", "--continue-on-collection-errors"]
+    env = {}
+    if log is not None:
+        extra += ["-p", PLUGIN, f"--gpu-log={log}"]
+        extra += ["--gpu-order"] if order else []
+        extra += [f"--gpu-include={name}" for name in include]
+        extra += [f"--gpu-durations={durations}"] if durations else []
+        extra += [f"--gpu-skip-passed={skip_passed}"] if skip_passed else []
+        env["PYTHONPATH"] = str(ROOT / "tools")
     if workers > 0:
         extra += ["-n", str(workers)]
+    extra += list(more)
     if use_make:
         return [(["make", "test-gpu", f"PY={shlex.quote(py)}",
-                  f"GPU_PYTEST_ARGS={shlex.join(extra)}"], {})]
-    return [([py, "-m", "pytest", "-q", "-m", "gpu", *extra, "tests"], {})]
+                  f"GPU_PYTEST_ARGS={shlex.join(extra)}"], env)]
+    return [([py, "-m", "pytest", "-q", "-m", "gpu", *extra, "tests"], env)]
 
 
 def select_steps(steps: list[Step], args) -> list[Step]:
@@ -386,6 +440,12 @@ def missing(facts: dict, step: str) -> list[str]:
     return [d for d in REQUIRED[step] if not pk.get(d)]
 
 
+def default_workers(facts: dict) -> int:
+    """pytest-xdist workers of the test step: every core but four (the Triton compiles of
+    a cold cache are what they share), 12 at most."""
+    return max(1, min(12, int(facts.get("cpus") or 8) - 4))
+
+
 def plan_steps(args, facts: dict, logs: Path, slug: str) -> list[Step]:
     py = args.python
     arch, arch_from = cuda_arch(facts, args.arch)
@@ -393,15 +453,34 @@ def plan_steps(args, facts: dict, logs: Path, slug: str) -> list[Step]:
     use_make = bool(facts.get("make"))
     limits = dict(LIMITS_S, **args.limit)
     xdist = bool((facts.get("packages") or {}).get("pytest-xdist"))
-    workers = {"test": args.workers if xdist else 0,
-               "sanitizer": min(args.workers, 3) if xdist else 0}
+    n = args.workers if args.workers is not None else default_workers(facts)
+    # a dry run shows the GPU machine's plan: its image has pytest-xdist
+    use_xdist = xdist or args.dry_run
+    workers = {"test": n if use_xdist else 0, "sanitizer": min(n, 3) if use_xdist else 0}
+    progress = {k: logs / f"{slug}.{k}.progress.jsonl" for k in ("test", "sanitizer")}
+    # this machine's last run: the test step moves its log aside before it starts
+    last = progress["test"].with_suffix(".prev.jsonl")
+    had_last = progress["test"].exists() or last.exists()
+    durations = args.test_durations
+    if durations is None and had_last:
+        durations = last
+    resume = last if str(args.resume) == "last" else args.resume
     steps = [
         Step("build", "build the CUDA extension", build_commands(py, arch, jobs), limits["build"],
              notes=[f"TORCH_CUDA_ARCH_LIST={arch} ({arch_from})"]),
-        Step("test", "make test-gpu (without the sanitizer runs)",
+        Step("test", "make test-gpu (without the sanitizer runs), the registry guards first",
              pytest_commands(py, "not sanitizer", logs / f"{slug}.test.junit.xml", use_make,
-                             workers["test"]),
-             limits["test"], junit=logs / f"{slug}.test.junit.xml"),
+                             workers["test"], log=progress["test"], order=True,
+                             include=test_plan.GUARD_TESTS, durations=durations,
+                             skip_passed=resume),
+             limits["test"], junit=logs / f"{slug}.test.junit.xml", progress=progress["test"],
+             coverage=test_plan.DEFAULT_CUDA_BACKENDS,
+             notes=["order: the registry guards, one case per test, backend and dtype, then "
+                    "the rest, slowest last" + (f" (durations of {durations})" if durations
+                                                else "")]
+             + ([f"the tests that passed in {resume} are not run again"
+                 + ("" if had_last or resume != last else " (no earlier run on this machine)")]
+                if resume else [])),
         Step("sanitizer", "compute-sanitizer" + (
                  " memcheck, racecheck, initcheck, synccheck"
                  if args.sanitizer_select == SANITIZER_ALL
@@ -409,8 +488,9 @@ def plan_steps(args, facts: dict, logs: Path, slug: str) -> list[Step]:
              [(argv, dict(env, REPLAY_OPS_SANITIZER_TIMEOUT_S=str(limits["sanitizer"])))
               for argv, env in pytest_commands(
                   py, args.sanitizer_select, logs / f"{slug}.sanitizer.junit.xml", use_make,
-                  workers["sanitizer"])],
-             limits["sanitizer"], junit=logs / f"{slug}.sanitizer.junit.xml"),
+                  workers["sanitizer"], log=progress["sanitizer"])],
+             limits["sanitizer"], junit=logs / f"{slug}.sanitizer.junit.xml",
+             progress=progress["sanitizer"]),
         Step("bench", "bench/bench_all.py at the speed-target shapes",
              [([py, "bench/bench_all.py", "--device", "cuda", "--out", f"{slug}_bench",
                 *shlex.split(args.bench_args)], {})],
@@ -429,7 +509,9 @@ def plan_steps(args, facts: dict, logs: Path, slug: str) -> list[Step]:
         if not use_make:
             s.notes.append("make not found: pytest is called directly with the same arguments")
         if workers[s.name]:
-            s.notes.append(f"{workers[s.name]} pytest-xdist workers")
+            s.notes.append(f"{workers[s.name]} pytest-xdist workers" + (
+                "" if xdist else " (not installed here; the GPU machine's image has it, and "
+                "without it the step runs in one process)"))
     pk = facts.get("packages") or {}
     gone = [f"{d} ({why})" for _, d, why in PACKAGES if not pk.get(d)]
     for s in steps:
@@ -569,6 +651,8 @@ def run_step(step: Step, logs: Path, slug: str, time_left: float, echo: bool = T
     log_path = logs / (f"{slug}.{step.name}.log" if slug else f"{step.name}.log")
     if step.junit is not None and step.junit.exists():
         step.junit.unlink()
+    if step.progress is not None and step.progress.exists():  # the last run's, kept for
+        step.progress.replace(step.progress.with_suffix(".prev.jsonl"))  # its durations
     t0 = time.monotonic()
     status = "pass"
     with open(log_path, "wb") as log:
@@ -596,7 +680,33 @@ def run_step(step: Step, logs: Path, slug: str, time_left: float, echo: bool = T
         res.detail = f"ran past its limit of {int(limit)} s"
     cap_log(log_path)
     res.log = str(log_path)
-    if step.junit is not None:
+    log = test_plan.read_log(step.progress) if step.progress is not None else None
+    if log is not None:  # the per-test log: counts even when the step was stopped
+        summ = test_plan.summarize(log, step.coverage or (),
+                                   test_plan.GUARD_TESTS if step.coverage else ())
+        line, problems = test_plan.describe(summ)
+        res.detail = line + (f"; {res.detail}" if res.detail else "")
+        res.failed_tests = summ["failed_tests"][:60]
+        res.tests = summ.pop("tests")
+        res.counts = summ
+        if problems and status == "pass":
+            res.status = status = "fail"
+        res.notes += problems
+        if summ["two_gpu"]:
+            res.notes.append("not runnable here (needs 2 GPUs): " + ", ".join(summ["two_gpu"]))
+        if summ["running"]:
+            res.notes.append("running when the step was stopped: " + ", ".join(
+                summ["running"][:20]))
+        if summ["collection_skips"]:
+            res.notes.append("modules skipped at collection (their gpu tests, if any, did not "
+                             "run): "
+                             + "; ".join(f"{n} ({(why or '').strip()[:120]})" for n, why in
+                                         list(summ["collection_skips"].items())[:10]))
+        if summ["collected"] and summ["collected"] == summ["skipped"] + len(summ["two_gpu"]):
+            res.notes.append("every selected test was skipped")
+        if step.junit is not None and step.junit.exists():
+            step.junit.unlink()
+    elif step.junit is not None:
         counts = parse_junit(step.junit)
         if counts is not None:
             res.detail = (f"{counts['passed']} passed, {counts['failures']} failed, "
@@ -606,6 +716,10 @@ def run_step(step: Step, logs: Path, slug: str, time_left: float, echo: bool = T
             if counts["tests"] == counts["skipped"] and status == "pass":
                 res.notes.append("every selected test was skipped")
             step.junit.unlink()  # the counts and names are in the summary; the log keeps the rest
+    if step.coverage and log is None and status == "pass":
+        res.status = status = "fail"
+        res.notes.append(f"no per-test log ({step.progress}): the CUDA cases of each backend "
+                         "could not be counted")
     if status != "pass":
         res.tail = tail_lines(log_path)
     return res
@@ -640,7 +754,8 @@ def load_bench(results_dir: Path, stem: str) -> dict | None:
 
 
 BENCH_COLS = ("op", "mode", "provider", "T", "E", "K", "H", "dtype", "ms_median", "ms_p20",
-              "ms_p80", "speedup_vs_reference", "gbps", "frac_of_copy_bw")
+              "ms_p80", "speedup_vs_torch", "gbps", "frac_of_copy_bw", "flagged",
+              "speedup_vs_softmax_topk", "baseline")
 
 
 MEGATRON_COLS = ("op", "mode", "provider", "T", "E", "dtype", "launches", "syncs", "bytes",
@@ -874,9 +989,17 @@ def parse_args(argv=None):
                     help="the Python with torch that runs every step (default: this one)")
     ap.add_argument("--wheels", type=Path, default=None,
                     help="a folder of .whl files to install offline for the steps")
-    ap.add_argument("--workers", type=int, default=4,
+    ap.add_argument("--workers", type=int, default=None,
                     help="pytest-xdist workers of the test step (the sanitizer step uses at "
-                         "most 3), where pytest-xdist is installed; 0: one process (default 4)")
+                         "most 3), where pytest-xdist is installed; 0: one process (default: "
+                         "every core but four, 12 at most)")
+    ap.add_argument("--test-durations", type=Path, default=None, metavar="FILE",
+                    help="order the test step by the durations of an earlier run (its "
+                         "summary.json or per-test log; default: the last run's log here)")
+    ap.add_argument("--resume", type=Path, default=None, metavar="FILE",
+                    help="leave out of the test step the tests that passed in an earlier "
+                         "run (its summary.json or per-test log; 'last': the last run on "
+                         "this machine); the registry guards run")
     ap.add_argument("--bench-args", default="",
                     help='more arguments for bench/bench_all.py, e.g. "--runs 2"')
     ap.add_argument("--hf-args", default="", help="more arguments for bench/bench_hf.py")
@@ -893,6 +1016,12 @@ def parse_args(argv=None):
                     help="run no GPU step: print every step's command, and rehearse the "
                          "build step's command with this Python's torch in a copy of the "
                          "tree (a CPU torch builds the CPU kernels only)")
+    ap.add_argument("--rehearse-build", choices=("full", "resolve"), default="full",
+                    help="--dry-run: 'full' runs the build step's commands in the copy (a "
+                         "build whose inputs are those of the last passing rehearsal is "
+                         "reused: same sources by content hash, torch, Python and "
+                         "environment); 'resolve' only resolves the install offline (pip "
+                         "--dry-run, nothing compiled) and checks the tree's own library")
     ap.add_argument("--git-sha", default=None,
                     help="the commit to record where the tree is not a git checkout (a copy)")
     ap.add_argument("--fresh", action="store_true",
@@ -935,22 +1064,33 @@ def copy_tree(dst: Path) -> int:
     return n
 
 
-def rehearse_build(args, facts: dict, step: Step, logs: Path) -> Result:
-    """--dry-run: the build step's own commands, run with this machine's torch in a copy of
-    the tree and a venv that sees this Python's packages (the editable install goes there,
-    not into this environment). REPLAY_OPS_CUDA=1 stays where torch is a CUDA build and
-    nvcc is found; with a CPU torch it becomes 0 (the CPU kernels only)."""
-    src, venv = DRY / "src", DRY / "venv"
-    vpy = venv / "bin" / "python"
-    n = copy_tree(src)
-    notes = [f"rehearsal in a copy of the tree ({n} files, {src.relative_to(ROOT)}) with "
-             f"torch {facts.get('torch')}"]
-    if not vpy.exists():
-        rc, out = _run_quiet([args.python, "-m", "venv", "--system-site-packages",
-                              "--without-pip", str(venv)], timeout=120)
-        if rc != 0:
-            return Result(step.name, step.title, "fail", detail=f"venv: {out[-300:]}",
-                          notes=notes)
+BUILD_INPUTS = ("setup.py", "pyproject.toml", "CMakeLists.txt", "csrc")
+BUILD_ENV = ("REPLAY_OPS_CUDA", "REPLAY_OPS_NATIVE", "REPLAY_OPS_DEBUG", "TORCH_CUDA_ARCH_LIST",
+             "CUDA_HOME", "CUDA_PATH", "CC", "CXX", "CFLAGS", "CXXFLAGS", "LDFLAGS")
+
+
+def build_inputs_hash(src: Path, facts: dict, env: dict) -> str:
+    """sha256 of what the build step's output depends on: the build files and csrc/ of the
+    copy (names and contents), torch, Python and the build's environment."""
+    import hashlib
+
+    h = hashlib.sha256()
+    files = []
+    for name in BUILD_INPUTS:
+        p = src / name
+        files += sorted(p.rglob("*")) if p.is_dir() else [p]
+    for f in files:
+        if f.is_file():
+            h.update(f.relative_to(src).as_posix().encode() + b"\0")
+            h.update(hashlib.sha256(f.read_bytes()).digest())
+    where = {k: os.environ.get(k) for k in BUILD_ENV}
+    where.update({k: v for k, v in env.items() if k in BUILD_ENV})
+    h.update(json.dumps([facts.get("torch"), facts.get("torch_cuda"), facts.get("python"),
+                         facts.get("nvcc_version"), where], sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def _rehearsal_commands(args, facts: dict, step: Step, vpy: Path) -> tuple[list, bool]:
     cuda_ok = bool(facts.get("torch_cuda")) and bool(facts.get("nvcc"))
     commands = []
     for argv, env in step.commands:
@@ -959,9 +1099,67 @@ def rehearse_build(args, facts: dict, step: Step, logs: Path) -> Result:
         if not cuda_ok and env.get("REPLAY_OPS_CUDA") == "1":
             env["REPLAY_OPS_CUDA"] = "0"
         commands.append((argv, env))
+    return commands, cuda_ok
+
+
+def rehearse_build(args, facts: dict, step: Step, logs: Path) -> Result:
+    """--dry-run: the build step's own commands, run with this machine's torch in a copy of
+    the tree and a venv that sees this Python's packages (the editable install goes there,
+    not into this environment). REPLAY_OPS_CUDA=1 stays where torch is a CUDA build and
+    nvcc is found; with a CPU torch it becomes 0 (the CPU kernels only).
+
+    --rehearse-build full: the install compiles the library, unless the last passing
+    rehearsal built it from the same inputs (build_inputs_hash): then its library is put
+    back into the copy and only the check runs. --rehearse-build resolve: pip resolves the
+    install offline (`pip install --dry-run`: the metadata is prepared, nothing compiled)
+    in the copy, and the check runs on the tree's own library (the one `make install`
+    built): the compile itself is what `make install` (the same editable install) and the
+    CUDA build jobs of `make test` (REPLAY_OPS_CUDA=1, sm_90, torch 2.11) do."""
+    src, venv = DRY / "src", DRY / "venv"
+    vpy = venv / "bin" / "python"
+    stamp, kept = DRY / "rehearsal.json", DRY / "kept"
+    n = copy_tree(src)
+    notes = [f"rehearsal in a copy of the tree ({n} files, {src.relative_to(ROOT)}) with "
+             f"torch {facts.get('torch')}"]
+    if not vpy.exists():
+        stamp.unlink(missing_ok=True)  # a kept library needs the venv's editable install
+        rc, out = _run_quiet([args.python, "-m", "venv", "--system-site-packages",
+                              "--without-pip", str(venv)], timeout=120)
+        if rc != 0:
+            return Result(step.name, step.title, "fail", detail=f"venv: {out[-300:]}",
+                          notes=notes)
+    commands, cuda_ok = _rehearsal_commands(args, facts, step, vpy)
+    # the check must load the copy's library (or, with resolve, the tree's own)
+    expect = str((ROOT if args.rehearse_build == "resolve" else src) / "replay_ops")
+    commands = commands[:1] + [(argv, dict(env, GPU_CHECK_EXPECT_PACKAGE=expect))
+                               for argv, env in commands[1:]]
     if not cuda_ok:
         notes.append("REPLAY_OPS_CUDA=1 -> 0: this torch is not a CUDA build or nvcc is "
                      "missing (the GPU machine builds the CUDA kernels)")
+    (install, install_env), verify = commands[0], commands[1:]
+    digest = build_inputs_hash(src, facts, install_env)
+    if args.rehearse_build == "resolve":
+        commands = [(install[:4] + ["--dry-run"] + install[4:], install_env)]
+        commands += [([args.python if a == str(vpy) else a for a in argv], env)
+                     for argv, env in verify]
+        notes.append("build resolved offline only (pip install --dry-run, nothing compiled); "
+                     "the check runs on the library this Python imports (the tree's own, "
+                     "from `make install`)")
+    else:
+        try:
+            last = json.loads(stamp.read_text())
+        except (OSError, ValueError):
+            last = {}
+        saved = [kept / Path(f).name for f in last.get("files", [])]
+        if last.get("hash") == digest and saved and all(f.exists() for f in saved):
+            for rel in last["files"]:
+                shutil.copy2(kept / Path(rel).name, src / rel)
+            commands = verify
+            notes.append(f"the library of the last passing rehearsal is reused (same build "
+                         f"inputs, sha256 {digest[:12]}); --rehearse-build full rebuilds "
+                         f"after `rm -r {stamp.relative_to(ROOT)}`")
+        else:
+            stamp.unlink(missing_ok=True)
     notes.append(f"limit {REHEARSAL_LIMIT_S} s here (a CPU machine; {step.limit_s} s on the "
                  "GPU machine)")
     rehearsal = dataclasses.replace(step, commands=commands, skip=None,
@@ -969,7 +1167,52 @@ def rehearse_build(args, facts: dict, step: Step, logs: Path) -> Result:
     res = run_step(rehearsal, logs, "", REHEARSAL_LIMIT_S, echo=not args.quiet, cwd=src)
     res.notes = notes + res.notes
     res.detail = ("rehearsal passed" if res.status == "pass" else "rehearsal: " + res.detail)
+    if res.status == "pass" and args.rehearse_build == "full" and commands is not verify:
+        libs = sorted(str(p.relative_to(src)) for p in (src / "replay_ops").glob("_C*.so"))
+        files = libs + (["replay_ops/_build_info.py"]
+                        if (src / "replay_ops" / "_build_info.py").exists() else [])
+        if libs:
+            shutil.rmtree(kept, ignore_errors=True)
+            kept.mkdir(parents=True)
+            for rel in files:
+                shutil.copy2(src / rel, kept / Path(rel).name)
+            write_text_atomic(stamp, json.dumps({"hash": digest, "files": files}) + "\n")
     return res
+
+
+def rehearse_collection(args, step: Step, logs: Path) -> tuple[Result, dict | None]:
+    """--dry-run: the test step's pytest command with --collect-only (one process; the GPU
+    run adds pytest-xdist workers), the per-test log written as on the GPU machine: the
+    plugin loads, the registry guards are selected and the plan is made. Here, without a
+    GPU, only the gpu-marked tests are collected (the CUDA copies of the parity cases are
+    generated where a GPU is)."""
+    progress = DRY / "collect.progress.jsonl"
+    progress.unlink(missing_ok=True)
+    argv_env = pytest_commands(args.python, "not sanitizer", DRY / "collect.junit.xml",
+                               use_make=bool(shutil.which("make")), workers=0, log=progress,
+                               order=True, include=test_plan.GUARD_TESTS,
+                               more=("--collect-only",))
+    rehearsal = dataclasses.replace(step, commands=argv_env, skip=None, limit_s=300,
+                                    junit=None, progress=None, coverage=None, notes=[])
+    res = run_step(rehearsal, logs, "", 300, echo=False)
+    log = test_plan.read_log(progress)
+    if log is None:
+        res.status = "fail"
+        res.detail = "collection rehearsal: no plan in the per-test log; " + res.detail
+        return res, None
+    passes = [p for _, p in log["order"]]
+    guards = [n for n, p in log["order"] if p == 0]
+    found = {test_plan.function_name(n) for n in guards}
+    missing = [g for g in test_plan.GUARD_TESTS if g not in found]
+    plan = {"collected": log["n"], "guards": guards, "first_pass": passes.count(1),
+            "rest": passes.count(2), "missing_guards": missing}
+    res.detail = (f"collection rehearsal: {log['n']} gpu tests collected here; guards first: "
+                  f"{', '.join(guards) or 'none'}; first pass {plan['first_pass']}, rest "
+                  f"{plan['rest']}")
+    if missing:
+        res.status = "fail"
+        res.detail += f"; registry guards not collected: {', '.join(missing)}"
+    return res, plan
 
 
 def wheel_plan(wheels: Path | None) -> list[str]:
@@ -1033,11 +1276,11 @@ def main(argv=None) -> int:
         path = os.pathsep.join(p for p in (str(Path(pythonpath) / "bin"),
                                            os.environ.get("PATH")) if p)
         for s in steps:
-            s.commands = [(a, dict(e, PYTHONPATH=os.pathsep.join(
-                p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p),
-                PATH=e.get("PATH", path))) for a, e in s.commands]
+            s.commands = [(a, dict(e, PYTHONPATH=_paths(e.get("PYTHONPATH"), pythonpath),
+                                   PATH=e.get("PATH", path))) for a, e in s.commands]
     results: list[Result] = []
     benches: dict = {}
+    dry_notes: dict = {}  # --dry-run: what the rehearsal of a step found
 
     def write():
         shown = list(results)
@@ -1052,8 +1295,8 @@ def main(argv=None) -> int:
             else:
                 shown.append(Result(s.name, s.title, "skipped", limit_s=s.limit_s,
                                     commands=[shell_line(a, e) for a, e in s.commands],
-                                    detail="dry run: not run" if args.dry_run
-                                    else "not run yet"))
+                                    detail=dry_notes.get(s.name, "dry run: not run")
+                                    if args.dry_run else "not run yet"))
         order = {n: i for i, n in enumerate(STEPS)}
         shown.sort(key=lambda r: order[r.name])
         b = {s.name: benches.get(s.name) or (load_bench(results_dir, s.bench_stem)
@@ -1071,26 +1314,48 @@ def main(argv=None) -> int:
     def probe_backends():
         facts["backends"] = probe_python(args.python, BACKENDS_PROBE, "BACKENDS",
                                          pythonpath=pythonpath)
+        order = facts["backends"].get("cuda_order")
+        for s in steps:  # the backends that must each run CUDA cases: the registry's
+            if s.coverage is not None and order:
+                s.coverage = tuple(order)
 
     if args.dry_run:
+        probe_backends()  # this machine's registry: the backends it names for CUDA
+        total = sum(s.limit_s for s in steps if s.name in args.steps)
         print("[gpu-check] dry run: the steps, their limits and commands "
-              f"(budget {args.budget} s):")
+              f"(limits {total} s + {OVERHEAD_S} s for the facts, wheels and probes, within "
+              f"the budget of {args.budget} s)")
         for s in steps:
             why = f"  (here: {s.skip})" if s.skip else ""
             print(f"[gpu-check] {s.name} ({s.limit_s} s): {s.title}{why}")
+            for note in s.notes:
+                print(f"    {note}")
             for a, e in s.commands:
                 print(f"    $ {shell_line(a, e)}")
+        test = next(s for s in steps if s.name == "test")
+        print(f"[gpu-check] registry guard: {', '.join(test_plan.GUARD_TESTS)} run first "
+              f"(the first with --gpu-include: it has no gpu mark); the test step fails if "
+              f"one of them does not pass, or if a backend the registry names for CUDA "
+              f"({', '.join(test.coverage or ())}) runs no CUDA case")
         for line in wheel_plan(args.wheels):
             print(f"[gpu-check] wheels: {line}")
+        if total + OVERHEAD_S > args.budget:
+            print(f"[gpu-check] the limits ({total} s) and the overhead ({OVERHEAD_S} s) "
+                  f"exceed the budget of {args.budget} s")
         build = next(s for s in steps if s.name == "build")
-        print("[gpu-check] rehearsing the build step", flush=True)
+        print(f"[gpu-check] rehearsing the build step ({args.rehearse_build})", flush=True)
         res = rehearse_build(args, facts, build, logs)
         results.append(res)
+        print("[gpu-check] rehearsing the test step's collection", flush=True)
+        coll, _ = rehearse_collection(args, test, logs)
+        print(f"[gpu-check] {coll.detail}", flush=True)
+        dry_notes["test"] = f"dry run: not run; {coll.detail}"
         shown = write()
         for r in shown:
             print(f"[gpu-check] {r.name:9s} {r.status:10s} {r.detail}")
         print(f"[gpu-check] summary: {summary_path}")
-        return 0 if res.status == "pass" else 1
+        ok = res.status == "pass" and coll.status == "pass" and total + OVERHEAD_S <= args.budget
+        return 0 if ok else 1
 
     if not args.skip_gpu and "build" not in args.steps:
         probe_backends()
