@@ -166,6 +166,50 @@ def test_sort_rows_matches_numpy_sort():
         np.testing.assert_array_equal(srt2, np.sort(x, axis=1))
 
 
+@pytest.mark.parametrize("version", codec.READ_VERSIONS)
+def test_few_rows_transform_to_the_same_bytes_as_many(version):
+    """A chunk of at most `transform._SMALL_ROWS` rows is transformed (and inverted) by a
+    fixed number of vectorised calls instead of one per comparator or digit: the same sorted
+    ids, permutation codes and decoded rows as the per-column path of a large chunk, for
+    every K (ties, empty slots, K above the Lehmer limit), and the same refusal of a code
+    not below K!."""
+    from replay_ops.router_replay.codec import transform
+
+    rng = np.random.default_rng(44)
+    small = transform._SMALL_ROWS
+    fmt = codec.format.as_format(version)
+    for K in list(range(0, 23)) + [40, 257]:
+        E = 300 if K > 200 else 6 if K < 6 else K + 3  # small E: many ties
+        nd = np.uint16 if E > 255 else np.uint8
+        for n in (0, 1, 7, small):
+            x = rng.integers(0, E + 1, size=(n, K)).astype(nd)  # E: the empty sentinel
+            big = np.concatenate([x, np.tile(x[:1] if n else np.zeros((1, K), nd),
+                                             (small + 1, 1))])
+            for order in codec.ORDERS:
+                srt, code = codec.sort_rows(x.copy(), order, E, version)
+                srt_b, code_b = codec.sort_rows(big.copy(), order, E, version)
+                np.testing.assert_array_equal(srt, srt_b[:n])
+                assert srt.dtype == srt_b.dtype
+                if order == "set":
+                    assert code is None and code_b is None
+                    continue
+                np.testing.assert_array_equal(code, code_b[:n])
+                assert code.dtype == code_b.dtype and code.shape[1] == code_b.shape[1]
+                back = transform._unsort_np(srt, code, K, fmt)
+                back_b = transform._unsort_np(srt_b, code_b, K, fmt)
+                np.testing.assert_array_equal(back, x)
+                np.testing.assert_array_equal(back_b[:n], x)
+    for K in (2, 5, 20):  # a code not below K! is refused on both paths
+        bad = np.array([math.factorial(K)], np.uint64)
+        for n in (1, transform._SMALL_ROWS + 1):
+            with pytest.raises(CodecError, match=f"not below {K}!"):
+                codec.lehmer_digits(np.repeat(bad, n), K)
+        ok = np.arange(min(math.factorial(K), 50), dtype=np.uint64)
+        np.testing.assert_array_equal(
+            codec.lehmer_digits(ok, K),
+            codec.lehmer_digits(np.concatenate([ok, np.zeros(small, np.uint64)]), K)[:len(ok)])
+
+
 def test_input_is_not_modified():
     x = np.random.default_rng(4).integers(0, 128, size=(50, 2, 8)).astype(np.uint8)
     keep = x.copy()

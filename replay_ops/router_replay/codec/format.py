@@ -398,6 +398,16 @@ def info(blob, *, verify_payload: bool = False, max_tokens: int | None = None,
         blob_id, h_tokens, h_chunks, h_seqs, h_chain = ext
         _check_shape(h_tokens, L, K, "blob header", _BLOB.size + 8)
         _check_limits(h_tokens, L, K, itemsize, max_tokens, max_bytes, _BLOB.size + 8)
+        # every chunk takes a header's bytes and every sequence a length's (4): counts the
+        # bytes cannot hold are refused before any chunk is read
+        room = len(buf) - hs
+        if h_chunks > room // CHUNK_HEADER_SIZE or h_seqs > room // 4:
+            _fail(_BLOB.size + 16, f"truncated or corrupt: the blob header counts {h_chunks} "
+                                   f"chunks and {h_seqs} "
+                                   f"sequences, but the {room} bytes after it hold at most "
+                                   f"{room // CHUNK_HEADER_SIZE} chunks "
+                                   f"({CHUNK_HEADER_SIZE}-byte headers) and {room // 4} "
+                                   f"sequence lengths")
         chain = _chain_start(bytes(buf[:hs]))
     else:
         blob_id = chain = 0
@@ -534,6 +544,27 @@ def _check_content(ch: ChunkInfo, rows: Canonical, path: str = "") -> None:
     if rows.crc() != ch.content_crc:
         _fail(ch.offset, "decoded content checksum mismatch: the chunk does not decode to "
                          "the routing that was encoded (corrupt blob or a decoder bug)" + path)
+
+
+def _check_set_rows(ch: ChunkInfo, ids: np.ndarray) -> None:
+    """The canonical form of a "set" chunk, on every decode path before anything is
+    returned: each row's ids ascending (the sentinel E, an empty slot, is the largest, so
+    it comes last). The content checksum covers the ids as stored, so without this a
+    chunk whose checksums were recomputed over unsorted rows would decode to them on the
+    host while the device path, which sorts what it wrote again, refuses them."""
+    K = ids.shape[-1]
+    if K < 2 or ids.size == 0:
+        return
+    flat = ids.reshape(-1)
+    # one pass over the flat ids: a descent inside a row is an error, one across the
+    # boundary of two rows is not (those are counted separately and subtracted)
+    down = np.count_nonzero(flat[1:] < flat[:-1])
+    if down and down != np.count_nonzero(flat[K::K] < flat[K - 1:-1:K]):
+        rows = ids.reshape(-1, K)
+        r = int(np.flatnonzero((rows[:, 1:] < rows[:, :-1]).any(axis=1))[0])
+        _fail(ch.offset, f"a \"set\" chunk holds row {r} (token {r // ids.shape[1]}, layer "
+                         f"{r % ids.shape[1]}) = {rows[r].tolist()} out of canonical order "
+                         f"(ids ascending, empty slots last): a corrupt or forged chunk")
 
 
 def _default_dtype(E: int) -> torch.dtype:
