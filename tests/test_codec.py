@@ -210,6 +210,29 @@ def test_few_rows_transform_to_the_same_bytes_as_many(version):
             codec.lehmer_digits(np.concatenate([ok, np.zeros(small, np.uint64)]), K)[:len(ok)])
 
 
+def test_a_decode_that_does_not_cover_its_output_is_refused(monkeypatch):
+    """The coverage check behind every decode that fills an output: chunks that do not add
+    up to the rows asked for (a bug in finding a sequence's chunks, headers that disagree)
+    raise instead of returning rows never written (stale `out=` rows, uninitialised
+    memory)."""
+    import dataclasses
+
+    x = np.random.default_rng(45).integers(-1, 16, size=(12, 2, 3))
+    blob = codec.encode(x, num_experts=16, seq_lens=[3, 5, 4], chunk_tokens=4)
+    assert len(codec.info(blob).chunks) == 3
+    real_chunks, real_info = codec._sequence_chunks, codec.info
+    monkeypatch.setattr(codec, "_sequence_chunks", lambda inf, i: real_chunks(inf, i)[:-1])
+    out = torch.full((5, 2, 3), 77, dtype=torch.int16)
+    with pytest.raises(CodecError, match=r"decode_sequence\(1\): the blob's chunks hold 0 of "
+                                         r"the 5 tokens"):
+        codec.decode_sequence(blob, 1, out=out)
+    monkeypatch.setattr(codec, "_sequence_chunks", real_chunks)
+    monkeypatch.setattr(codec, "info", lambda *a, **k: dataclasses.replace(
+        real_info(*a, **k), chunks=real_info(*a, **k).chunks[:-1]))
+    with pytest.raises(CodecError, match=r"decode: the blob's chunks hold 8 of the 12 tokens"):
+        codec.decode(blob, out=torch.full((12, 2, 3), 77, dtype=torch.int16))
+
+
 def test_input_is_not_modified():
     x = np.random.default_rng(4).integers(0, 128, size=(50, 2, 8)).astype(np.uint8)
     keep = x.copy()

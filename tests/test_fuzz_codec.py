@@ -523,6 +523,21 @@ def test_forged_rows_decode_alike_on_every_path(order):
     assert seen["ok"] and seen["error"], seen
 
 
+def test_empty_chunks_are_checked_on_every_path():
+    """A chunk of no token whose content checksum is not that of nothing is refused on every
+    decode path (the Triton path once skipped such a chunk unchecked, and so returned what
+    the numpy path refused)."""
+    for order in codec.ORDERS:
+        blob = codec.encode(np.zeros((0, 2, 3), np.int64), num_experts=8, order=order,
+                            seq_lens=[0])
+        got = _decode_all_paths(blob)
+        assert [g.shape for g in got.values()] == [(0, 2, 3)] * 2, got
+        v, head, ext, ch = split(blob)
+        ch[0].fields[10] = 7  # the content checksum
+        assert _decode_all_paths(reseal(v, head, ext, ch)) == {"numpy": "error",
+                                                               "triton": "error"}
+
+
 # ---------------------------------------------------------------------------- many tiny chunks
 def _tiny_chunks(kind: str, nbytes: int = 250_000) -> bytes:
     """Blobs of many tiny chunks, about `nbytes` long: chunks of no token (each a header and

@@ -328,7 +328,7 @@ def test_shape_mismatch_names_file_and_both_values(good):
         rr.load(good)
 
 
-def test_router_replay_load_selects_sequences_and_views_the_map(tmp_path):
+def test_router_replay_load_selects_sequences_and_views_the_data(tmp_path):
     p = tmp_path / "r.safetensors"
     idx = routing(9, E=300, seed=12)
     write_routing(p, idx, meta(E=300), cu_seqlens=[0, 4, 6, 9], encoding="raw")
@@ -337,7 +337,7 @@ def test_router_replay_load_selects_sequences_and_views_the_map(tmp_path):
     rf = rr.load(p, sequences=(1, 3))
     view = rr.routing_for(4)
     assert torch.equal(view.to(torch.int32), idx[4:9, 2])
-    assert view.data_ptr() == rf.raw_np.ctypes.data + (4 * 3 + 2) * 2 * 2  # into the map
+    assert view.data_ptr() == rf.raw_np.ctypes.data + (4 * 3 + 2) * 2 * 2  # into the data
     with pytest.raises(IndexError, match=r"sequences=\(2, 4\) is outside the file's 3 sequences"):
         rr.load(p, sequences=(2, 4))
 

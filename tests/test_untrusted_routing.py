@@ -759,6 +759,12 @@ def test_writes_through_a_symlink_keep_the_link(tmp_path):
         assert torch.equal(open_routing(p).indices(), want)
     assert os.listdir(link_dir) == ["r.safetensors"]  # no lock, no temporary beside the link
     assert sorted(os.listdir(real_dir)) == [".r.safetensors.lock", "r.safetensors"]
+    # the one atomic writer (benchmark results, the demo's outputs) follows a link too
+    out, out_link = real_dir / "result.md", link_dir / "result.md"
+    out_link.symlink_to(out)
+    _atomic.atomic_write(out_link, "first")
+    _atomic.atomic_write(out_link, "second")
+    assert out_link.is_symlink() and out.read_text() == "second"
 
 
 def _append_through(path, seed, n):

@@ -371,7 +371,7 @@ def write_routing(path, indices: torch.Tensor, meta: RecordMeta, *, cu_seqlens=N
     """Write [N, L, K] routing (-1 = empty) with its sequence boundaries, atomically,
     replacing any existing file. `encoding="codec"` (default) stores the ids as one
     `codec` blob (exact, order kept; zstd `level`); `"raw"` stores them uncompressed in the
-    smallest integer type, readable as zero-copy views of the memory map. Writers and
+    smallest integer type, read back as views of the bytes read (no decoding). Writers and
     appenders of one path take the same lock (`_locked`), so a write is never lost to an
     append that read the file before it. A symbolic link is followed (the file it points
     to is replaced, the link stays); anything at the path but a regular file is refused."""
