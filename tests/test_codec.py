@@ -210,6 +210,29 @@ def test_few_rows_transform_to_the_same_bytes_as_many(version):
             codec.lehmer_digits(np.concatenate([ok, np.zeros(small, np.uint64)]), K)[:len(ok)])
 
 
+def test_set_rows_out_of_canonical_order_are_found_for_every_k():
+    """The check of a "set" chunk's canonical order (one flat comparison, the bytes across
+    rows masked out as words) finds exactly the rows an independent row-by-row comparison
+    finds, for every K (periods of one word or several), both id widths, any row count."""
+    rng = np.random.default_rng(46)
+    ch = codec.ChunkInfo(60, 0, (1,), False, 1, 0, 1, 1, 112, 0, 0, 0, 0, 0)
+    for K in list(range(1, 26)) + [40, 256]:
+        for trial in range(12):
+            n = int(rng.integers(1, 300))
+            dt = np.uint8 if trial % 2 else np.uint16
+            ids = np.sort(rng.integers(0, 6 if trial % 3 else 300, size=(n, 1, K)),
+                          axis=-1).astype(dt)
+            if trial % 4 and K > 1:
+                r = int(rng.integers(n))
+                ids[r, 0] = rng.permutation(ids[r, 0])
+            bad = [t for t in range(n) if np.any(np.diff(ids[t, 0].astype(int)) < 0)]
+            if bad:
+                with pytest.raises(CodecError, match=f"holds row {bad[0]} .* out of canonical"):
+                    codec.format._check_set_rows(ch, ids)
+            else:
+                codec.format._check_set_rows(ch, ids)
+
+
 def test_a_decode_that_does_not_cover_its_output_is_refused(monkeypatch):
     """The coverage check behind every decode that fills an output: chunks that do not add
     up to the rows asked for (a bug in finding a sequence's chunks, headers that disagree)
