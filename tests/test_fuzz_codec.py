@@ -360,9 +360,9 @@ def test_memory_and_time_of_decoding_crafted_input(tmp_path):
 # ---------------------------------------------------------------------------- append histories
 def _append_history(rng):
     """A random history of `encode` then `append`s (small shapes, both orders, token ids or
-    not), with empty steps: an encode or append of no sequence (`seq_lens=[]`), sequences of
-    0 tokens, continued turns of 0 tokens. Yields (blob, expected rows per sequence, token
-    ids) after each step."""
+    not), with empty steps: an encode or append of no sequence (`seq_lens=[]`, also as a
+    continued turn), sequences of 0 tokens, continued turns of 0 tokens. Yields (blob,
+    expected rows per sequence, token ids) after each step."""
     E = int(rng.choice([8, 300]))
     L, K = int(rng.integers(1, 4)), int(rng.integers(1, 5))
     order = str(rng.choice(codec.ORDERS))
@@ -380,7 +380,7 @@ def _append_history(rng):
     seqs, toks, blob = [], np.zeros(0, np.int64), None
     for step in range(int(rng.integers(3, 7))):
         ls = lens()
-        cont = step > 0 and bool(seqs) and bool(ls) and bool(rng.integers(2))
+        cont = step > 0 and bool(seqs) and bool(rng.integers(2))  # of nothing, too
         x = rows(sum(ls))
         t = rng.integers(0, 6, size=x.shape[0])
         kw = dict(seq_lens=ls, token_ids=t if with_tok else None,
@@ -391,7 +391,7 @@ def _append_history(rng):
             blob = codec.append(blob, x, continue_last=cont, **kw)
         toks = np.concatenate([toks, t])
         parts = np.split(_expected(x, order), np.cumsum(ls)[:-1]) if ls else []
-        if cont:
+        if cont and parts:
             seqs[-1] = np.concatenate([seqs[-1], parts[0]])
             parts = parts[1:]
         seqs.extend(parts)

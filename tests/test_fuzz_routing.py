@@ -338,6 +338,40 @@ for v in MAXIMAL:
     CAPPED_CASES[f"vllm-rows-{v}"] = _npy_case((v, H, K))
     CAPPED_CASES[f"vllm-layers-{v}"] = _npy_case((6, v, K))
     CAPPED_CASES[f"vllm-k-{v}"] = _npy_case((6, H, v), descr="<u2")
+def _tiny_chunks_record_case():
+    """A codec record file (every checksum right) whose blob is ~300 KB of chunks of no
+    token, the last one's content checksum forged: refused, in bounded memory, each chunk
+    costing a constant (tests/test_fuzz_codec.py bounds the CPU time of such blobs)."""
+    def build():
+        import pathlib
+        import tempfile
+
+        from _codec_forge import reseal, split
+        from replay_ops.router_replay import codec
+
+        d = pathlib.Path(tempfile.mkdtemp(prefix="fuzz-"))
+        b = codec.encode(np.zeros((0, L, K), np.int64), num_experts=E, order="keep")
+        v, head, ext, ch = split(b)
+        n = 300_000 // (codec.CHUNK_HEADER_SIZE + 4)
+        chunks = [ch[0]] * (n - 1) + [split(b)[3][0]]
+        chunks[-1].fields[10] = 99
+        p = d / "tiny.safetensors"
+        m = RecordMeta(num_experts=E, top_k=K, moe_layer_ids=list(MOE_IDS),
+                       num_hidden_layers=H)
+        files._write(p, m, np.zeros(n + 1, np.int64), [], L, codec_blob=reseal(v, head,
+                                                                             ext, chunks))
+
+        def run():
+            try:
+                _read_record(p)
+            finally:
+                p.unlink()
+                d.rmdir()
+        return run
+    return build
+
+
+CAPPED_CASES["record-tiny-chunks"] = _tiny_chunks_record_case()
 CAPPED_CASES["record-absolute-billion"] = _record_case("codec", lambda h: h["__metadata__"].update(
     num_hidden_layers=str(10**9), layer_index="absolute"))
 CAPPED_CASES["sglang-200MiB"] = _sglang_case(200 << 20)

@@ -683,6 +683,39 @@ def test_codec_file_layout_and_sequences(good_codec):
     assert torch.equal(rf.replay_mask(), torch.ones(40, dtype=torch.bool))
 
 
+@pytest.mark.parametrize("more", [False, True])
+def test_sequences_of_a_codec_file_agree_with_its_indices(tmp_path, more):
+    """`sequence(b)` (only that sequence's chunks) equals `indices()` (the whole blob) for
+    every sequence of a codec file whose blob an older writer left an empty chunk in (an
+    append of nothing) before a continued turn: such a file once returned, for the
+    continued sequence, rows its chunks never wrote."""
+    import sys as _sys
+
+    from replay_ops.router_replay import codec
+
+    _sys.path.insert(0, os.path.dirname(__file__))
+    from _codec_forge import empty_chunk, reseal, split
+
+    x = routing(13, seed=57).numpy()
+    b = codec.encode(x[:5], num_experts=8, order="keep", seq_lens=[2, 3])
+    b = codec.append(b, x[5:9], continue_last=True)  # the next turn of sequence 1
+    lens, cu = (2, 7), np.array([0, 2, 9])
+    if more:
+        b = codec.append(b, x[9:], seq_lens=[1, 3])
+        lens, cu = (2, 7, 1, 3), np.array([0, 2, 9, 10, 13])
+    v, head, ext, chunks = split(b)
+    chunks.insert(1, empty_chunk(1))
+    legacy = reseal(v, head, ext, chunks)
+    assert codec.info(legacy).seq_lens == lens
+    p = tmp_path / "legacy.safetensors"
+    _checksummed(p, blob=legacy, cu=cu)
+    rf = open_routing(p, verify=True)
+    for i in range(rf.num_sequences):
+        got = open_routing(p).sequence(i)  # a fresh file: decode_sequence, no cache
+        assert torch.equal(got, rf.indices(int(cu[i]), int(cu[i + 1]))), i
+        assert torch.equal(got.to(torch.int32), torch.from_numpy(x[cu[i]:cu[i + 1]])), i
+
+
 def test_codec_file_corruption_is_refused(good_codec, tmp_path):
     data = good_codec.read_bytes()
     for i in (len(data) - 1, len(data) - 30):

@@ -454,9 +454,9 @@ MUTANTS = [
       "codec: a chunk of few rows costs one numpy call per comparator and digit"),
     M("M210", "replay_ops/router_replay/codec/transform.py",
       "                      np.triu(np.ones((k, k), bool), 1))",
-      "                      np.triu(np.ones((k, k), bool), 0))",
+      "                      np.tril(np.ones((k, k), bool), -1))",
       ("tests/test_codec.py", "-k", "few_rows"),
-      "codec: the few-row Lehmer code counts a slot against itself"),
+      "codec: the few-row Lehmer code counts the slots before each one, not after"),
     M("M211", "replay_ops/router_replay/files.py",
       "        if not stat.S_ISREG(st.st_mode):\n            os.close(fd)",
       "        if False:\n            os.close(fd)",
@@ -552,6 +552,11 @@ MUTANTS = [
       "        if not isinstance(i, (int, float)) or i < 0:",
       ("tests/test_untrusted_routing.py", "-k", "openai"),
       "SGLang OpenAI form: a choice index that is not an integer accepted"),
+    M("M230", "replay_ops/router_replay/codec/__init__.py",
+      "    continue_last = bool(continue_last) and len(lens) > 0",
+      "    continue_last = bool(continue_last)",
+      ("tests/test_fuzz_codec.py", "-k", "empty_steps"),
+      "codec: a continued append of no sequence miscounts the blob's sequences"),
 ]
 
 

@@ -162,9 +162,9 @@ def openai_meta_infos(response: Mapping, *, allow_missing: bool = False,
     """A `/v1/completions` or `/v1/chat/completions` response -> one meta_info-like dict per
     choice (in `index` order: each choice must carry a distinct non-negative integer
     `index`, else RoutingMismatchError names it) holding `routed_experts` (and
-    `routed_experts_dtype` when sent). SGLang 0.5.23 puts one payload in the response's `sglext.routed_experts`: the
-    routing of its first result, choice 0 (a choice's own `sglext`, if a version sends one,
-    is taken for that choice). A choice without a payload is refused, naming it, unless
+    `routed_experts_dtype` when sent). SGLang 0.5.23 puts one payload in the response's
+    `sglext.routed_experts`: the routing of its first result, choice 0 (a choice's own
+    `sglext`, if a version sends one, is taken for that choice). A choice without a payload is refused, naming it, unless
     `allow_missing` (it is then None, and `sglang_sequences(..., allow_missing=True)` runs
     it with native top-k)."""
     if not isinstance(response, Mapping) or not isinstance(response.get("choices"), list):

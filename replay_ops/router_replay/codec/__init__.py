@@ -112,7 +112,8 @@ def append(blob: bytes, routing, *, token_ids=None, seq_lens=None, continue_last
            max_tokens: int | None = None, max_bytes: int | None = None) -> bytes:
     """A new blob: `blob` followed by more routing with the blob's mode and shape. New
     sequences by default; with `continue_last=True` the first of them continues the blob's
-    last sequence (the next turn of a conversation: its new rows only). The existing chunks
+    last sequence (the next turn of a conversation: its new rows only). An append of no
+    sequence (`seq_lens=[]`) adds no chunk and changes no count. The existing chunks
     are verified (headers and payload checksums) and copied unchanged; a format-3 blob's
     header is rewritten (chunk, sequence and token counts, the chain's end), and the new
     chunks continue its chain. A blob of an older format is extended in that format (its
@@ -139,6 +140,8 @@ def append(blob: bytes, routing, *, token_ids=None, seq_lens=None, continue_last
     lens = _seq_lens(seq_lens, T)
     if continue_last and info_.num_sequences == 0:
         raise CodecError("append: continue_last=True but the blob holds no sequence")
+    # no sequence to add (seq_lens=[]): no chunk, and nothing continues
+    continue_last = bool(continue_last) and len(lens) > 0
     first = info_.num_sequences - 1 if continue_last else info_.num_sequences
     fmt = info_.format
     parts = _chunks_bytes(HostRows(canon, info_.num_experts), tok, info_.order,
