@@ -547,18 +547,22 @@ def _check_content(ch: ChunkInfo, rows: Canonical, path: str = "") -> None:
 
 
 _ROW_MASKS: dict[int, np.ndarray] = {}
+# the comparisons of a "set" chunk's ids are made this many bytes at a time, in a buffer
+# each thread keeps (a fresh buffer of a chunk's size costs its page faults every decode:
+# bench/results/codec_hardening_cb007ad_cpu_2core.md)
+_COMPARE_BYTES = 1 << 18
 
 
 def _row_mask(K: int) -> np.ndarray:
     """For rows of K ids (cached): little-endian u64 words whose bytes are 0xFF where a
     comparison of neighbours in the flat ids stays inside a row and 0 where it crosses
-    into the next row; one word when 8 bytes hold whole rows, else 512 periods of
-    lcm(K, 8) bytes (a long inner loop for numpy)."""
+    into the next row; one word when 8 bytes hold whole rows, else whole periods of
+    lcm(K, 8) bytes, about 32 KB of them (a long inner loop for numpy)."""
     if K not in _ROW_MASKS:
         period = K * 8 // math.gcd(K, 8)
         b = np.full(period, 0xFF, np.uint8)
         b[K - 1::K] = 0
-        _ROW_MASKS[K] = (b if period == 8 else np.tile(b, 512)).view("<u8")
+        _ROW_MASKS[K] = (b if period == 8 else np.tile(b, max(1, 32768 // period))).view("<u8")
     return _ROW_MASKS[K]
 
 
@@ -571,22 +575,29 @@ def _check_set_rows(ch: ChunkInfo, ids: np.ndarray) -> None:
     K = ids.shape[-1]
     if K < 2 or ids.size == 0:
         return
-    # one comparison of each id with the next over the flat ids, one byte each; the
-    # bytes that compare across two rows are masked out, the rest OR-reduced as words
-    # (about a tenth of the decode of a chunk: bench/results/codec_hardening_*)
+    # each id compared with the next over the flat ids (one byte per comparison), a block
+    # at a time; the bytes that compare across two rows are masked out, the rest
+    # OR-reduced as words
     flat = ids.reshape(-1)
     n, mask = flat.size, _row_mask(K)
-    step = mask.size * 8
-    down = np.empty(-(-n // step) * step, np.uint8)
-    np.less(flat[1:], flat[:-1], out=down[:n - 1].view(bool))
-    down[n - 1:] = 0
-    words = down.view("<u8")
+    step = mask.size * 8  # bytes: whole rows, whole masks
+    block = max(step, _COMPARE_BYTES // step * step)
+    buf = getattr(_tls, "compare", None)
+    if buf is None or buf.size < block:
+        buf = _tls.compare = np.empty(block, np.uint8)
+    bad = 0
+    for i in range(0, n - 1, block):
+        m = min(block, n - 1 - i)
+        down = buf[:-(-m // step) * step]
+        np.less(flat[i + 1:i + 1 + m], flat[i:i + m], out=down[:m].view(bool))
+        down[m:] = 0
+        words = down.view("<u8")
+        if mask.size > 1:
+            masked = words.reshape(-1, mask.size)
+            np.bitwise_and(masked, mask, out=masked)
+        bad |= int(np.bitwise_or.reduce(words))
     if mask.size == 1:
-        bad = int(np.bitwise_or.reduce(words)) & int(mask[0])
-    else:
-        blocks = words.reshape(-1, mask.size)
-        np.bitwise_and(blocks, mask, out=blocks)
-        bad = int(np.bitwise_or.reduce(words))
+        bad &= int(mask[0])
     if bad:
         rows = ids.reshape(-1, K)
         r = int(np.flatnonzero((rows[:, 1:] < rows[:, :-1]).any(axis=1))[0])
