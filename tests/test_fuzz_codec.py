@@ -534,8 +534,9 @@ def test_empty_chunks_are_checked_on_every_path():
         assert [g.shape for g in got.values()] == [(0, 2, 3)] * 2, got
         v, head, ext, ch = split(blob)
         ch[0].fields[10] = 7  # the content checksum
-        assert _decode_all_paths(reseal(v, head, ext, ch)) == {"numpy": "error",
-                                                               "triton": "error"}
+        got = _decode_all_paths(reseal(v, head, ext, ch))
+        assert [type(g).__name__ if not isinstance(g, str) else g for g in got.values()] \
+            == ["error", "error"], (order, got)
 
 
 # ---------------------------------------------------------------------------- many tiny chunks
