@@ -17,13 +17,15 @@ against the formats peers ship routing in, on the dev routing corpus (bench/data
 
 Writes bench/results/codec_<machine>.md and .json (atomically).
 
-    python bench/bench_codec.py --hardening [--repeats 9]
+    python bench/bench_codec.py --hardening [--baseline REF] [--repeats 9]
 
-* The cost of the format-3 hardening (chunks bound to their blob and position, bounds, zstd
-  frame checks, the one content check): encode and decode throughput of this codec against
-  the codec at 641b54d (format 2), loaded from `git show 641b54d:...` into a temporary
-  folder at run time, in the same process, interleaved call by call. Target: >= 0.90x.
-  Writes bench/results/codec_hardening_<machine>.md and .json.
+* The cost of the hardening: encode and decode throughput of this codec against the codec
+  at a git ref (default 641b54d, format 2: the cost of format 3's chunks bound to their
+  blob and position, bounds, zstd frame checks and the one content check), loaded from
+  `git show REF:...` into a temporary folder at run time (the one-module codec of early
+  refs, or the `codec/` package of later ones), in the same process, interleaved call by
+  call. Target: >= 0.90x on every row. Writes bench/results/codec_hardening_<machine>.md
+  and .json (`codec_hardening_<REF>_<machine>` for another ref).
 """
 from __future__ import annotations
 
@@ -293,16 +295,43 @@ def uniform_sets(T, L, K, E, seed=0):
 BASELINE = "641b54d"
 
 
-def _baseline_codec(tmp: str):
-    """The codec module at BASELINE, from git, imported from a temporary folder."""
-    import importlib.util
+def _git(*args: str) -> str:
     import subprocess
 
-    src = subprocess.run(["git", "show", f"{BASELINE}:replay_ops/router_replay/codec.py"],
-                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    path = Path(tmp) / f"codec_{BASELINE}.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location(f"codec_{BASELINE}", path)
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout
+
+
+def _baseline_codec(tmp: str, ref: str = BASELINE):
+    """The codec at `ref`, from git, imported from a temporary folder: the one module
+    `replay_ops/router_replay/codec.py` of early refs, or the package
+    `replay_ops/router_replay/codec/` of later ones (with the `_bounds.py` it imports from
+    its parent, laid out as a package of its own)."""
+    import importlib.util
+
+    name = "codec_" + "".join(c if c.isalnum() else "_" for c in ref)
+    tree = _git("ls-tree", "--name-only", ref, "replay_ops/router_replay/").split()
+    if "replay_ops/router_replay/codec.py" in tree:
+        path = Path(tmp) / f"{name}.py"
+        path.write_text(_git("show", f"{ref}:replay_ops/router_replay/codec.py"))
+        spec = importlib.util.spec_from_file_location(name, path)
+    else:
+        root = Path(tmp) / name
+        (root / "codec").mkdir(parents=True)
+        (root / "__init__.py").write_text("")
+        for rel in _git("ls-tree", "--name-only", ref,
+                        "replay_ops/router_replay/codec/").split():
+            if rel.endswith(".py"):
+                (root / "codec" / Path(rel).name).write_text(_git("show", f"{ref}:{rel}"))
+        (root / "_bounds.py").write_text(
+            _git("show", f"{ref}:replay_ops/router_replay/_bounds.py"))
+        parent = importlib.util.spec_from_file_location(name, root / "__init__.py",
+                                                        submodule_search_locations=[str(root)])
+        sys.modules[name] = importlib.util.module_from_spec(parent)
+        parent.loader.exec_module(sys.modules[name])
+        spec = importlib.util.spec_from_file_location(
+            f"{name}.codec", root / "codec" / "__init__.py",
+            submodule_search_locations=[str(root / "codec")])
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # its dataclasses look their module up
     spec.loader.exec_module(mod)
@@ -310,15 +339,19 @@ def _baseline_codec(tmp: str):
 
 
 def hardening(args) -> None:
-    """Throughput of this codec against BASELINE's, same data, same process."""
+    """Throughput of this codec against the codec at `args.baseline`, same data, same
+    process."""
     import tempfile
 
+    ref = args.baseline
+    sha = _git("rev-parse", "--short=12", ref).strip()
     d = np.load(DATA)
     tok, lens = d["token_ids"], d["seq_lens"]
     env = env_info("cpu")
     rows, targets = [], []
     with tempfile.TemporaryDirectory(prefix="codec_baseline_") as tmp:
-        old = _baseline_codec(tmp)
+        old = _baseline_codec(tmp, ref)
+        old_version = old.FORMAT_VERSION
         for corpus in ("routing_trained", "routing_random"):
             r = d[corpus]
             n16 = r.size * 2
@@ -345,28 +378,29 @@ def hardening(args) -> None:
                             best[name] = (min(be, te), min(bd, td))
                     assert codec.info(blobs["new"]).version == 3
                     row = {"corpus": corpus, "order": order, "token ids": use_tok,
-                           "bytes 641b54d": len(blobs["old"]), "bytes now": len(blobs["new"])}
+                           f"bytes {ref}": len(blobs["old"]), "bytes now": len(blobs["new"])}
                     for i, what in enumerate(("encode", "decode")):
                         o, n = n16 / best["old"][i] / 1e6, n16 / best["new"][i] / 1e6
-                        row[f"{what} MB/s 641b54d"] = o
+                        row[f"{what} MB/s {ref}"] = o
                         row[f"{what} MB/s now"] = n
-                        row[f"{what} now/641b54d"] = n / o
+                        row[f"{what} now/{ref}"] = n / o
                     rows.append(row)
                     print(row, flush=True)
     for what in ("encode", "decode"):
-        worst = min(r[f"{what} now/641b54d"] for r in rows)
-        geo = float(np.exp(np.mean([np.log(r[f"{what} now/641b54d"]) for r in rows])))
-        targets.append({"target": f"{what} throughput >= 0.90x of 641b54d (every row)",
+        worst = min(r[f"{what} now/{ref}"] for r in rows)
+        geo = float(np.exp(np.mean([np.log(r[f"{what} now/{ref}"]) for r in rows])))
+        targets.append({"target": f"{what} throughput >= 0.90x of {ref} (every row)",
                         "measured": f"worst {worst:.3f}x, geometric mean {geo:.3f}x",
                         "status": "met" if worst >= 0.90 else "missed"})
     cols = list(rows[0])
-    md = [f"# Routing codec hardening cost ({args.out})", "",
+    md = [f"# Routing codec hardening cost against {ref} ({args.out})", "",
           f"Command: `{env['command']}`", "",
           f"Machine: {env['device_name']}; shared with other jobs, noisy. torch "
           f"{env['torch']}; numpy {np.__version__}; zstandard "
           f"{__import__('zstandard').__version__}; git {env['git_sha']}; {env['utc']}", "",
-          f"This codec (format 3) against the codec at {BASELINE} (format 2, loaded from git "
-          "into a temporary folder), in one process, calls interleaved; MB of int16 input "
+          f"This codec (format {codec.FORMAT_VERSION}) against the codec at {ref} ({sha}, "
+          f"format {old_version}, loaded from git into a temporary folder), in one process, "
+          "calls interleaved; MB of int16 input "
           "per CPU-second of one thread (time.thread_time, torch threads 1), best of "
           f"{args.repeats}; level {codec.DEFAULT_LEVEL}, chunk_tokens "
           f"{codec.DEFAULT_CHUNK_TOKENS}; decode into a preallocated int16 tensor. Corpus: "
@@ -376,7 +410,8 @@ def hardening(args) -> None:
     out = ROOT / "bench" / "results"
     write_atomic(out / f"{args.out}.md", "\n".join(md))
     write_atomic(out / f"{args.out}.json", json.dumps(
-        {"env": env, "baseline": BASELINE, "targets": targets, "rows": rows}, indent=1)
+        {"env": env, "baseline": ref, "baseline_sha": sha, "targets": targets, "rows": rows},
+        indent=1)
         + "\n")
     print("\n".join(md))
 
@@ -386,12 +421,15 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="fewer levels and chunk sizes")
     ap.add_argument("--hardening", action="store_true",
-                    help=f"only the cost of the format-3 checks against {BASELINE}")
+                    help="only the cost of the checks against the codec at --baseline")
+    ap.add_argument("--baseline", default=BASELINE,
+                    help=f"the git ref --hardening compares against (default {BASELINE})")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     if args.hardening:
-        args.out = args.out or "codec_hardening_cpu_2core"
+        args.out = args.out or ("codec_hardening_cpu_2core" if args.baseline == BASELINE
+                                else f"codec_hardening_{args.baseline}_cpu_2core")
         return hardening(args)
     args.out = args.out or "codec_cpu_2core"
     d = np.load(DATA)

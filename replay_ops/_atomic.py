@@ -11,7 +11,8 @@ temporary (another host's, or one named without a host by an older writer) untou
 `STALE_SECONDS`. A pid says nothing about a process on another host of a shared
 filesystem, so another host's in-progress write is never removed for it. The new file gets
 the mode a plain `open()` would give it (0666 & ~umask), or the mode of the file it
-replaces.
+replaces. A write through a symbolic link replaces the file the link points to, not the
+link.
 """
 from __future__ import annotations
 
@@ -38,8 +39,10 @@ def _host() -> str:
 @contextlib.contextmanager
 def atomic_target(path) -> Iterator[str]:
     """The path of a temporary file next to `path`; write it inside the block. On leaving
-    the block it is fsynced and renamed over `path`; on an exception it is removed."""
-    path = os.fspath(path)
+    the block it is fsynced and renamed over `path`; on an exception it is removed. A
+    symbolic link at `path` is followed (resolved once): the file it points to is replaced
+    and the link stays a link."""
+    path = os.path.realpath(os.fspath(path))
     d = os.path.dirname(os.path.abspath(path))
     base = os.path.basename(path)
     _remove_stale_temps(d, base)

@@ -93,3 +93,32 @@ def forge_header(blob: bytes, **changes) -> bytes:
             ext[names3.index(k)] = v
     hb = codec.format._BLOB.pack(*head) + (codec.format._BLOB3.pack(*ext) if ext else b"")
     return hb + struct.pack("<I", zlib.crc32(hb)) + blob[codec.header_size(version):]
+
+
+def empty_chunk(width: int, token_hash: int = 0) -> Chunk:
+    """A chunk of no sequence and no token, as older encoders wrote for an append of
+    nothing (`seq_lens=[]`): first_seq is set by `reseal`."""
+    return Chunk([codec.CHUNK_MAGIC, 0, 0, 0, 0, 0, width, 0, 0, token_hash, 0, 0], (), b"")
+
+
+def with_rows(chunk: Chunk, ids: np.ndarray, code: np.ndarray | None = None, *,
+              zstd: bool = True, content_crc: int | None = None) -> Chunk:
+    """`chunk` (of a blob of that shape and order) holding the stored rows a forger chose:
+    `ids` [T, L, K] narrow ids (the sentinel E for an empty slot) in the order given, and
+    for "keep" `code` [T*L, w] the permutation code bytes (format 2 and 3: each code's most
+    significant byte is stored first); token-major, zstd-compressed or raw (raw: `ids` are
+    the stored rows themselves). `content_crc`: the checksum to claim, by default that of
+    (ids, code) as stored, which is what a sender computes. The chunk holds one sequence."""
+    from replay_ops.router_replay.codec import format as fm, transform
+
+    T, L, K = ids.shape
+    w = ids.dtype.itemsize
+    streams = [transform._planes(ids, w)]
+    if code is not None and code.shape[1]:
+        streams.append(transform._planes_bytes(code.reshape(T, L, -1)[..., ::-1]))
+    f = list(chunk.fields)
+    payload = fm._compressor(3).compress(b"".join(streams)) if zstd else (
+        ids.astype(f"<u{w}").tobytes())
+    f[4], f[5], f[7] = (1 if zstd else 0), 0, T
+    f[10] = (fm.Canonical(ids, code).crc() if content_crc is None else content_crc)
+    return Chunk(f, (T,), payload)

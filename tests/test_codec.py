@@ -166,6 +166,96 @@ def test_sort_rows_matches_numpy_sort():
         np.testing.assert_array_equal(srt2, np.sort(x, axis=1))
 
 
+@pytest.mark.parametrize("version", codec.READ_VERSIONS)
+def test_few_rows_transform_to_the_same_bytes_as_many(version):
+    """A chunk of at most `transform._SMALL_ROWS` rows is transformed (and inverted) by a
+    fixed number of vectorised calls instead of one per comparator or digit: the same sorted
+    ids, permutation codes and decoded rows as the per-column path of a large chunk, for
+    every K (ties, empty slots, K above the Lehmer limit), and the same refusal of a code
+    not below K!."""
+    from replay_ops.router_replay.codec import transform
+
+    rng = np.random.default_rng(44)
+    small = transform._SMALL_ROWS
+    fmt = codec.format.as_format(version)
+    for K in list(range(0, 23)) + [40, 257]:
+        E = 300 if K > 200 else 6 if K < 6 else K + 3  # small E: many ties
+        nd = np.uint16 if E > 255 else np.uint8
+        for n in (0, 1, 7, small):
+            x = rng.integers(0, E + 1, size=(n, K)).astype(nd)  # E: the empty sentinel
+            big = np.concatenate([x, np.tile(x[:1] if n else np.zeros((1, K), nd),
+                                             (small + 1, 1))])
+            for order in codec.ORDERS:
+                srt, code = codec.sort_rows(x.copy(), order, E, version)
+                srt_b, code_b = codec.sort_rows(big.copy(), order, E, version)
+                np.testing.assert_array_equal(srt, srt_b[:n])
+                assert srt.dtype == srt_b.dtype
+                if order == "set":
+                    assert code is None and code_b is None
+                    continue
+                np.testing.assert_array_equal(code, code_b[:n])
+                assert code.dtype == code_b.dtype and code.shape[1] == code_b.shape[1]
+                back = transform._unsort_np(srt, code, K, fmt)
+                back_b = transform._unsort_np(srt_b, code_b, K, fmt)
+                np.testing.assert_array_equal(back, x)
+                np.testing.assert_array_equal(back_b[:n], x)
+    for K in (2, 5, 20):  # a code not below K! is refused on both paths
+        bad = np.array([math.factorial(K)], np.uint64)
+        for n in (1, transform._SMALL_ROWS + 1):
+            with pytest.raises(CodecError, match=f"not below {K}!"):
+                codec.lehmer_digits(np.repeat(bad, n), K)
+        ok = np.arange(min(math.factorial(K), 50), dtype=np.uint64)
+        np.testing.assert_array_equal(
+            codec.lehmer_digits(ok, K),
+            codec.lehmer_digits(np.concatenate([ok, np.zeros(small, np.uint64)]), K)[:len(ok)])
+
+
+def test_set_rows_out_of_canonical_order_are_found_for_every_k():
+    """The check of a "set" chunk's canonical order (one flat comparison, the bytes across
+    rows masked out as words) finds exactly the rows an independent row-by-row comparison
+    finds, for every K (periods of one word or several), both id widths, any row count."""
+    rng = np.random.default_rng(46)
+    ch = codec.ChunkInfo(60, 0, (1,), False, 1, 0, 1, 1, 112, 0, 0, 0, 0, 0)
+    for K in list(range(1, 26)) + [40, 256]:
+        for trial in range(12):
+            n = int(rng.integers(1, 300))
+            dt = np.uint8 if trial % 2 else np.uint16
+            ids = np.sort(rng.integers(0, 6 if trial % 3 else 300, size=(n, 1, K)),
+                          axis=-1).astype(dt)
+            if trial % 4 and K > 1:
+                r = int(rng.integers(n))
+                ids[r, 0] = rng.permutation(ids[r, 0])
+            bad = [t for t in range(n) if np.any(np.diff(ids[t, 0].astype(int)) < 0)]
+            if bad:
+                with pytest.raises(CodecError, match=f"holds row {bad[0]} .* out of canonical"):
+                    codec.format._check_set_rows(ch, ids)
+            else:
+                codec.format._check_set_rows(ch, ids)
+
+
+def test_a_decode_that_does_not_cover_its_output_is_refused(monkeypatch):
+    """The coverage check behind every decode that fills an output: chunks that do not add
+    up to the rows asked for (a bug in finding a sequence's chunks, headers that disagree)
+    raise instead of returning rows never written (stale `out=` rows, uninitialised
+    memory)."""
+    import dataclasses
+
+    x = np.random.default_rng(45).integers(-1, 16, size=(12, 2, 3))
+    blob = codec.encode(x, num_experts=16, seq_lens=[3, 5, 4], chunk_tokens=4)
+    assert len(codec.info(blob).chunks) == 3
+    real_chunks, real_info = codec._sequence_chunks, codec.info
+    monkeypatch.setattr(codec, "_sequence_chunks", lambda inf, i: real_chunks(inf, i)[:-1])
+    out = torch.full((5, 2, 3), 77, dtype=torch.int16)
+    with pytest.raises(CodecError, match=r"decode_sequence\(1\): the blob's chunks hold 0 of "
+                                         r"the 5 tokens"):
+        codec.decode_sequence(blob, 1, out=out)
+    monkeypatch.setattr(codec, "_sequence_chunks", real_chunks)
+    monkeypatch.setattr(codec, "info", lambda *a, **k: dataclasses.replace(
+        real_info(*a, **k), chunks=real_info(*a, **k).chunks[:-1]))
+    with pytest.raises(CodecError, match=r"decode: the blob's chunks hold 8 of the 12 tokens"):
+        codec.decode(blob, out=torch.full((12, 2, 3), 77, dtype=torch.int16))
+
+
 def test_input_is_not_modified():
     x = np.random.default_rng(4).integers(0, 128, size=(50, 2, 8)).astype(np.uint8)
     keep = x.copy()

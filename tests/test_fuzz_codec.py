@@ -19,8 +19,9 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
-from _codec_forge import forge_header, reseal, split
+from _codec_forge import empty_chunk, forge_header, reseal, split, with_rows
 from replay_ops.router_replay import codec
 from replay_ops.router_replay.codec import CodecError
 
@@ -354,3 +355,251 @@ def test_memory_and_time_of_decoding_crafted_input(tmp_path):
         assert r["peak"] <= limit, (name, r, limit)
         # time linear in the size: 2 microseconds per input or output byte, + 0.5 s
         assert r["cpu"] <= 0.5 + 2e-6 * (len(blob) + _allowed(blob)), (name, r)
+
+
+# ---------------------------------------------------------------------------- append histories
+def _append_history(rng):
+    """A random history of `encode` then `append`s (small shapes, both orders, token ids or
+    not), with empty steps: an encode or append of no sequence (`seq_lens=[]`, also as a
+    continued turn), sequences of 0 tokens, continued turns of 0 tokens. Yields (blob,
+    expected rows per sequence, token ids) after each step."""
+    E = int(rng.choice([8, 300]))
+    L, K = int(rng.integers(1, 4)), int(rng.integers(1, 5))
+    order = str(rng.choice(codec.ORDERS))
+    with_tok = bool(rng.integers(2))
+
+    def rows(n):
+        return rng.integers(-1, E, size=(n, L, K))
+
+    def lens():
+        kind = int(rng.integers(4))
+        if kind == 0:
+            return []  # no sequence at all
+        return [int(v) for v in rng.integers(0, 5, size=int(rng.integers(1, 4)))]
+
+    seqs, toks, blob = [], np.zeros(0, np.int64), None
+    for step in range(int(rng.integers(3, 7))):
+        ls = lens()
+        cont = step > 0 and bool(seqs) and bool(rng.integers(2))  # of nothing, too
+        x = rows(sum(ls))
+        t = rng.integers(0, 6, size=x.shape[0])
+        kw = dict(seq_lens=ls, token_ids=t if with_tok else None,
+                  chunk_tokens=int(rng.integers(1, 7)))
+        if blob is None:
+            blob = codec.encode(x, num_experts=E, order=order, **kw)
+        else:
+            blob = codec.append(blob, x, continue_last=cont, **kw)
+        toks = np.concatenate([toks, t])
+        parts = np.split(_expected(x, order), np.cumsum(ls)[:-1]) if ls else []
+        if cont and parts:
+            seqs[-1] = np.concatenate([seqs[-1], parts[0]])
+            parts = parts[1:]
+        seqs.extend(parts)
+        yield blob, list(seqs), (toks if with_tok else None)
+
+
+def _check_sequences(blob, seqs, tok, backend="numpy"):
+    """decode, and decode_sequence of every sequence into a tensor full of stale values,
+    give exactly the rows of the history; nothing is left unwritten."""
+    L, K = codec.info(blob).num_layers, codec.info(blob).top_k
+    whole = np.concatenate(seqs) if seqs else np.zeros((0, L, K), np.int64)
+    np.testing.assert_array_equal(codec.decode(blob, token_ids=tok, backend=backend).numpy(),
+                                  whole)
+    assert codec.info(blob).num_sequences == len(seqs)
+    for i, want in enumerate(seqs):
+        out = torch.full(want.shape, 77, dtype=torch.int16)
+        got = codec.decode_sequence(blob, i, token_ids=tok, out=out, backend=backend)
+        np.testing.assert_array_equal(got.numpy(), want, err_msg=f"sequence {i}")
+
+
+def test_appends_with_empty_steps_decode_every_sequence():
+    """Random append histories with empty steps: every sequence decodes alone to exactly
+    its rows (an append of no sequence once wrote a chunk whose first_seq broke the order
+    decode_sequence searches, so a later continued turn decoded from rows never written),
+    and no chunk without a sequence is written."""
+    for seed in range(60):
+        rng = np.random.default_rng(4400 + seed)
+        for blob, seqs, tok in _append_history(rng):
+            assert all(c.seq_lens for c in codec.info(blob).chunks), seed
+            _check_sequences(blob, seqs, tok)
+
+
+def test_empty_chunks_of_older_writers_do_not_move_a_sequence():
+    """Blobs written before that fix may hold chunks of no sequence anywhere (an append of
+    nothing, then a continued turn): they stay readable, and every sequence still decodes
+    to its own rows, on every path."""
+    n_checked = 0
+    for seed in range(40):
+        rng = np.random.default_rng(4500 + seed)
+        for blob, seqs, tok in _append_history(rng):
+            v, head, ext, chunks = split(blob)
+            inf = codec.info(blob)
+            th = codec.format._token_hash(np.zeros(0, np.int64)) if inf.has_token_ids else 0
+            for _ in range(int(rng.integers(1, 4))):
+                at = int(rng.integers(0, len(chunks) + 1))
+                chunks.insert(at, empty_chunk(codec.id_width(inf.num_experts), th))
+            legacy = reseal(v, head, ext, chunks)
+            assert sum(not c.seq_lens for c in codec.info(legacy).chunks) >= 1
+            _check_sequences(legacy, seqs, tok)
+            n_checked += 1
+    assert n_checked > 100
+    # and the Triton path, on the first few
+    rng = np.random.default_rng(4600)
+    for blob, seqs, tok in _append_history(rng):
+        v, head, ext, chunks = split(blob)
+        inf = codec.info(blob)
+        th = codec.format._token_hash(np.zeros(0, np.int64)) if inf.has_token_ids else 0
+        chunks.insert(len(chunks) // 2, empty_chunk(codec.id_width(inf.num_experts), th))
+        _check_sequences(reseal(v, head, ext, chunks), seqs, tok, backend="triton")
+
+
+# ---------------------------------------------------------------------------- forged "set" rows
+def _decode_all_paths(blob):
+    """{backend: the decoded routing, or "error"} for the numpy and Triton paths."""
+    out = {}
+    for backend in ("numpy", "triton"):
+        try:
+            out[backend] = codec.decode(blob, backend=backend).numpy()
+        except CodecError:
+            out[backend] = "error"
+    return out
+
+
+def _forged_rows(rng, order, E, L, K, T):
+    """A one-chunk blob of `order` whose stored rows a forger chose (some sorted, some not,
+    an empty slot anywhere), with every checksum a sender can compute recomputed: the
+    content checksum of the rows as stored, of the rows sorted again, or ("keep") of the
+    canonical form of the routing they decode to.
+    Returns (blob, whether every stored row is canonical)."""
+    from replay_ops.router_replay.codec import format as fm
+
+    x = np.stack([rng.permutation(E)[:K] for _ in range(T * L)]).reshape(T, L, K)
+    x[rng.random(x.shape) < 0.1] = -1
+    blob = codec.encode(x, num_experts=E, order=order, level=3)
+    v, head, ext, ch = split(blob)
+    canon = codec.chunk._canonical(x, E).reshape(T * L, K)
+    srt, code = codec.sort_rows(canon, order, E, v)
+    ids = srt.copy()
+    for r in rng.choice(T * L, min(T * L, int(rng.integers(0, 3))), replace=False):
+        ids[r] = rng.permutation(ids[r])
+    ids = ids.reshape(T, L, K)
+    crc, how = None, int(rng.integers(3))
+    if how == 1:  # the checksum of the rows sorted again
+        crc = fm.Canonical(np.sort(ids, axis=-1), code).crc()
+    elif how == 2 and order == "keep":  # that of the routing the rows and codes decode to
+        back = codec.transform._unsort_np(ids.reshape(T * L, K), code, K, fm.as_format(v))
+        crc = fm.Canonical(*codec.sort_rows(back, "keep", E, v)).crc()
+    zstd = order == "keep" or bool(rng.integers(2))
+    forged = with_rows(ch[0], ids, code, zstd=zstd, content_crc=crc)
+    canonical = bool(np.all(np.diff(ids.astype(np.int64), axis=-1) >= 0))
+    return reseal(v, head, ext, [forged]), canonical
+
+
+@pytest.mark.parametrize("order", codec.ORDERS)
+def test_forged_rows_decode_alike_on_every_path(order):
+    """Stored rows out of canonical order (unsorted, an empty slot in the middle) with
+    recomputed checksums: every decode path gives the same routing or the same refusal. A
+    "set" row is refused unless it is canonical (its ids ascending, empty slots last): the
+    numpy path once returned such rows as they were while the Triton path refused them."""
+    rng = np.random.default_rng(4700 + len(order))
+    seen = {"ok": 0, "error": 0}
+    for i in range(16):
+        E, L, K, T = int(rng.choice([8, 40, 300])), int(rng.integers(1, 3)), \
+            int(rng.integers(2, 6)), int(rng.integers(1, 5))
+        blob, canonical = _forged_rows(rng, order, E, L, K, T)
+        got = _decode_all_paths(blob)
+        a, b = got["numpy"], got["triton"]
+        if isinstance(a, str) or isinstance(b, str):
+            assert isinstance(a, str) and isinstance(b, str), (i, got)
+            seen["error"] += 1
+        else:
+            np.testing.assert_array_equal(a, b)
+            seen["ok"] += 1
+            if order == "set":
+                assert canonical, (i, a)
+                np.testing.assert_array_equal(a, _expected(a.astype(np.int64), "set"))
+        if order == "set" and not canonical:
+            assert a == "error", (i, a)
+    assert seen["ok"] and seen["error"], seen
+
+
+def test_empty_chunks_are_checked_on_every_path():
+    """A chunk of no token whose content checksum is not that of nothing is refused on every
+    decode path (the Triton path once skipped such a chunk unchecked, and so returned what
+    the numpy path refused)."""
+    for order in codec.ORDERS:
+        blob = codec.encode(np.zeros((0, 2, 3), np.int64), num_experts=8, order=order,
+                            seq_lens=[0])
+        got = _decode_all_paths(blob)
+        assert [g.shape for g in got.values()] == [(0, 2, 3)] * 2, got
+        v, head, ext, ch = split(blob)
+        ch[0].fields[10] = 7  # the content checksum
+        got = _decode_all_paths(reseal(v, head, ext, ch))
+        assert [type(g).__name__ if not isinstance(g, str) else g for g in got.values()] \
+            == ["error", "error"], (order, got)
+
+
+# ---------------------------------------------------------------------------- many tiny chunks
+def _tiny_chunks(kind: str, nbytes: int = 250_000) -> bytes:
+    """Blobs of many tiny chunks, about `nbytes` long: chunks of no token (each a header and
+    one sequence length, K = 20, the largest Lehmer code: every row transform costs the
+    most numpy calls there), as format 3 and format 1, with a right or a forged content
+    checksum; and valid blobs of one-token chunks."""
+    if kind.startswith("one_token"):
+        order = "set" if "set" in kind else "keep"
+        L, K = (1, 20) if order == "keep" else (2, 8)
+        per = codec.CHUNK_HEADER_SIZE + 4 + L * K
+        n = nbytes // per
+        x = np.random.default_rng(48).integers(-1, 32, size=(n, L, K))
+        x = _expected(x, "set") if order == "set" else np.stack(
+            [np.random.default_rng(t).permutation(32)[:K] for t in range(n * L)]).reshape(n, L, K)
+        return codec.encode(x, num_experts=32, order=order, seq_lens=[1] * n, chunk_tokens=1)
+    base = codec.encode(np.zeros((0, 1, 20), np.int64), num_experts=32, order="keep")
+    v, head, ext, ch = split(base)
+    one = ch[0]
+    if "badcrc" in kind:
+        one.fields[10] = 12345
+    n = nbytes // (codec.CHUNK_HEADER_SIZE + 4)
+    if kind.endswith("v1"):
+        head = list(head)
+        head[1] = 1
+        return reseal(1, head, None, [one] * n)
+    return reseal(v, head, ext, [one] * n)
+
+
+TINY = ["empty_K20", "empty_K20_v1", "empty_K20_badcrc", "one_token_keep_K20",
+        "one_token_set"]
+
+
+def test_many_tiny_chunks_cost_time_in_proportion_to_their_bytes(tmp_path):
+    """A blob of many tiny chunks (each a 56-byte header and length, or a token) decodes, or
+    is refused, in CPU time linear in its bytes (the bound of the crafted inputs above:
+    2 microseconds per input or output byte, + 0.5 s) and memory within MEM_CONST: each
+    chunk once cost a fixed 0.5-1 ms (one numpy call per comparator and Lehmer digit), so
+    250 KB of empty chunks took several seconds."""
+    inputs = {k: _tiny_chunks(k) for k in TINY}
+    rows = _child([(b, MEM_FACTOR * _allowed(b) + MEM_CONST) for b in inputs.values()],
+                  tmp_path)
+    for (name, blob), r in zip(inputs.items(), rows):
+        assert len(codec.info(blob).chunks) > 3000
+        want = "CodecError" if "badcrc" in name else "ok"
+        assert r["outcome"].startswith(want), (name, r)
+        assert r["peak"] <= MEM_FACTOR * _allowed(blob) + MEM_CONST, (name, r)
+        assert r["cpu"] <= 0.5 + 2e-6 * (len(blob) + _allowed(blob)), (name, r)
+
+
+def test_chunk_and_sequence_counts_are_bounded_by_the_bytes():
+    """A format-3 header counting more chunks (or sequences) than its bytes can hold is
+    refused before any chunk is read; a blob of the most chunks its bytes allow parses,
+    and decode_sequence of its last sequence costs time linear in the blob."""
+    blob = _tiny_chunks("empty_K20", 100_000)
+    n = codec.info(blob).num_sequences
+    room = len(blob) - codec.BLOB_HEADER_SIZE
+    for field, v in (("num_chunks", room // codec.CHUNK_HEADER_SIZE + 1),
+                     ("num_seqs", room // 4 + 1), ("num_chunks", 2**32 - 1)):
+        with pytest.raises(CodecError, match=r"offset 44: truncated or corrupt: the blob "
+                                             r"header counts"):
+            codec.info(forge_header(blob, **{field: v}))
+    t0 = time.process_time()
+    assert codec.decode_sequence(blob, n - 1).shape == (0, 1, 20)
+    assert time.process_time() - t0 < 0.5 + 2e-6 * len(blob)

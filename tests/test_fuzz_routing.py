@@ -338,6 +338,40 @@ for v in MAXIMAL:
     CAPPED_CASES[f"vllm-rows-{v}"] = _npy_case((v, H, K))
     CAPPED_CASES[f"vllm-layers-{v}"] = _npy_case((6, v, K))
     CAPPED_CASES[f"vllm-k-{v}"] = _npy_case((6, H, v), descr="<u2")
+def _tiny_chunks_record_case():
+    """A codec record file (every checksum right) whose blob is ~300 KB of chunks of no
+    token, the last one's content checksum forged: refused, in bounded memory, each chunk
+    costing a constant (tests/test_fuzz_codec.py bounds the CPU time of such blobs)."""
+    def build():
+        import pathlib
+        import tempfile
+
+        from _codec_forge import reseal, split
+        from replay_ops.router_replay import codec
+
+        d = pathlib.Path(tempfile.mkdtemp(prefix="fuzz-"))
+        b = codec.encode(np.zeros((0, L, K), np.int64), num_experts=E, order="keep")
+        v, head, ext, ch = split(b)
+        n = 300_000 // (codec.CHUNK_HEADER_SIZE + 4)
+        chunks = [ch[0]] * (n - 1) + [split(b)[3][0]]
+        chunks[-1].fields[10] = 99
+        p = d / "tiny.safetensors"
+        m = RecordMeta(num_experts=E, top_k=K, moe_layer_ids=list(MOE_IDS),
+                       num_hidden_layers=H)
+        files._write(p, m, np.zeros(n + 1, np.int64), [], L, codec_blob=reseal(v, head,
+                                                                             ext, chunks))
+
+        def run():
+            try:
+                _read_record(p)
+            finally:
+                p.unlink()
+                d.rmdir()
+        return run
+    return build
+
+
+CAPPED_CASES["record-tiny-chunks"] = _tiny_chunks_record_case()
 CAPPED_CASES["record-absolute-billion"] = _record_case("codec", lambda h: h["__metadata__"].update(
     num_hidden_layers=str(10**9), layer_index="absolute"))
 CAPPED_CASES["sglang-200MiB"] = _sglang_case(200 << 20)
@@ -374,3 +408,124 @@ def test_crafted_maximal_sizes_are_refused_in_bounded_memory(capped):
            or not r["peak_mib"] < 32}
     assert set(capped) == set(CAPPED_CASES)
     assert not bad, json.dumps(bad, indent=1)[:4000]
+
+
+# ------------------------------------------------------------------ masks versus empty rows
+def _holey(rng, n: int) -> np.ndarray:
+    """[n, L, K] routing with holes: tokens with no route at all (every slot -1), tokens
+    with one MoE layer empty (every slot -1 there), tokens with one empty slot (still
+    routed in that layer)."""
+    r = routing(n, int(rng.integers(1 << 30))).numpy().astype(np.int32)
+    for t in range(n):
+        u = rng.random()
+        if u < 0.15:
+            r[t] = -1
+        elif u < 0.25:
+            r[t, rng.integers(L)] = -1
+        elif u < 0.4:
+            r[t, rng.integers(L), rng.integers(K)] = -1
+    return r
+
+
+def _rows_status(r: np.ndarray) -> list[str]:
+    """Per token, independently of the package: "routed" (an expert in every layer),
+    "none" (no slot holds an expert) or "partial"."""
+    out = []
+    for t in range(r.shape[0]):
+        layers = [any(v >= 0 for v in r[t, j]) for j in range(r.shape[1])]
+        out.append("routed" if all(layers) else "none" if not any(layers) else "partial")
+    return out
+
+
+def test_fuzz_engine_rows_with_empty_layers():
+    """vLLM and SGLang payloads (one turn, or two) with holes: a token routed in every MoE
+    layer is replayed, one with no route at all is not (replay_mask False, native top-k),
+    and a token empty in some MoE layers but routed in others is refused (it was marked
+    for replay: its MoE output in those layers was 0)."""
+    from replay_ops.router_replay.adapters import (MultiTurnRouting, encode_sglang,
+                                                    encode_vllm)
+
+    rng = np.random.default_rng(SEED + 44)
+    counts = {"refused": 0, "ok": 0}
+    for case in range(60):
+        n = int(rng.integers(1, 9))
+        r = _holey(rng, n)
+        status = _rows_status(r)
+        calls = {
+            "vllm": lambda: vllm_sequences([encode_vllm(r.astype(np.int16))], [1], [n],
+                                           LAYOUT)[0],
+            "sglang": lambda: sglang_sequences([{"routed_experts": encode_sglang(r)}],
+                                               [n + 1], LAYOUT, num_layers=L)[0],
+        }
+        cut = int(rng.integers(0, n + 1))
+
+        def two_turns():
+            acc = MultiTurnRouting(LAYOUT)
+            acc.add_turn(r[:cut], cut + 1)
+            acc.add_turn(r[cut:], n + 1, cut)
+            return acc.sequence(n + 1)
+
+        calls["turns"] = two_turns
+        for name, call in calls.items():
+            got, value = _outcome(call, RoutingMismatchError)
+            if "partial" in status:
+                first = status.index("partial")
+                assert got == "refused" and f"token {first} has no route" in value, \
+                    (case, name, status, value)
+                counts["refused"] += 1
+                continue
+            assert got == "ok", (case, name, value)
+            assert value.mask.tolist() == [s == "routed" for s in status] + [False], \
+                (case, name, status)
+            assert torch.equal(value.indices[:-1], torch.from_numpy(r.astype(np.int16)))
+            counts["ok"] += 1
+    assert counts["refused"] > 20 and counts["ok"] > 20, counts
+
+
+def _with_mask(data: bytes, mask: np.ndarray) -> bytes:
+    """ReplayBatch bytes with another mask, its checksum recomputed (as a sender can)."""
+    import zlib
+
+    nh, nb = struct.unpack_from("<QQ", data, 12)
+    bits = np.packbits(mask.astype(bool)).tobytes()
+    assert len(bits) == nb
+    body = data[12:28 + nh] + bits
+    return b"RRBATCH1" + struct.pack("<I", zlib.crc32(body)) + body + data[28 + nh + nb:]
+
+
+def test_fuzz_masks_versus_empty_rows():
+    """Routing with holes under random masks, as ReplayBatch bytes (the mask's checksum
+    recomputed) and as RouterReplay.set_routing with an explicit mask: refused exactly when
+    a token marked for replay has a MoE layer with no route; otherwise taken as given."""
+    from replay_ops.router_replay import RouterReplay, RouterReplayConfig
+    from replay_ops.router_replay.replay import RouterReplayError
+
+    rng = np.random.default_rng(SEED + 45)
+    rr = RouterReplay(RouterReplayConfig(mode="R3"), shape=LAYOUT)
+    counts = {"refused": 0, "ok": 0}
+    for case in range(80):
+        n = int(rng.integers(1, 10))
+        r = _holey(rng, n)
+        status = _rows_status(r)
+        mask = rng.random(n) < 0.6
+        bad = [t for t in range(n) if mask[t] and status[t] != "routed"]
+        idx = torch.from_numpy(r.astype(np.int16))
+        data = _with_mask(ReplayBatch(idx, torch.zeros(n, dtype=torch.bool)).to_bytes(
+            num_experts=E), mask)
+        got, value = _outcome(lambda: ReplayBatch.from_bytes(data), RoutingMismatchError)
+        got2, value2 = _outcome(lambda: rr.set_routing(idx, torch.from_numpy(mask)),
+                                RouterReplayError)
+        got3, _ = _outcome(lambda: ReplayBatch(idx, torch.from_numpy(mask)).to_bytes(
+            num_experts=E), RoutingMismatchError)
+        if bad:
+            assert got == got2 == got3 == "refused", (case, status, mask)
+            assert f"token {bad[0]} is marked for replay" in value
+            assert f"token {bad[0]} is marked for replay" in value2
+            counts["refused"] += 1
+        else:
+            assert got == got2 == got3 == "ok", (case, value, value2)
+            assert torch.equal(value.indices, idx) and value.replay_mask.tolist() == \
+                mask.tolist()
+            assert torch.equal(rr.replay_mask, torch.from_numpy(mask))
+            counts["ok"] += 1
+    assert counts["refused"] > 20 and counts["ok"] > 10, counts

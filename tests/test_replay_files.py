@@ -108,14 +108,19 @@ def test_readable_by_safetensors_and_documented_layout(tmp_path):
     assert md["header_checksum"] == "sha256:" + hashlib.sha256(canon).hexdigest()
 
 
-def test_int16_read_is_a_view_of_the_memory_map(tmp_path):
+@pytest.mark.parametrize("mmap", [False, True])
+def test_int16_read_is_a_view_of_the_data_read(tmp_path, mmap):
+    """A raw int16 file's indices view the bytes read (private memory, or with mmap=True
+    the map): no copy."""
     p = tmp_path / "r.safetensors"
     write_routing(p, routing(64, E=300, seed=2), meta(E=300), encoding="raw")
-    rf = open_routing(p)
-    assert isinstance(rf.raw_np, np.memmap)
+    rf = open_routing(p, verify=not mmap, mmap=mmap)
+    assert isinstance(rf.raw_np, np.memmap) == mmap and rf.mapped == mmap
     t = rf.indices(10, 20)
     base_ptr = rf.raw_np.ctypes.data
-    assert t.data_ptr() == base_ptr + 10 * 3 * 2 * 2  # no copy: it points into the map
+    assert t.data_ptr() == base_ptr + 10 * 3 * 2 * 2  # no copy: it points into the data
+    with pytest.raises(ValueError, match="mmap=True .* pass verify=False"):
+        open_routing(p, mmap=True)
 
 
 def test_absolute_layer_index_and_replay_load(tmp_path):
@@ -323,7 +328,7 @@ def test_shape_mismatch_names_file_and_both_values(good):
         rr.load(good)
 
 
-def test_router_replay_load_selects_sequences_and_views_the_map(tmp_path):
+def test_router_replay_load_selects_sequences_and_views_the_data(tmp_path):
     p = tmp_path / "r.safetensors"
     idx = routing(9, E=300, seed=12)
     write_routing(p, idx, meta(E=300), cu_seqlens=[0, 4, 6, 9], encoding="raw")
@@ -332,7 +337,7 @@ def test_router_replay_load_selects_sequences_and_views_the_map(tmp_path):
     rf = rr.load(p, sequences=(1, 3))
     view = rr.routing_for(4)
     assert torch.equal(view.to(torch.int32), idx[4:9, 2])
-    assert view.data_ptr() == rf.raw_np.ctypes.data + (4 * 3 + 2) * 2 * 2  # into the map
+    assert view.data_ptr() == rf.raw_np.ctypes.data + (4 * 3 + 2) * 2 * 2  # into the data
     with pytest.raises(IndexError, match=r"sequences=\(2, 4\) is outside the file's 3 sequences"):
         rr.load(p, sequences=(2, 4))
 
@@ -352,6 +357,100 @@ def test_command_line_info_and_verify(tmp_path, good):
                          timeout=300)
     assert out.returncode == 1 and f"OK   {good}" in out.stdout
     assert "bad.safetensors" in out.stderr and "checksum mismatch" in out.stderr
+
+
+def _checksummed(path, blob: bytes | None = None, raw: np.ndarray | None = None,
+                 cu=(0, 8, 20), E=8):
+    """A record file of `blob` (codec) or `raw` ids written with every checksum right, as a
+    sender who means harm (or a writer with a bug) would: the data is whatever it is."""
+    m = meta(E=E)
+    cu = np.asarray(cu, dtype=np.int64)
+    if blob is not None:
+        files._write(path, m, cu, [], m.num_layers, codec_blob=blob)
+    else:
+        files._write(path, m, cu, [raw], m.num_layers)
+
+
+def test_command_line_decodes_what_it_verifies(tmp_path):
+    """`verify` once said OK for a codec file whose checksums are right but whose data does
+    not decode, and `info` died on it with a traceback; both now decode the whole file and
+    check every route, and end in the package's error with exit status 1 (a FIFO too)."""
+    import sys as _sys
+
+    _sys.path.insert(0, os.path.dirname(__file__))
+    from _codec_forge import reseal, split
+
+    good = tmp_path / "good.safetensors"
+    write_routing(good, routing(20, seed=50), meta(), cu_seqlens=[0, 8, 20])
+    v, head, ext, ch = split(bytes(open_routing(good).raw_np))
+    ch[-1].fields[10] ^= 1  # the content checksum of the last chunk
+    undecodable = tmp_path / "undecodable.safetensors"
+    _checksummed(undecodable, blob=reseal(v, head, ext, ch))
+    out_of_range = tmp_path / "range.safetensors"
+    raw = routing(20, seed=51).numpy().astype(np.uint8)
+    raw[13, 1, 0] = 9  # E = 8
+    _checksummed(out_of_range, raw=raw)
+    repeated = tmp_path / "repeat.safetensors"
+    raw = routing(20, seed=52).numpy().astype(np.uint8)
+    raw[4, 2] = 3
+    _checksummed(repeated, raw=raw)
+    fifo = tmp_path / "routing.fifo"
+    os.mkfifo(fifo)
+    want = {undecodable: "decoded content checksum mismatch",
+            out_of_range: "token 13, layer 2 (slot 0) routes to expert 9, out of range",
+            repeated: "token 4, layer 4 (slot 1) repeats an expert: [3, 3]",
+            fifo: "not a regular file (a FIFO)"}
+    cmd = [sys.executable, "-m", "replay_ops.router_replay"]
+    for command in ("verify", "info"):
+        out = subprocess.run(cmd + [command, str(good)] + [str(p) for p in want],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 1, (command, out.stdout, out.stderr)
+        assert "Traceback" not in out.stderr, out.stderr
+        bad = out.stderr.splitlines()
+        assert len(bad) == len(want), out.stderr
+        for line, (path, msg) in zip(bad, want.items()):
+            assert line.startswith(f"BAD  router replay file '{path}'") and msg in line, \
+                (msg, line)
+            assert str(path) not in out.stdout
+        assert str(good) in out.stdout
+
+
+@pytest.mark.parametrize("first, then", [("codec", "codec"), ("raw", "raw"), ("raw", "codec"),
+                                         ("codec", "raw")])
+def test_append_keeps_the_metadata_keys_it_does_not_own(tmp_path, first, then):
+    """The keys a writer added (`RecordMeta.extra`) are read back (`meta.extra`) and kept by
+    every append, which adds its own over them; the keys the writer owns are its own."""
+    p = tmp_path / "r.safetensors"
+    m = meta()
+    m.extra = {"run": "exp-7", "step": "1", "note": "é ünïcode"}
+    write_routing(p, routing(5, seed=53), m, cu_seqlens=[0, 5], encoding=first)
+    assert open_routing(p).meta.extra == m.extra
+    m2 = meta()
+    m2.extra = {"step": "2", "host": "n1", "num_tokens": "999"}
+    append_routing(p, routing(3, seed=54), m2, encoding=then)
+    rf = open_routing(p)
+    assert rf.meta.extra == {"run": "exp-7", "step": "2", "note": "é ünïcode", "host": "n1"}
+    assert rf.metadata["run"] == "exp-7" and rf.metadata["num_tokens"] == "8"
+    append_routing(p, routing(1, seed=55), meta())  # no extra keys of its own
+    assert open_routing(p).meta.extra == rf.meta.extra
+
+
+def test_a_free_metadata_value_that_is_not_a_string_is_refused(tmp_path):
+    """safetensors metadata maps strings to strings: a header (its checksum recomputed) with
+    another value under a free key is refused naming the key, before an append could carry
+    it on."""
+    p = tmp_path / "r.safetensors"
+    write_routing(p, routing(5, seed=56), meta())
+    data = p.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    header["__metadata__"]["run"] = {"nested": 1}
+    header["__metadata__"]["header_checksum"] = files.header_digest(header)
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-(len(hb) + 8) % 8)
+    p.write_bytes(struct.pack("<Q", len(hb)) + hb + data[8 + n:])
+    with pytest.raises(RoutingFileError, match=r"metadata run is \{'nested': 1\}, not a string"):
+        open_routing(p)
 
 
 def test_written_file_gets_the_umask_mode_not_0600(tmp_path):
@@ -399,15 +498,22 @@ def _which(rf, files_):
     return hits[0]
 
 
-READ_STEPS = ["_read_header", "_check_header", "_check_layout", "_Snapshot.map",
-              "RoutingFile.verify", "RoutingFile.check_consistency"]
+READ_STEPS = ["_read_header", "_check_header", "_check_layout", "_Snapshot.load",
+              "_Snapshot.map", "RoutingFile.verify", "RoutingFile.check_consistency"]
 
 
-@pytest.mark.parametrize("step", READ_STEPS)
-@pytest.mark.parametrize("verify", [True, False])
-def test_a_file_replaced_during_a_read_is_never_mixed_in(tmp_path, monkeypatch, step, verify):
-    """A writer's atomic replace lands between two steps of a read: the read still returns
-    the file it opened, whole and verified, with no false error."""
+# (step, verify, mmap): the data is read by _Snapshot.load, or mapped by _Snapshot.map
+READ_CASES = [(step, verify, mmap) for verify, mmap in [(True, False), (False, False),
+                                                        (False, True)]
+              for step in READ_STEPS if step != ("_Snapshot.load" if mmap else "_Snapshot.map")]
+
+
+@pytest.mark.parametrize("step, verify, mmap", READ_CASES)
+def test_a_file_replaced_during_a_read_is_never_mixed_in(tmp_path, monkeypatch, step, verify,
+                                                         mmap):
+    """A writer's atomic replace lands between two steps of a read (read into memory, or
+    mapped): the read still returns the file it opened, whole and verified, with no false
+    error."""
     files_ = _two_files(tmp_path)
     p = tmp_path / "r.safetensors"
     p.write_bytes(files_["A"][0])
@@ -422,7 +528,7 @@ def test_a_file_replaced_during_a_read_is_never_mixed_in(tmp_path, monkeypatch, 
         return original(*args, **kwargs)
 
     monkeypatch.setattr(owner, name, replace_then)
-    rf = open_routing(p, verify=verify)
+    rf = open_routing(p, verify=verify, mmap=mmap)
     assert _which(rf, files_) == "A"
     rf.verify()
     monkeypatch.setattr(owner, name, original)
@@ -450,7 +556,8 @@ RACING_WRITER = textwrap.dedent(
 
 def test_readers_racing_a_real_writer_process(tmp_path):
     """A separate process replaces the file back and forth as fast as it can; every read in
-    this process, verified or not, returns one whole file, and none fails."""
+    this process, verified or not, read into memory or mapped, returns one whole file, and
+    none fails."""
     files_ = _two_files(tmp_path)
     p = tmp_path / "r.safetensors"
     p.write_bytes(files_["A"][0])
@@ -464,7 +571,8 @@ def test_readers_racing_a_real_writer_process(tmp_path):
     try:
         reads = 0
         while proc.poll() is None and reads < 3000:
-            seen[_which(open_routing(p, verify=reads % 2 == 0), files_)] += 1
+            seen[_which(open_routing(p, verify=reads % 3 == 0, mmap=reads % 3 == 2),
+                        files_)] += 1
             reads += 1
     finally:
         out, _ = proc.communicate(timeout=300)
@@ -573,6 +681,39 @@ def test_codec_file_layout_and_sequences(good_codec):
     assert torch.equal(rf.sequence(1).to(torch.int32), idx[15:40])  # its chunks alone
     assert torch.equal(rf.indices(3, 9).to(torch.int32), idx[3:9])
     assert torch.equal(rf.replay_mask(), torch.ones(40, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("more", [False, True])
+def test_sequences_of_a_codec_file_agree_with_its_indices(tmp_path, more):
+    """`sequence(b)` (only that sequence's chunks) equals `indices()` (the whole blob) for
+    every sequence of a codec file whose blob an older writer left an empty chunk in (an
+    append of nothing) before a continued turn: such a file once returned, for the
+    continued sequence, rows its chunks never wrote."""
+    import sys as _sys
+
+    from replay_ops.router_replay import codec
+
+    _sys.path.insert(0, os.path.dirname(__file__))
+    from _codec_forge import empty_chunk, reseal, split
+
+    x = routing(13, seed=57).numpy()
+    b = codec.encode(x[:5], num_experts=8, order="keep", seq_lens=[2, 3])
+    b = codec.append(b, x[5:9], continue_last=True)  # the next turn of sequence 1
+    lens, cu = (2, 7), np.array([0, 2, 9])
+    if more:
+        b = codec.append(b, x[9:], seq_lens=[1, 3])
+        lens, cu = (2, 7, 1, 3), np.array([0, 2, 9, 10, 13])
+    v, head, ext, chunks = split(b)
+    chunks.insert(1, empty_chunk(1))
+    legacy = reseal(v, head, ext, chunks)
+    assert codec.info(legacy).seq_lens == lens
+    p = tmp_path / "legacy.safetensors"
+    _checksummed(p, blob=legacy, cu=cu)
+    rf = open_routing(p, verify=True)
+    for i in range(rf.num_sequences):
+        got = open_routing(p).sequence(i)  # a fresh file: decode_sequence, no cache
+        assert torch.equal(got, rf.indices(int(cu[i]), int(cu[i + 1]))), i
+        assert torch.equal(got.to(torch.int32), torch.from_numpy(x[cu[i]:cu[i + 1]])), i
 
 
 def test_codec_file_corruption_is_refused(good_codec, tmp_path):

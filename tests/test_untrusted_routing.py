@@ -12,7 +12,10 @@ import multiprocessing as mp
 import os
 import re
 import socket
+import stat
 import struct
+import subprocess
+import sys
 import time
 import zlib
 
@@ -610,3 +613,213 @@ def test_crafted_sizes_cost_bounded_memory(capped_results, name):
     assert r["outcome"] == "raised", r
     assert r["type"] == CAPPED_ERRORS[name.split("-")[0]], r
     assert r["peak_mib"] < 64, r
+
+
+# ------------------------------------------------------------------ files changed in place
+def _pair(tmp_path, encoding: str, E_: int):
+    """Two record files of the same shape, different routing: (path A, B's bytes cut or
+    padded to A's size, A's routing)."""
+    m = RecordMeta(num_experts=E_, top_k=K, moe_layer_ids=list(MOE_IDS), num_hidden_layers=H)
+    a, b = routing(24, seed=60, E=E_), routing(24, seed=61, E=E_)
+    pa, pb = tmp_path / f"a-{encoding}-{E_}", tmp_path / f"b-{encoding}-{E_}"
+    write_routing(pa, a, m, cu_seqlens=[0, 10, 24], encoding=encoding)
+    write_routing(pb, b, m, cu_seqlens=[0, 10, 24], encoding=encoding)
+    size = pa.stat().st_size
+    return pa, pb.read_bytes()[:size].ljust(size, b"\0"), a
+
+
+@pytest.mark.parametrize("encoding", files.ENCODINGS)
+@pytest.mark.parametrize("E_", [E, 300])
+def test_a_file_rewritten_in_place_after_it_was_verified_changes_nothing(tmp_path, encoding,
+                                                                         E_):
+    """`cp` or `rsync --inplace` over a record file after it was opened and verified (or
+    loaded for replay): the routing read is still the routing verified, to the last bit
+    (the data is read once into private memory; a map would show the new bytes)."""
+    from replay_ops.router_replay import RouterReplay, RouterReplayConfig
+
+    pa, other, a = _pair(tmp_path, encoding, E_)
+    rf = open_routing(pa)
+    rr = RouterReplay(RouterReplayConfig(mode="R2"), num_experts=E_, top_k=K,
+                      moe_layer_ids=MOE_IDS, num_hidden_layers=H)
+    rr.load(pa)
+    with open(pa, "r+b") as f:  # in place: the same inode, the same size
+        f.write(other)
+    assert torch.equal(rf.indices(), a)
+    assert torch.equal(rf.sequence(1), a[10:])
+    assert torch.equal(rf.raw().to(torch.int16).masked_fill(rf.raw() == 255, -1)
+                       if E_ <= 255 else rf.raw(), a)
+    rf.verify()  # the copy read is the copy verified
+    for n, lid in enumerate(MOE_IDS):
+        assert torch.equal(rr.routing_for(lid).to(torch.int16), a[:, n])
+
+
+_TRUNCATE_AFTER_LOAD = """
+import os, sys, torch
+from replay_ops.router_replay import RouterReplay, RouterReplayConfig
+from replay_ops.router_replay.files import open_routing
+path = sys.argv[1]
+rr = RouterReplay(RouterReplayConfig(mode="R2"), num_experts=300, top_k=2,
+                  moe_layer_ids=[0, 2, 3], num_hidden_layers=4)
+rr.load(path)
+rf = open_routing(path)
+os.truncate(path, 0)  # another process truncates the file in place
+print(int(rr.routing_for(3).sum()), int(rf.indices().sum()), flush=True)
+"""
+
+
+def test_a_file_truncated_after_it_was_read_is_no_crash(tmp_path):
+    """Truncating a raw int16 record file that was loaded (its rows views, no copy) once
+    killed the reader with SIGBUS at the next touch of the map; now the reader keeps what
+    it read."""
+    pa, _, a = _pair(tmp_path, "raw", 300)
+    r = subprocess.run([sys.executable, "-c", _TRUNCATE_AFTER_LOAD, str(pa)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.split() == [str(int(a[:, 2].sum())), str(int(a.sum()))]
+
+
+@pytest.mark.parametrize("encoding", files.ENCODINGS)
+def test_a_file_truncated_while_being_read_is_refused(tmp_path, monkeypatch, encoding):
+    """The file is truncated in place between the header's checks and the read of its data:
+    a RoutingFileError naming the file, not numpy's or mmap's error (or SIGBUS)."""
+    pa, _, _ = _pair(tmp_path, encoding, 300)
+    original = files._check_layout
+
+    def truncate_then(path, header, data_len):
+        original(path, header, data_len)
+        os.truncate(pa, os.path.getsize(pa) - 7)
+
+    monkeypatch.setattr(files, "_check_layout", truncate_then)
+    with pytest.raises(RoutingFileError, match=r"a-.*truncated while being read: .* of the "
+                                               r"\d+ data bytes"):
+        open_routing(pa)
+
+
+# ------------------------------------------------------------------ not a regular file
+_NOT_REGULAR = """
+import os, sys, torch
+from replay_ops.router_replay import RouterReplay, RouterReplayConfig
+from replay_ops.router_replay.files import (RecordMeta, RoutingFileError, append_routing,
+                                            open_routing, write_routing)
+meta = RecordMeta(num_experts=8, top_k=2, moe_layer_ids=[0, 2, 3], num_hidden_layers=4)
+r = torch.tensor([[[0, 1], [2, 3], [4, 5]]])
+rr = RouterReplay(RouterReplayConfig(mode="R2"), num_experts=8, top_k=2,
+                  moe_layer_ids=[0, 2, 3], num_hidden_layers=4)
+for path in sys.argv[1:]:
+    for name, call in (("open", lambda: open_routing(path)),
+                       ("open-unverified", lambda: open_routing(path, verify=False)),
+                       ("append", lambda: append_routing(path, r, meta)),
+                       ("write", lambda: write_routing(path, r, meta)),
+                       ("load", lambda: rr.load(path))):
+        try:
+            call()
+            print(name, "ACCEPTED", flush=True)
+        except RoutingFileError as e:
+            print(name, e, flush=True)
+"""
+
+
+def test_a_fifo_or_a_directory_is_refused_without_blocking(tmp_path):
+    """A FIFO at a record file's path once blocked open_routing and append_routing forever
+    (opening it waits for a writer); it, and a directory, are refused at once, named, and
+    left as they were."""
+    fifo, folder = tmp_path / "routing.fifo", tmp_path / "routing.dir"
+    os.mkfifo(fifo)
+    folder.mkdir()
+    r = subprocess.run([sys.executable, "-c", _NOT_REGULAR, str(fifo), str(folder)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert len(lines) == 10, r.stdout
+    for line, what in zip(lines, ["a FIFO"] * 5 + ["a directory"] * 5):
+        assert "ACCEPTED" not in line and f"not a regular file ({what})" in line, line
+        assert ("routing.fifo" if what == "a FIFO" else "routing.dir") in line, line
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and folder.is_dir()
+    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+
+
+# ------------------------------------------------------------------ symbolic links
+def test_writes_through_a_symlink_keep_the_link(tmp_path):
+    """Writing or appending through a symbolic link updates the file it points to: the link
+    stays a link (it once became a regular file of its own, and the two names then lost
+    each other's appends); the lock, the temporary and the rename are all beside the target."""
+    real_dir, link_dir = tmp_path / "data", tmp_path / "links"
+    real_dir.mkdir()
+    link_dir.mkdir()
+    real, link = real_dir / "r.safetensors", link_dir / "r.safetensors"
+    link.symlink_to(os.path.relpath(real, link_dir))  # dangling: the first write creates it
+    write_routing(link, routing(3, seed=70), META)
+    append_routing(link, routing(2, seed=71), META)
+    append_routing(real, routing(4, seed=72), META)
+    append_routing(link, routing(1, seed=73), META, encoding="raw")
+    assert link.is_symlink() and real.is_file() and not real.is_symlink()
+    want = torch.cat([routing(3, seed=70), routing(2, seed=71), routing(4, seed=72),
+                      routing(1, seed=73)])
+    for p in (real, link):
+        assert torch.equal(open_routing(p).indices(), want)
+    assert os.listdir(link_dir) == ["r.safetensors"]  # no lock, no temporary beside the link
+    assert sorted(os.listdir(real_dir)) == [".r.safetensors.lock", "r.safetensors"]
+    # the one atomic writer (benchmark results, the demo's outputs) follows a link too
+    out, out_link = real_dir / "result.md", link_dir / "result.md"
+    out_link.symlink_to(out)
+    _atomic.atomic_write(out_link, "first")
+    _atomic.atomic_write(out_link, "second")
+    assert out_link.is_symlink() and out.read_text() == "second"
+
+
+def _append_through(path, seed, n):
+    for j in range(n):
+        append_routing(path, routing(1, seed=1000 * seed + j), META)
+
+
+def test_appenders_through_a_link_and_the_target_lose_nothing(tmp_path):
+    """Two processes append, one through a symbolic link, one through the file's own name:
+    both take the same lock (the resolved path's), so every append is in the file, once."""
+    real = tmp_path / "r.safetensors"
+    link = tmp_path / "alias.safetensors"
+    write_routing(real, routing(1, seed=5), META)
+    link.symlink_to(real.name)
+    ctx = _context()
+    procs = [ctx.Process(target=_append_through, args=(str(p), s, 8))
+             for p, s in ((link, 1), (real, 2))]
+    for q in procs:
+        q.start()
+    for q in procs:
+        q.join(120)
+    assert all(q.exitcode == 0 for q in procs)
+    assert link.is_symlink()
+    got = open_routing(real).indices()
+    want = {tuple(routing(1, seed=1000 * s + j).flatten().tolist()) for s in (1, 2)
+            for j in range(8)}
+    rows = [tuple(got[i].flatten().tolist()) for i in range(1, got.shape[0])]
+    assert got.shape[0] == 17 and set(rows) == want
+
+
+# ------------------------------------------------------------------ OpenAI choice indices
+def _openai(choices, payload):
+    return {"choices": choices, "sglext": {"routed_experts": payload}}
+
+
+@pytest.mark.parametrize("choices, match", [
+    ([{"index": 0}, {"index": 0}], r"choices\[0\] and choices\[1\] both have index 0"),
+    ([{"index": 1}, {"text": ""}], r"choices\[1\] has no 'index'"),
+    ([{"index": 0.0}], r"choices\[0\] has index 0.0; a choice index is a non-negative"),
+    ([{"index": "0"}], r"choices\[0\] has index '0'"),
+    ([{"index": None}], r"choices\[0\] has index None"),
+    ([{"index": True}], r"choices\[0\] has index True"),
+    ([{"index": [0]}], r"choices\[0\] has index \[0\]"),
+    ([{"index": -1}, {"index": 0}], r"choices\[0\] has index -1"),
+    ([{"index": 0}, "text"], r"choices\[1\] is str, not a choice object"),
+])
+def test_openai_choice_indices_are_checked(choices, match):
+    """The OpenAI form matches payloads to choices by their `index`: a missing,
+    non-integer, negative or repeated one is refused naming the choice (a non-integer once
+    raised a bare TypeError, and two choices with index 0 both took choice 0's routing)."""
+    from replay_ops.router_replay.adapters.sglang import openai_meta_infos
+
+    payload = encode_sglang(routing(4).numpy().astype(np.int32))
+    with pytest.raises(RoutingMismatchError, match=match):
+        openai_meta_infos(_openai(choices, payload), allow_missing=True)
+    ok = openai_meta_infos(_openai([{"index": 1}, {"index": np.int64(0)}], payload),
+                           allow_missing=True)
+    assert ok[0] == {"routed_experts": payload} and ok[1] is None

@@ -32,29 +32,39 @@ tensors and string metadata:
       header_checksum "sha256:<hex>" of the header itself: its JSON with sorted keys and no
                       spaces, header_checksum left out (format_version 2 and 3)
 
+Any other metadata key is the writer's own (`RecordMeta.extra`): the reader keeps it (a
+string) in `RoutingFile.meta.extra`, and an append keeps it in the new file.
+
 A "codec" file is read by decoding: `indices()` decodes the whole blob once (then slices
 the cached result), `sequence(i)` decodes only the chunks of sequence i; both verify the
 codec's own checksums of the decoded ids. A "raw" file (`write_routing(...,
-encoding="raw")`) is memory-mapped as before: int16 slices are views of the map.
+encoding="raw")`) is not decoded: int16 slices are views of the bytes read.
 
 Version 1 files (no header_checksum) stay readable: every metadata key the version 1 writer
 wrote must then be present, but a changed value in their header cannot be detected.
 
 Writes go through `replay_ops._atomic` (a temporary file in the same directory, fsynced,
 renamed over the target), so a reader sees the old file or the new one, never a partial
-one; a writer killed mid-write leaves the previous file intact. Appending copies the old
-data into the new temporary file in chunks (the old file is memory-mapped, never loaded
-whole), after verifying the old file's checksums. Writers and appenders of a path hold one
-advisory lock across their read-modify-write, so no returned write is lost to an append.
+one; a writer killed mid-write leaves the previous file intact. The path is resolved once
+(symbolic links followed) and that file is locked, written next to and replaced, so a
+write through a link updates the file it points to and the link stays. Appending reads the
+old file once into memory, verifies that copy's checksums and copies it into the new
+temporary file in chunks. Writers and appenders of a path hold one advisory lock across
+their read-modify-write, so no returned write is lost to an append.
 
 A header is untrusted input: every field is checked (type, range, bounds far beyond any
 real model, sizes against the bytes present) before anything is built from it, and every
 failure is a RoutingFileError naming the field.
 
-Reading opens the file once: the size, the header, the memory maps and the checksum all
-come from that one descriptor, so a writer replacing the file during a read cannot mix two
-files in one result. `open_routing` parses the header, checks sizes and (by default) the
-checksum by streaming over the maps, and returns tensors that view the maps.
+Reading opens the file once, without blocking (a FIFO or any other file that is not a
+regular file is refused, naming it): the size, the header and the data all come from that
+one descriptor, so a writer replacing the file during a read cannot mix two files in one
+result. The data is read once into private memory, and that copy is what the checksum is
+computed over and what every tensor views: a writer that rewrites or truncates the file in
+place afterwards (`cp` over it, `rsync --inplace`) changes nothing that was read, and one
+that truncates it during the read makes the read short, a RoutingFileError. Only
+`open_routing(..., verify=False, mmap=True)` maps the file instead (lazily, for very large
+files): that reader sees such a writer's bytes, and a truncation kills it with SIGBUS.
 """
 from __future__ import annotations
 
@@ -65,6 +75,7 @@ import json
 import math
 import os
 import re
+import stat
 import struct
 from typing import Iterator, Sequence
 
@@ -84,9 +95,13 @@ ENCODINGS = ("codec", "raw")
 V1_KEYS = ("format", "format_version", "num_experts", "top_k", "num_hidden_layers",
            "moe_layer_ids", "layer_index", "model_name", "empty_value", "num_tokens",
            "num_sequences", "checksum")
+# the metadata keys this writer owns (computes on every write); any other key is the
+# writer's own (RecordMeta.extra), read back and kept by appends
+OWNED_KEYS = frozenset(V1_KEYS + ("indices_encoding", "indices_shape", "header_checksum"))
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 UINT8_EMPTY = 255
 _CHUNK_BYTES = 1 << 20  # copy/hash granularity
+_READ_BYTES = 1 << 30  # the most one read asks for
 _chunk_hook = None  # called after each data chunk is written (tests: kill mid-write)
 _DIGEST_PLACEHOLDER = "sha256:" + "0" * 64
 
@@ -357,12 +372,39 @@ def write_routing(path, indices: torch.Tensor, meta: RecordMeta, *, cu_seqlens=N
     """Write [N, L, K] routing (-1 = empty) with its sequence boundaries, atomically,
     replacing any existing file. `encoding="codec"` (default) stores the ids as one
     `codec` blob (exact, order kept; zstd `level`); `"raw"` stores them uncompressed in the
-    smallest integer type, readable as zero-copy views of the memory map. Writers and
+    smallest integer type, read back as views of the bytes read (no decoding). Writers and
     appenders of one path take the same lock (`_locked`), so a write is never lost to an
-    append that read the file before it."""
+    append that read the file before it. A symbolic link is followed (the file it points
+    to is replaced, the link stays); anything at the path but a regular file is refused."""
     _check_encoding(encoding, level)
+    path = _write_target(path)
     with _locked(path):
         _write_routing(path, indices, meta, cu_seqlens, encoding, level)
+
+
+def _write_target(path) -> str:
+    """The file a write or append goes to: `path` with its symbolic links resolved, once,
+    so the lock, the temporary file and the rename all name the same file (a link is not
+    replaced by a regular file, which would part the two names and lose each one's
+    appends to the other). What is there must be a regular file, or nothing."""
+    real = os.path.realpath(os.fspath(path))
+    try:
+        st = os.stat(real)
+    except FileNotFoundError:
+        return real
+    if not stat.S_ISREG(st.st_mode):
+        raise RoutingFileError(real, f"not a regular file ({_file_kind(st.st_mode)}); a record "
+                                     f"file is written over a regular file or none")
+    return real
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return f"file type {stat.S_IFMT(mode):#o}"
 
 
 def _write_routing(path, indices, meta: RecordMeta, cu_seqlens, encoding: str,
@@ -381,12 +423,16 @@ def append_routing(path, indices: torch.Tensor, meta: RecordMeta, *, cu_seqlens=
     """Add a batch of sequences after those already in `path` (created if missing).
     The existing file is verified and must have the same model metadata; it is copied,
     never modified in place, so a crash leaves it as it was. The new file has `encoding`
-    (a codec file appended to stays a codec file: its chunks are copied, not re-encoded)."""
+    (a codec file appended to stays a codec file: its chunks are copied, not re-encoded).
+    The metadata keys the writer does not own (`RecordMeta.extra` of the file) are kept,
+    with `meta.extra` added over them. A symbolic link is followed, as by `write_routing`."""
     _check_encoding(encoding, level)
+    path = _write_target(path)
     with _locked(path):
         if not os.path.exists(path):
             _write_routing(path, indices, meta, cu_seqlens, encoding, level)
             return
+        # read once into memory and verified: the copy written below is the one verified
         old = open_routing(path, verify=True)
         old.check_model(num_experts=meta.num_experts, top_k=meta.top_k,
                         moe_layer_ids=meta.moe_layer_ids,
@@ -395,45 +441,78 @@ def append_routing(path, indices: torch.Tensor, meta: RecordMeta, *, cu_seqlens=
         arr = _encode(indices, meta, path, offset=old.num_tokens)
         cu_new = _check_cu_seqlens(cu_seqlens, arr.shape[0], path)
         cu = np.concatenate([old.cu_seqlens_np, cu_new[1:] + old.num_tokens])
+        out = RecordMeta(shape=old.meta.shape, layer_index=old.meta.layer_index,
+                         model_name=old.meta.model_name,
+                         extra={**old.meta.extra, **meta.extra})
         if encoding == "codec" and old.encoding == "codec":
             from . import codec
 
-            blob = codec.append(bytes(old.raw_np), _signed(arr),
+            blob = codec.append(old.raw_np, _signed(arr),
                                 seq_lens=np.diff(cu_new), level=level,
                                 **old._limits(int(cu[-1])))
-            _write(path, old.meta, cu, [], meta.num_layers, codec_blob=blob)
+            _write(path, out, cu, [], meta.num_layers, codec_blob=blob)
         elif encoding == "codec":
             ids = np.concatenate([old.indices().numpy(), _signed(arr)])
-            _write(path, old.meta, cu, [], meta.num_layers,
+            _write(path, out, cu, [], meta.num_layers,
                    codec_blob=_codec_blob(ids, old.meta, cu, level))
         elif old.encoding == "raw":
-            _write(path, old.meta, cu, [old.raw_np, arr], meta.num_layers)
+            _write(path, out, cu, [old.raw_np, arr], meta.num_layers)
         else:
             dt = index_dtype(meta.num_experts)
             prev = old.indices().numpy()
             if dt == np.uint8:
                 prev = np.where(prev < 0, UINT8_EMPTY, prev).astype(np.uint8)
-            _write(path, old.meta, cu, [prev.astype(dt), arr], meta.num_layers)
+            _write(path, out, cu, [prev.astype(dt), arr], meta.num_layers)
         del old
 
 
 # ---------------------------------------------------------------------------- reading
 class _Snapshot:
     """One open descriptor of a record file. Every step of a read (the size, the header,
-    the maps, the checksum) takes its bytes from it, so a concurrent `os.replace` of the
-    path is invisible: the descriptor keeps the file it opened."""
+    the data, the checksum) takes its bytes from it, so a concurrent `os.replace` of the
+    path is invisible: the descriptor keeps the file it opened. It is opened without
+    blocking and must be a regular file (opening a FIFO would wait for a writer forever;
+    a device or a directory is no record file)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         try:
-            self.file = open(path, "rb", buffering=0)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, "router replay file does not exist",
                                     path) from None
-        self.size = os.fstat(self.file.fileno()).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise RoutingFileError(path, f"not a regular file ({_file_kind(st.st_mode)}); a "
+                                         f"record file is read from a regular file")
+        # O_NONBLOCK has no effect on a regular file's reads
+        self.file = os.fdopen(fd, "rb", buffering=0)
+        self.size = st.st_size
 
     def read(self, offset: int, n: int) -> bytes:
         return os.pread(self.file.fileno(), n, offset)
+
+    def load(self, offset: int, n: int) -> np.ndarray:
+        """Bytes offset:offset+n, read into private memory (uint8 [n]): what the checksum is
+        computed over and what every tensor views, whatever happens to the file later. A
+        file that is shorter now than when it was opened (truncated in place) is an
+        error."""
+        try:
+            buf = np.empty(n, np.uint8)
+        except MemoryError:
+            raise RoutingFileError(self.path, f"the {n} data bytes cannot be read into "
+                                              f"memory") from None
+        view, got = memoryview(buf), 0
+        while got < n:
+            k = os.preadv(self.file.fileno(), [view[got:got + _READ_BYTES]], offset + got)
+            if k == 0:
+                raise RoutingFileError(self.path, f"truncated while being read: {got} of the "
+                                                  f"{n} data bytes it had when opened are "
+                                                  f"there (rewritten or truncated in place by "
+                                                  f"another process?)")
+            got += k
+        return buf
 
     def map(self, offset: int, dtype: np.dtype, shape: tuple) -> np.ndarray:
         # mode "c": a private (copy-on-write) map, so torch gets a writable array and
@@ -587,7 +666,8 @@ def _int_list(path: str, key: str, v, n: int | None, hi: int) -> list[int]:
 def _parse_meta(path: str, md: dict) -> RecordMeta:
     """The model metadata, every field checked (type, range, bounds far beyond any real
     model: at most 32767 experts, MAX_TOP_K, MAX_LAYERS) before anything is built from it;
-    RoutingFileError names the field."""
+    RoutingFileError names the field. The keys the writer does not own are `extra`
+    (strings, as safetensors metadata is)."""
     E = _meta_int(path, md, "num_experts", 1, np.iinfo(np.int16).max)
     K = _meta_int(path, md, "top_k", 1, min(E, MAX_TOP_K))
     H = _meta_int(path, md, "num_hidden_layers", 1, MAX_LAYERS)
@@ -596,19 +676,22 @@ def _parse_meta(path: str, md: dict) -> RecordMeta:
     if layer_index not in ("moe", "absolute"):
         raise RoutingFileError(path, f"corrupt header: metadata layer_index={_short(layer_index)}"
                                      f" is not 'moe' or 'absolute'")
+    extra = {k: _meta_str(path, md, k) for k in md if k not in OWNED_KEYS}
     try:
         return RecordMeta(num_experts=E, top_k=K, moe_layer_ids=ids, num_hidden_layers=H,
-                          layer_index=layer_index, model_name=_meta_str(path, md, "model_name"))
+                          layer_index=layer_index, model_name=_meta_str(path, md, "model_name"),
+                          extra=extra)
     except ValueError as e:
         raise RoutingFileError(path, f"corrupt header metadata: {e}") from None
 
 
 class RoutingFile:
-    """An opened record file. The arrays view memory maps of the file taken from the one
-    descriptor `open_routing` opened; nothing is read until used (except by the checksum
-    verification)."""
+    """An opened record file. The arrays view the file's data as `open_routing` read it,
+    once, into private memory from the one descriptor it opened (with `mmap=True`: a
+    private memory map of that descriptor, read lazily)."""
 
-    def __init__(self, snap: _Snapshot, header: dict, data_start: int) -> None:
+    def __init__(self, snap: _Snapshot, header: dict, data_start: int,
+                 mmap: bool = False) -> None:
         self.path = snap.path
         md = header["__metadata__"]
         self.metadata = dict(md)
@@ -618,10 +701,13 @@ class RoutingFile:
         self.file_size = snap.size
         self._header = header
         self.encoding = _encoding(md)
+        self.mapped = mmap
+        data_name = _CODEC_TENSOR if self.encoding == "codec" else "indices"
+        self._data = None if mmap else snap.load(
+            data_start, header[data_name]["data_offsets"][1])
         self.cu_seqlens_np = self._map(snap, header["cu_seqlens"])
         # the stored data: [N, L, K] ids ("raw"), or the bytes of the codec blob ("codec")
-        self.raw_np = self._map(snap, header[_CODEC_TENSOR if self.encoding == "codec"
-                                             else "indices"])
+        self.raw_np = self._map(snap, header[data_name])
         self._decoded = None
         if self.encoding == "codec":
             shape = _meta_json(self.path, md, "indices_shape")
@@ -645,7 +731,9 @@ class RoutingFile:
         begin, end = info["data_offsets"]
         if end == begin:
             return np.zeros(shape, dtype=dt)
-        return snap.map(self.data_start + begin, dt, shape)
+        if self._data is None:
+            return snap.map(self.data_start + begin, dt, shape)
+        return self._data[begin:end].view(dt).reshape(shape)  # no copy
 
     # -- views
     @property
@@ -661,7 +749,7 @@ class RoutingFile:
         return torch.from_numpy(np.array(self.cu_seqlens_np))
 
     def raw(self) -> torch.Tensor:
-        """The stored indices as a tensor viewing the memory map (uint8 or int16); for a
+        """The stored indices as a tensor viewing the data read (uint8 or int16); for a
         codec file, the decoded indices in the same type, with the same empty value
         (`dtype`, `empty_value`)."""
         if self.encoding == "codec":
@@ -702,8 +790,8 @@ class RoutingFile:
         return self._decoded
 
     def indices(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Tokens start:stop as [n, L, K] int16 with -1 = empty. For int16 files this is a
-        view of the memory map (no copy); uint8 files decode the requested slice."""
+        """Tokens start:stop as [n, L, K] int16 with -1 = empty. For raw int16 files this is
+        a view of the data read (no copy); uint8 files decode the requested slice."""
         stop = self.num_tokens if stop is None else stop
         if not 0 <= start <= stop <= self.num_tokens:
             raise IndexError(f"router replay file {self.path!r}: token range {start}:{stop} is "
@@ -740,8 +828,8 @@ class RoutingFile:
 
     # -- checks
     def verify(self) -> None:
-        """Recompute the sha256 of the data buffer, streaming over the maps (the bytes of
-        the file as it was opened)."""
+        """Recompute the sha256 of the data buffer: the bytes read when the file was opened,
+        which are the bytes every tensor views (with `mmap=True`: the file's bytes now)."""
         stored = self.metadata.get("checksum", "")
         h = hashlib.sha256()
         for arr in (self.cu_seqlens_np, self.raw_np):
@@ -753,6 +841,22 @@ class RoutingFile:
                 self.path, f"checksum mismatch: the header says {stored!r} but the data hashes "
                 f"to {got!r}; the file is corrupt"
             )
+
+    def check_routes(self) -> None:
+        """Decode every token (a codec file: every chunk, each against the checksum of its
+        content) and check every route as `write_routing` does: expert ids in range, no
+        expert twice in a token's layer. RoutingFileError names the token. What
+        `python -m replay_ops.router_replay verify` runs after the checksums."""
+        idx = self.indices()
+        bad = first_bad_route(idx, self.meta.num_experts)
+        if bad is None:
+            return
+        m = self.meta
+        lid = m.shape.layer_ids(m.layer_index)[bad.layer]
+        what = (f"routes to expert {bad.value}, out of range for num_experts={m.num_experts}"
+                if bad.kind == "range" else f"repeats an expert: {bad.row}")
+        raise RoutingFileError(self.path, f"token {bad.token}, layer {lid} (slot {bad.slot}) "
+                                          f"{what}; not a routing this package writes")
 
     def check_consistency(self) -> None:
         """The tensors agree with the metadata: shapes, dtype, sequence boundaries, counts
@@ -829,20 +933,31 @@ class RoutingFile:
                 f"K={m.top_k}, E={m.num_experts}, dtype={self.dtype})")
 
 
-def open_routing(path, *, verify: bool = True) -> RoutingFile:
-    """Open a record file (memory-mapped). Raises FileNotFoundError, or
-    RoutingFileError naming the file and the problem: truncated, corrupt header, header
-    checksum mismatch, not a record file, unsupported format_version, inconsistent shapes,
-    data checksum mismatch (`verify=True` streams over the data once). The whole read comes
-    from one descriptor: a file replaced meanwhile is never mixed into the result."""
+def open_routing(path, *, verify: bool = True, mmap: bool = False) -> RoutingFile:
+    """Open a record file: its data is read once into private memory, and that copy is
+    what is verified and used. Raises FileNotFoundError, or RoutingFileError naming the file
+    and the problem: not a regular file (a FIFO, a device: refused without waiting),
+    truncated (also while being read), corrupt header, header checksum mismatch, not a
+    record file, unsupported format_version, inconsistent shapes, data checksum mismatch
+    (`verify=True`). The whole read comes from one descriptor: a file replaced meanwhile is
+    never mixed into the result, and one rewritten or truncated in place afterwards changes
+    nothing that was read.
+
+    `mmap=True` (with `verify=False` only): map the data lazily instead, for a file too
+    large to read whole. Nothing protects that reader from a process that rewrites the file
+    in place (it sees the new bytes), and a truncation kills it with SIGBUS."""
+    if mmap and verify:
+        raise ValueError("open_routing: mmap=True maps the file lazily, so its checksum could "
+                         "not cover the bytes used later; pass verify=False with it (or read "
+                         "the file into memory, the default)")
     snap = _Snapshot(os.fspath(path))
     try:
         header, data_start = _read_header(snap)
         _check_header(snap.path, header)
         _check_layout(snap.path, header, snap.size - data_start)
-        rf = RoutingFile(snap, header, data_start)
+        rf = RoutingFile(snap, header, data_start, mmap=mmap)
     finally:
-        snap.close()  # the maps keep what they need
+        snap.close()  # the data is read (or the maps keep what they need)
     if verify:
         rf.verify()
     rf.check_consistency()

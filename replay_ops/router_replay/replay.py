@@ -196,7 +196,10 @@ class RouterReplay:
         `replay_mask` [T] bool: False rows fall back to native top-k. When None, tokens
         whose slots are empty (-1) in every MoE layer get False; a token that is empty in
         some MoE layers but not in others is an error. With `config.validate` the values of
-        the replayed rows are checked here, once (expert ids in range, no repeats).
+        the replayed rows are checked here, once (expert ids in range, no repeats), and a
+        row an explicit mask marks True must be routed in every MoE layer (a row with every
+        slot -1 in a MoE layer would get no expert there, a MoE output of 0: one more host
+        read).
         """
         self._set_routing(indices, replay_mask, layer_index, "set_routing")
 
@@ -237,6 +240,8 @@ class RouterReplay:
                 )
             if replay_mask.device != indices.device:
                 replay_mask = replay_mask.to(indices.device)
+            if self.config.validate:
+                self._check_masked_rows(indices, cols, replay_mask, source)
         else:
             replay_mask = self._derive_mask(indices, cols)
         # unsigned routing is always checked: its type cannot hold -1, so a format's
@@ -317,6 +322,22 @@ class RouterReplay:
     def resolve_layer_mapping(self, L: int, layer_index: str = "auto", *, where: str = "") -> str:
         """"moe" or "absolute" for a routing tensor with L layers; raises if L fits neither."""
         return self.shape.mapping_for(L, f"RouterReplay.{where}", layer_index)
+
+    def _check_masked_rows(self, indices: torch.Tensor, cols: dict[int, int],
+                           mask: torch.Tensor, source: str) -> None:
+        """A row marked for replay is routed in every MoE layer: one with every slot -1 in
+        a MoE layer would get no expert there (its MoE output 0) instead of falling back."""
+        sel = torch.tensor(sorted(set(cols.values())), device=indices.device)
+        empty = (indices.index_select(1, sel) < 0).all(dim=2) & mask[:, None]  # [T, L_moe]
+        if not bool(empty.any()):
+            return
+        t = int(empty.any(dim=1).nonzero()[0, 0])
+        layers = [self.moe_layer_ids[j] for j in empty[t].nonzero().flatten().tolist()]
+        raise RouterReplayError(
+            f"RouterReplay.set_routing: token {t} is marked for replay (replay_mask True) but "
+            f"has no route (every slot -1) in MoE layers {layers} (routing from "
+            f"{_describe_source(source)}); replayed, it would get no expert there. Set its "
+            f"replay_mask False (native top-k) or route it in every MoE layer")
 
     def _derive_mask(self, indices: torch.Tensor, cols: dict[int, int]) -> torch.Tensor:
         sel = torch.tensor(sorted(set(cols.values())), device=indices.device)
@@ -621,11 +642,14 @@ class RouterReplay:
         sequences: tuple[int, int] | None = None,
         verify: bool = True,
     ):
-        """Load a record file and set it as the routing to replay. The file is
-        memory-mapped: int16 files are replayed with no copy, uint8 files are decoded
-        (to int16) for the tokens loaded. `sequences=(b0, b1)` loads only sequences
-        b0..b1-1 (tokens cu_seqlens[b0]:cu_seqlens[b1]). The file's model shape is
-        checked against this model. Returns the opened `RoutingFile`."""
+        """Load a record file and set it as the routing to replay. The file is read once
+        into private memory (`files.open_routing`): its checksum is computed over that copy
+        and the routing replayed is that copy, so a process that rewrites or truncates the
+        file in place later changes nothing here. Raw int16 files are replayed as views of
+        it, uint8 and codec files are decoded (to int16) for the tokens loaded.
+        `sequences=(b0, b1)` loads only sequences b0..b1-1 (tokens
+        cu_seqlens[b0]:cu_seqlens[b1]). The file's model shape is checked against this
+        model. Returns the opened `RoutingFile`."""
         from . import files
 
         path = path if path is not None else self.config.replay_file

@@ -6,8 +6,11 @@ multi-turn assembly, and the packing into the training formats (`packing=`):
 * `pack_thd`: packed tokens `[N, L, K]` with `cu_seqlens [B+1]` and `replay_mask [N]`.
 
 Empty slots and padding are -1 (never 0: a zero row would send the token to expert 0), and
-`replay_mask` is False for padding, for the final token of each sequence (it has no route)
-and for requests explicitly allowed to have no routing.
+`replay_mask` is False for padding, for the final token of each sequence (it has no route),
+for requests explicitly allowed to have no routing, and for a token the engine returned no
+route for (every slot -1). A token marked for replay is routed in every MoE layer: one with
+no route (every slot -1) in some MoE layers but not in others is refused, since replaying
+it would give it no expert (a MoE output of 0) in those layers.
 """
 from __future__ import annotations
 
@@ -70,6 +73,44 @@ def to_moe(model_shape: ModelShape, routing: torch.Tensor, who: str,
             f"{who}: {describe_bad_route(bad, model_shape.num_experts, model_shape.moe_layer_ids)}"
             f"{unsigned_note(dtype, bad.value)}")
     return routing.to(INDEX_DTYPE), mapping
+
+
+def first_unrouted(routing: torch.Tensor, mask: torch.Tensor | None = None):
+    """The first token of `routing` [n, L, K] (where `mask` [n] is True, if given) that has
+    no route in some layer column: (token, [its columns with every slot -1]), or None. One
+    host read."""
+    if routing.numel() == 0:
+        return None
+    empty = (routing < 0).all(dim=2)  # [n, L]
+    bad = empty.any(dim=1)
+    if mask is not None:
+        bad = bad & mask.to(torch.bool).to(bad.device).reshape(-1)
+    if not bool(bad.any()):
+        return None
+    t = int(bad.nonzero()[0, 0])
+    return t, empty[t].nonzero().flatten().tolist()
+
+
+def routed_rows(moe: torch.Tensor, who: str, layer_ids: Sequence[int],
+                token_offset: int = 0) -> torch.Tensor:
+    """The replay mask of MoE routing [n, L_moe, K]: True for a token routed in every MoE
+    layer, False for one with no route at all (every slot -1: the engine returned none, so
+    the token keeps native top-k). A token routed in some MoE layers and not in others
+    raises RoutingMismatchError naming it (`token_offset` + its row) and the layers."""
+    if moe.numel() == 0:
+        return torch.ones(moe.shape[0], dtype=torch.bool)
+    empty = (moe < 0).all(dim=2)  # [n, L]
+    none = empty.all(dim=1)
+    partial = empty.any(dim=1) & ~none
+    if bool(partial.any()):
+        t = int(partial.nonzero()[0, 0])
+        layers = [layer_ids[j] for j in empty[t].nonzero().flatten().tolist()]
+        raise RoutingMismatchError(
+            f"{who}: token {t + token_offset} has no route (every slot -1) in MoE layers "
+            f"{layers} but routes in the other MoE layers; replayed, it would get no expert "
+            f"in those layers. A token is routed in every MoE layer, or not at all (-1 "
+            f"everywhere: replay mask False, native top-k)")
+    return ~none
 
 
 def check_dense_columns(model_shape: ModelShape, routing: torch.Tensor, who: str) -> None:
@@ -187,7 +228,9 @@ class MultiTurnRouting:
     Turn i is a request of `seq_len` tokens (the whole conversation so far, generated
     tokens included) whose routing covers tokens `[start, seq_len - 1)`. Rows already
     held are kept (never overwritten); the turn contributes the rows after them. A turn
-    that starts after the rows held (a gap) or ends before them raises.
+    that starts after the rows held (a gap) or ends before them raises. A row the engine
+    gave no route (every slot -1) gets replay mask False; one routed in some MoE layers
+    and not in others raises (`routed_rows`).
     """
 
     @renamed_keyword("layout", "model_shape", "MultiTurnRouting")
@@ -235,8 +278,9 @@ class MultiTurnRouting:
         self.mapping = mapping
         new = moe[self.rows - start:]
         if new.shape[0]:
+            mask = routed_rows(new, who, self.model_shape.moe_layer_ids, self.rows)
             self._parts.append(new)
-            self._masks.append(torch.ones(new.shape[0], dtype=torch.bool))
+            self._masks.append(mask)
             self.rows += int(new.shape[0])
         self.turns += 1
 
@@ -372,6 +416,7 @@ class ReplayBatch:
             "mappings": list(self.mappings), "layer_index": self.layer_index,
         }
         lens = _check_batch_head(head, who)
+        _check_masked_rows(flat, mask.reshape(-1), head["layer_index"], who)
         if num_experts is None:
             num_experts = max(int(flat.max()) + 1, 1) if flat.numel() else 1
         try:
@@ -395,7 +440,8 @@ class ReplayBatch:
         cu_seqlens against the blob's sequences. `max_tokens` / `max_bytes` bound the
         decoded batch further (tokens; bytes of indices). A corrupt, foreign or crafted
         payload raises RoutingMismatchError naming the problem (the codec's errors name the
-        offset within the blob)."""
+        offset within the blob). A token marked for replay must be routed
+        (`_check_masked_rows`)."""
         from .. import codec
 
         who = "ReplayBatch.from_bytes"
@@ -456,7 +502,9 @@ class ReplayBatch:
         bits = np.frombuffer(buf[m + 20 + nh:end], dtype=np.uint8)
         if n % 8 and int(bits[-1]) & (0xFF >> (n % 8)):
             raise RoutingMismatchError(f"{who}: the mask's padding bits are set (corrupt)")
-        mask = np.unpackbits(bits, count=n).astype(bool).reshape(shape[:-2])
+        mask = np.unpackbits(bits, count=n).astype(bool)
+        _check_masked_rows(flat, torch.from_numpy(mask), head["layer_index"], who)
+        mask = mask.reshape(shape[:-2])
         cu = head["cu_seqlens"]
         return cls(flat.reshape(shape), torch.from_numpy(mask),
                    None if cu is None else torch.tensor(cu, dtype=torch.int64),
@@ -556,6 +604,29 @@ def _check_batch_head(head, who: str, mask_bytes: int | None = None) -> list[int
         raise RoutingMismatchError(f"{who}: layer_index {_short(head['layer_index'])} is not "
                                    f"'moe' or 'absolute'")
     return lens
+
+
+def _check_masked_rows(flat: torch.Tensor, mask: torch.Tensor, layer_index: str,
+                       who: str) -> None:
+    """A token marked for replay (mask True) is routed: with layer_index "moe" in every
+    layer (each column is a MoE layer), with "absolute" in some layer (which columns are
+    MoE layers only the model knows: `RouterReplay.set_routing` checks each of them)."""
+    if flat.numel() == 0:
+        return
+    if layer_index == "moe":
+        hit = first_unrouted(flat, mask)
+        if hit is not None:
+            raise RoutingMismatchError(
+                f"{who}: token {hit[0]} is marked for replay (replay_mask True) but has no "
+                f"route (every slot -1) in MoE layer columns {hit[1]}; replayed, it would "
+                f"get no expert there. Route it in every MoE layer, or set its mask False")
+        return
+    none = (flat < 0).flatten(1).all(dim=1) & mask.to(torch.bool)
+    if bool(none.any()):
+        t = int(none.nonzero()[0, 0])
+        raise RoutingMismatchError(
+            f"{who}: token {t} is marked for replay (replay_mask True) but has no route in "
+            f"any layer (every slot -1); set its mask False")
 
 
 def _batch_from_bytes(data: bytes) -> ReplayBatch:

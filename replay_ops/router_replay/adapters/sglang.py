@@ -58,6 +58,7 @@ from .batch import (
     ReplayBatch,
     RoutingMismatchError,
     SequenceRouting,
+    _short,
     as_tensor,
     b64_size,
     check_batch,
@@ -159,16 +160,36 @@ def payload_layers(n_values: int, rows: int, model_shape: ModelShape, who: str,
 def openai_meta_infos(response: Mapping, *, allow_missing: bool = False,
                       who: str = "sglang OpenAI response") -> list[dict | None]:
     """A `/v1/completions` or `/v1/chat/completions` response -> one meta_info-like dict per
-    choice (in `index` order) holding `routed_experts` (and `routed_experts_dtype` when
-    sent). SGLang 0.5.23 puts one payload in the response's `sglext.routed_experts`: the
-    routing of its first result, choice 0 (a choice's own `sglext`, if a version sends one,
-    is taken for that choice). A choice without a payload is refused, naming it, unless
+    choice (in `index` order: each choice must carry a distinct non-negative integer
+    `index`, else RoutingMismatchError names it) holding `routed_experts` (and
+    `routed_experts_dtype` when sent). SGLang 0.5.23 puts one payload in the response's
+    `sglext.routed_experts`: the routing of its first result, choice 0 (a choice's own
+    `sglext`, if a version sends one, is taken for that choice). A choice without a payload is refused, naming it, unless
     `allow_missing` (it is then None, and `sglang_sequences(..., allow_missing=True)` runs
     it with native top-k)."""
     if not isinstance(response, Mapping) or not isinstance(response.get("choices"), list):
         raise RoutingMismatchError(f"{who}: not a completion response (no 'choices' list)")
     choices = response["choices"]
-    index = [c.get("index", j) if isinstance(c, Mapping) else j for j, c in enumerate(choices)]
+    index, seen = [], {}
+    for j, c in enumerate(choices):
+        # each choice names its place: a payload is matched to a choice by this index, so a
+        # missing, non-integer, negative or repeated one cannot be guessed around
+        if not isinstance(c, Mapping):
+            raise RoutingMismatchError(f"{who}: choices[{j}] is {type(c).__name__}, not a "
+                                       f"choice object")
+        if "index" not in c:
+            raise RoutingMismatchError(f"{who}: choices[{j}] has no 'index'; each choice must "
+                                       f"say which one it is")
+        i = c["index"]
+        if not _is_int(i) or i < 0:
+            raise RoutingMismatchError(f"{who}: choices[{j}] has index {_short(i)}; a choice "
+                                       f"index is a non-negative integer")
+        if int(i) in seen:
+            raise RoutingMismatchError(f"{who}: choices[{seen[int(i)]}] and choices[{j}] both "
+                                       f"have index {int(i)}; each choice index must be "
+                                       f"unique (one would take the other's routing)")
+        seen[int(i)] = j
+        index.append(int(i))
     order = sorted(range(len(choices)), key=lambda j: index[j])
 
     def meta(ext):

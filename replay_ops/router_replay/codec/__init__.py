@@ -112,7 +112,8 @@ def append(blob: bytes, routing, *, token_ids=None, seq_lens=None, continue_last
            max_tokens: int | None = None, max_bytes: int | None = None) -> bytes:
     """A new blob: `blob` followed by more routing with the blob's mode and shape. New
     sequences by default; with `continue_last=True` the first of them continues the blob's
-    last sequence (the next turn of a conversation: its new rows only). The existing chunks
+    last sequence (the next turn of a conversation: its new rows only). An append of no
+    sequence (`seq_lens=[]`) adds no chunk and changes no count. The existing chunks
     are verified (headers and payload checksums) and copied unchanged; a format-3 blob's
     header is rewritten (chunk, sequence and token counts, the chain's end), and the new
     chunks continue its chain. A blob of an older format is extended in that format (its
@@ -139,6 +140,8 @@ def append(blob: bytes, routing, *, token_ids=None, seq_lens=None, continue_last
     lens = _seq_lens(seq_lens, T)
     if continue_last and info_.num_sequences == 0:
         raise CodecError("append: continue_last=True but the blob holds no sequence")
+    # no sequence to add (seq_lens=[]): no chunk, and nothing continues
+    continue_last = bool(continue_last) and len(lens) > 0
     first = info_.num_sequences - 1 if continue_last else info_.num_sequences
     fmt = info_.format
     parts = _chunks_bytes(HostRows(canon, info_.num_experts), tok, info_.order,
@@ -239,11 +242,38 @@ def decode(blob, *, token_ids=None, device=None, dtype: torch.dtype | None = Non
     res = _output((T, inf.num_layers, inf.top_k), inf.num_experts, device, dtype, out,
                   max_bytes)
     path = writer(backend, res, inf, "decode")
+    done = 0
     for ch in inf.chunks:
         a, b = ch.token_start, ch.token_start + ch.num_tokens
         _chunk_into(buf, ch, inf, None if tok is None else tok[a:b], res[a:b], 0,
                     ch.num_tokens, path)
+        done += ch.num_tokens
+    _covered(done, T, "decode")
     return res
+
+
+def _covered(done: int, n: int, who: str) -> None:
+    """Every row of a (possibly preallocated) output was written by a chunk: a blob whose
+    chunks do not add up would otherwise return rows it never wrote."""
+    if done != n:
+        raise CodecError(f"{who}: the blob's chunks hold {done} of the {n} tokens to decode "
+                         f"(a corrupt or inconsistent blob); nothing is returned")
+
+
+def _sequence_chunks(inf: BlobInfo, index: int) -> list:
+    """The chunks that hold sequence `index`, in order: the last chunk whose first sequence
+    is at or before it, and the chunks before that one that continue into it (a continued
+    sequence spans consecutive chunks). A chunk with no sequence (an empty append of an
+    older writer: this encoder writes none) holds no row and breaks the order of first_seq
+    that the search needs: it is left out."""
+    held = [c for c in inf.chunks if c.seq_lens]
+    j = bisect.bisect_right([c.first_seq for c in held], index) - 1
+    mine = []
+    while j >= 0 and held[j].first_seq + len(held[j].seq_lens) > index:
+        mine.append(held[j])
+        j -= 1
+    mine.reverse()
+    return mine
 
 
 def decode_sequence(blob, index: int, *, token_ids=None, device=None,
@@ -263,14 +293,7 @@ def decode_sequence(blob, index: int, *, token_ids=None, device=None,
                          f"{inf.num_sequences - 1}")
     _no_tokens(inf, token_ids, "decode_sequence")
     n = inf.seq_lens[index]
-    # the chunks that hold the sequence: those from the last one starting at or before it
-    # (a continued sequence spans consecutive chunks)
-    j = bisect.bisect_right(inf.first_seqs, index) - 1
-    mine = []
-    while j >= 0 and inf.chunks[j].first_seq + len(inf.chunks[j].seq_lens) > index:
-        mine.append(inf.chunks[j])
-        j -= 1
-    mine.reverse()
+    mine = _sequence_chunks(inf, index)
     tok, whole = None, False
     if inf.has_token_ids:
         if token_ids is None:
@@ -305,8 +328,11 @@ def decode_sequence(blob, index: int, *, token_ids=None, device=None,
             ctok = tok[ch.token_start:ch.token_start + ch.num_tokens]
         else:
             ctok = tok[done:done + (b - a)]
+        if done + (b - a) > n:
+            break  # refused below: the chunks claim more rows than the sequence has
         _chunk_into(buf, ch, inf, ctok, res[done:done + (b - a)], a, b, path)
         done += b - a
+    _covered(done, n, f"decode_sequence({index})")
     return res
 
 

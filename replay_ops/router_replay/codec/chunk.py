@@ -21,8 +21,8 @@ import torch
 
 from .format import (_CHUNK, _TRANSFORM_GROUPED, _TRANSFORM_RELABEL, _TRANSFORM_TOKENS, _METHOD_RAW,
                      _METHOD_ZSTD, _NARROW, CHUNK_MAGIC, BlobInfo, Canonical, ChunkInfo,
-                     CodecError, Format, _check_content, _check_frame, _compressor,
-                     _decompressor, _fail, _token_hash, id_width, lehmer_width)
+                     CodecError, Format, _check_content, _check_frame, _check_set_rows,
+                     _compressor, _decompressor, _fail, _token_hash, id_width, lehmer_width)
 from .transform import (_apply_labels, _from_grouped, _group_order, _planes, _planes_bytes,
                         _relabel_table, _to_grouped, _unplanes, _unsort_np, sort_rows)
 
@@ -196,7 +196,11 @@ def _chunk_plan(lens: list[int], chunk_tokens: int) -> list[tuple[int, int]]:
 
 def _chunks_bytes(rows: Rows, tok, order: str, E: int, level: int, lens, chunk_tokens: int,
                   first_seq: int, continues: bool, fmt: Format) -> list[_Chunk]:
-    """The chunks (before their header checksums) of `rows`, sequences `lens`."""
+    """The chunks (before their header checksums) of `rows`, sequences `lens`. No sequence,
+    no chunk: a chunk holds at least one sequence (one of none would claim a sequence
+    number out of order, docs/codec_format.md)."""
+    if not len(lens):
+        return []
     parts, cu = [], np.concatenate([[0], np.cumsum(lens, dtype=np.int64)])
     for ci, (s0, s1) in enumerate(_chunk_plan(lens, chunk_tokens)):
         a, b = int(cu[s0]), int(cu[s1])
@@ -232,10 +236,14 @@ def _decode_chunk(buf: memoryview, ch: ChunkInfo, inf: BlobInfo, tok: np.ndarray
         if ch.payload_len != n_ids * w:
             _fail(ch.payload_offset, f"raw payload has {ch.payload_len} bytes, expected "
                                      f"{n_ids * w}")
+        if n_ids == 0:
+            return _no_rows(ch, T, L, K, w)
         out = np.frombuffer(payload, dtype=nd).reshape(T, L, K)
         out = out.astype(_NARROW[w]) if w > 1 else out
         if out.size and out.max() > E:
             _fail(ch.payload_offset, "raw payload holds ids above num_experts (corrupt)")
+        if order == "set":
+            _check_set_rows(ch, out)
         if device_out:
             return out
         if order == "set":
@@ -258,6 +266,8 @@ def _decode_chunk(buf: memoryview, ch: ChunkInfo, inf: BlobInfo, tok: np.ndarray
         _fail(ch.payload_offset, f"corrupt zstd payload: {e}")
     if len(raw) != want:
         _fail(ch.payload_offset, f"zstd payload holds {len(raw)} bytes, expected {want}")
+    if n_ids == 0:
+        return _no_rows(ch, T, L, K, w)
     rawv = np.frombuffer(raw, dtype=np.uint8)
     ids = _unplanes(rawv[:n_ids * w], w, n_ids)
     inv = None
@@ -285,6 +295,7 @@ def _decode_chunk(buf: memoryview, ch: ChunkInfo, inf: BlobInfo, tok: np.ndarray
     if srt.size and srt.max() > E:
         _fail(ch.payload_offset, "decoded ids above num_experts (corrupt)")
     if order == "set":
+        _check_set_rows(ch, srt)
         if not device_out:
             _check_content(ch, Canonical(srt))
         return srt
@@ -299,6 +310,15 @@ def _decode_chunk(buf: memoryview, ch: ChunkInfo, inf: BlobInfo, tok: np.ndarray
     # the decoded routing itself is checked: its canonical form must hash as encoded
     if not device_out:
         _check_content(ch, Canonical(*sort_rows(out.reshape(T * L, K), "keep", E, fmt)))
+    return out
+
+
+def _no_rows(ch: ChunkInfo, T: int, L: int, K: int, w: int) -> np.ndarray:
+    """A chunk of no ids (T * L * K = 0), its payload checked: the canonical form of
+    nothing hashes to 0, checked in constant time (the row transforms would cost a fixed
+    number of numpy calls per chunk, whatever its size)."""
+    out = np.zeros((T, L, K), _NARROW[w])
+    _check_content(ch, Canonical(out))
     return out
 
 

@@ -109,7 +109,8 @@ def _decode_into_device(buf, ch: ChunkInfo, inf: BlobInfo, tok, dst: torch.Tenso
     from replay_ops.triton_kernels import codec as tk
 
     T, L, K, E = ch.num_tokens, inf.num_layers, inf.top_k, inf.num_experts
-    if T * L * K == 0:
+    if T * L * K == 0:  # nothing to write: the host's checks of the chunk, as on that path
+        _decode_chunk(buf, ch, inf, tok)
         return
     res = _decode_chunk(buf, ch, inf, tok, device=True)
     if isinstance(res, Canonical):

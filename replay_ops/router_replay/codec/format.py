@@ -393,6 +393,16 @@ def info(blob, *, verify_payload: bool = False, max_tokens: int | None = None,
         blob_id, h_tokens, h_chunks, h_seqs, h_chain = ext
         _check_shape(h_tokens, L, K, "blob header", _BLOB.size + 8)
         _check_limits(h_tokens, L, K, itemsize, max_tokens, max_bytes, _BLOB.size + 8)
+        # every chunk takes a header's bytes and every sequence a length's (4): counts the
+        # bytes cannot hold are refused before any chunk is read
+        room = len(buf) - hs
+        if h_chunks > room // CHUNK_HEADER_SIZE or h_seqs > room // 4:
+            _fail(_BLOB.size + 16, f"truncated or corrupt: the blob header counts {h_chunks} "
+                                   f"chunks and {h_seqs} "
+                                   f"sequences, but the {room} bytes after it hold at most "
+                                   f"{room // CHUNK_HEADER_SIZE} chunks "
+                                   f"({CHUNK_HEADER_SIZE}-byte headers) and {room // 4} "
+                                   f"sequence lengths")
         chain = _chain_start(bytes(buf[:hs]))
     else:
         blob_id = chain = 0
@@ -529,6 +539,68 @@ def _check_content(ch: ChunkInfo, rows: Canonical, path: str = "") -> None:
     if rows.crc() != ch.content_crc:
         _fail(ch.offset, "decoded content checksum mismatch: the chunk does not decode to "
                          "the routing that was encoded (corrupt blob or a decoder bug)" + path)
+
+
+_ROW_MASKS: dict[int, np.ndarray] = {}
+# the comparisons of a "set" chunk's ids are made this many bytes at a time, in a buffer
+# each thread keeps. NOTE: a fresh chunk-sized buffer (1 MB for a 16384-token chunk of the
+# bench corpus, L = K = 8) cost its page faults on every decode: the check took about
+# 0.8 ms of a 3 ms chunk decode, 0.2 ms with the kept buffer (2-core CPU, best of 30;
+# bench/results/codec_hardening_cb007ad_cpu_2core.md: every row >= 0.90x)
+_COMPARE_BYTES = 1 << 18
+
+
+def _row_mask(K: int) -> np.ndarray:
+    """For rows of K ids (cached): little-endian u64 words whose bytes are 0xFF where a
+    comparison of neighbours in the flat ids stays inside a row and 0 where it crosses
+    into the next row; one word when 8 bytes hold whole rows, else whole periods of
+    lcm(K, 8) bytes, about 32 KB of them (a long inner loop for numpy)."""
+    if K not in _ROW_MASKS:
+        period = K * 8 // math.gcd(K, 8)
+        b = np.full(period, 0xFF, np.uint8)
+        b[K - 1::K] = 0
+        _ROW_MASKS[K] = (b if period == 8 else np.tile(b, max(1, 32768 // period))).view("<u8")
+    return _ROW_MASKS[K]
+
+
+def _check_set_rows(ch: ChunkInfo, ids: np.ndarray) -> None:
+    """The canonical form of a "set" chunk, on every decode path before anything is
+    returned: each row's ids ascending (the sentinel E, an empty slot, is the largest, so
+    it comes last). The content checksum covers the ids as stored, so without this a
+    chunk whose checksums were recomputed over unsorted rows would decode to them on the
+    host while the device path, which sorts what it wrote again, refuses them."""
+    K = ids.shape[-1]
+    if K < 2 or ids.size == 0:
+        return
+    # each id compared with the next over the flat ids (one byte per comparison), a block
+    # at a time; the bytes that compare across two rows are masked out, the rest
+    # OR-reduced as words
+    flat = ids.reshape(-1)
+    n, mask = flat.size, _row_mask(K)
+    step = mask.size * 8  # bytes: whole rows, whole masks
+    block = max(step, _COMPARE_BYTES // step * step)
+    buf = getattr(_tls, "compare", None)
+    if buf is None or buf.size < block:
+        buf = _tls.compare = np.empty(block, np.uint8)
+    bad = 0
+    for i in range(0, n - 1, block):
+        m = min(block, n - 1 - i)
+        down = buf[:-(-m // step) * step]
+        np.less(flat[i + 1:i + 1 + m], flat[i:i + m], out=down[:m].view(bool))
+        down[m:] = 0
+        words = down.view("<u8")
+        if mask.size > 1:
+            masked = words.reshape(-1, mask.size)
+            np.bitwise_and(masked, mask, out=masked)
+        bad |= int(np.bitwise_or.reduce(words))
+    if mask.size == 1:
+        bad &= int(mask[0])
+    if bad:
+        rows = ids.reshape(-1, K)
+        r = int(np.flatnonzero((rows[:, 1:] < rows[:, :-1]).any(axis=1))[0])
+        _fail(ch.offset, f"a \"set\" chunk holds row {r} (token {r // ids.shape[1]}, layer "
+                         f"{r % ids.shape[1]}) = {rows[r].tolist()} out of canonical order "
+                         f"(ids ascending, empty slots last): a corrupt or forged chunk")
 
 
 def _default_dtype(E: int) -> torch.dtype:

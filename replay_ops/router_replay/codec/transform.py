@@ -16,6 +16,11 @@ from .format import (CURRENT, MAX_LEHMER_K, _NARROW, CodecError, Format, as_form
 # Rows are sorted by a sorting network (one numpy call per comparator) up to this K, by
 # np.sort above it.
 _NETWORK_MAX_K = 20
+# Up to this many rows, each transform is a few vectorised calls over [N, K] (or [N, K, K])
+# arrays instead of one call per comparator, column or Lehmer digit: a chunk's fixed cost
+# then does not grow with K, so a blob of many tiny chunks costs time in proportion to its
+# bytes. Both forms give the same bytes (tests/test_codec.py).
+_SMALL_ROWS = 64
 
 
 def _network(k: int) -> list[tuple[int, int]]:
@@ -86,6 +91,8 @@ def sort_rows(canon: np.ndarray, order: str, num_experts: int,
     format `version` (a `Format` or its number: `Format.inverse_code`)."""
     fmt = as_format(version)
     n, k = canon.shape
+    if n <= _SMALL_ROWS:
+        return _sort_rows_small(canon, order, fmt)
     if order == "keep" and fmt.inverse_code(k):
         cols = [canon[:, j].copy() for j in range(k)]  # the network overwrites them
         code = _lehmer_of_slots(cols, k)
@@ -103,6 +110,52 @@ def sort_rows(canon: np.ndarray, order: str, num_experts: int,
     srt = np.stack([(c >> kd(shift)).astype(canon.dtype) for c in keys], axis=1)
     perm = [(c & kd(mult - 1)).astype(np.uint8 if k <= 256 else np.uint16) for c in keys]
     return srt, _perm_encode(perm, k)
+
+
+def _sort_rows_small(canon: np.ndarray, order: str, fmt: Format):
+    """`sort_rows` of a few rows, in a fixed number of numpy calls: the same bytes (ties in
+    the slot order keep their slot order, as the (id, slot) keys of the network give)."""
+    n, k = canon.shape
+    srt = np.sort(canon, axis=1)
+    if order == "set":
+        return srt, None
+    if k <= 1:
+        return srt, np.zeros((n, lehmer_width(k)), np.uint8)
+    if fmt.inverse_code(k):
+        return srt, _lehmer_rows(canon, k)
+    perm = np.argsort(canon, axis=1, kind="stable")
+    srt = np.take_along_axis(canon, perm, axis=1)
+    if k > MAX_LEHMER_K:
+        p = np.ascontiguousarray(perm.astype(np.uint8 if k <= 256 else np.uint16))
+        return srt, p.view(np.uint8).reshape(n, k * p.itemsize)
+    return srt, _lehmer_rows(perm, k)
+
+
+_PLACES: dict[int, tuple] = {}
+
+
+def _lehmer_place(k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For K = k (cached): the place value of each Lehmer digit (uint64 [k]; digit j in radix
+    k - j, digit 0 most significant; the last digit, always 0, gets 1), the radices
+    (uint64 [k]) and the pairs i > j (bool [k, k])."""
+    if k not in _PLACES:
+        w = np.ones(k, np.uint64)
+        for j in range(k - 3, -1, -1):
+            w[j] = w[j + 1] * np.uint64(k - j - 1)
+        _PLACES[k] = (w, (k - np.arange(k)).astype(np.uint64),
+                      np.triu(np.ones((k, k), bool), 1))
+    return _PLACES[k]
+
+
+def _lehmer_rows(a: np.ndarray, k: int) -> np.ndarray:
+    """`_lehmer_bytes` of the rows of a [N, k] array (k <= MAX_LEHMER_K), vectorised over
+    [N, k, k]: digit j = #{i > j : a[i] < a[j]}."""
+    n = a.shape[0]
+    w = lehmer_width(k)
+    place, _, later = _lehmer_place(k)
+    lt = (a[:, None, :] < a[:, :, None]) & later
+    code = (lt.sum(axis=2, dtype=np.uint64) * place).sum(axis=1, dtype=np.uint64)
+    return np.ascontiguousarray(code.astype(f"<u{w}")).view(np.uint8).reshape(n, w)
 
 
 def _lehmer_bytes(cols: list[np.ndarray], k: int) -> np.ndarray:
@@ -146,6 +199,13 @@ def lehmer_digits(code: np.ndarray, k: int) -> np.ndarray:
     (digit j in radix k - j). A code not below k! raises CodecError."""
     code = np.asarray(code).astype(np.uint64)
     n = code.shape[0]
+    if 1 < k and n <= _SMALL_ROWS:  # every digit at once
+        place, radix, _ = _lehmer_place(k)
+        over = code // place[0] >= np.uint64(k)  # code >= k!
+        if np.any(over):
+            bad = int(np.flatnonzero(over)[0])
+            raise CodecError(f"permutation code of row {bad} is not below {k}! (corrupt)")
+        return ((code[:, None] // place[None, :]) % radix[None, :]).astype(np.uint8)
     digits = np.zeros((n, k), np.uint8)
     for j in range(k - 2, -1, -1):
         radix = np.uint64(k - j)
@@ -168,6 +228,10 @@ def _perm_decode(code_bytes: np.ndarray, k: int) -> list[np.ndarray]:
     code = (np.ascontiguousarray(code_bytes).view(f"<u{w}").reshape(n)
             if w else np.zeros(n, np.uint64))
     d = lehmer_digits(code, k)
+    if n <= _SMALL_ROWS:  # one call per digit, over the digits after it
+        for j in range(k - 2, -1, -1):
+            d[:, j + 1:] += d[:, j + 1:] >= d[:, j:j + 1]
+        return [d[:, j] for j in range(k)]
     p = [d[:, j] for j in range(k)]
     for j in range(k - 2, -1, -1):
         pj = p[j]
