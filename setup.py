@@ -326,4 +326,8 @@ setup(
         "demo": ["tqdm", "matplotlib"],
         "test": ["pytest", "hypothesis"],
     },
+    # vLLM loads this in each of its processes; it does nothing unless REPLAY_OPS_VLLM_INJECT=1
+    # (route injection, replay_ops/integrations/vllm)
+    entry_points={"vllm.general_plugins": [
+        "replay_ops_inject = replay_ops.integrations.vllm:register"]},
 )
