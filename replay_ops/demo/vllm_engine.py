@@ -127,7 +127,7 @@ class VllmServer(EngineServer):
     def __init__(self, model_dir: str, runtime: VllmRuntime, *, dtype: str = "bfloat16",
                  max_model_len: int = 512, log_path: str | None = None,
                  start_timeout: float = 600.0, extra_args: tuple = (),
-                 inject: bool = False, dev_mode: bool = False, env: dict | None = None) -> None:
+                 inject: bool = False, env: dict | None = None) -> None:
         self.model_dir = os.path.abspath(model_dir)
         self.runtime = runtime
         self.dtype = dtype
@@ -155,8 +155,6 @@ class VllmServer(EngineServer):
             for spec in PLUGIN_SPECS:
                 ensure_module(runtime, spec, spec, label="vllm", unavailable=VllmUnavailable)
             server_env[INJECT_ENV] = "1"
-        if dev_mode:  # /collective_rpc (weight reload) and /reset_prefix_cache
-            server_env["VLLM_SERVER_DEV_MODE"] = "1"
         server_env.update(env or {})
         super().__init__(args, server_env, port=port,
                          log_path=log_path or os.path.join(self.model_dir, "vllm_server.log"),
@@ -194,17 +192,6 @@ class VllmServer(EngineServer):
             futs = [ex.submit(self.complete, p, g, seed=s, temperature=temperature, xargs=x)
                     for p, g, s, x in zip(prompts, max_tokens, seeds, xargs)]
             return [f.result() for f in futs]
-
-    def reload_weights(self, weights_dir: str) -> None:
-        """Load the checkpoint in `weights_dir` into the running engine (vLLM's
-        `reload_weights` through /collective_rpc; the server needs `dev_mode=True`), then
-        drop its prefix cache, which holds KV computed with the old weights."""
-        self.post("/collective_rpc", {"method": "reload_weights",
-                                      "kwargs": {"weights_path": os.path.abspath(weights_dir)}})
-        out = self.post("/reset_prefix_cache", {})
-        if not out.get("success", False):
-            raise RuntimeError(f"vllm server: /reset_prefix_cache answered {out} after the "
-                               f"weight reload; KV computed with the old weights may be reused")
 
 
 def main(argv: list[str] | None = None) -> int:
