@@ -203,38 +203,44 @@ def test_check_returned_names_the_first_differing_position():
 
 
 # ----------------------------------------------------------------------------- the plugin
-def test_plugin_is_inert_without_its_variable():
-    """register() with REPLAY_OPS_VLLM_INJECT unset does nothing (not even import vLLM)."""
-    code = ("import sys, os; os.environ.pop('REPLAY_OPS_VLLM_INJECT', None)\n"
-            "from replay_ops.integrations import vllm as p\n"
-            "p.register()\n"
-            "assert 'vllm' not in sys.modules and 'replay_ops.integrations.vllm._hooks' not in "
-            "sys.modules, sorted(m for m in sys.modules if 'vllm' in m)\n"
-            "os.environ['REPLAY_OPS_VLLM_INJECT'] = '0'; p.register()\n"
-            "assert 'replay_ops.integrations.vllm._hooks' not in sys.modules\n"
-            "os.environ['REPLAY_OPS_VLLM_INJECT'] = 'yes'\n"
-            "try:\n    p.register()\nexcept ValueError as e:\n    print(e)\n")
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_plugin_is_inert_without_its_variable(engine):
+    """register() with its variable unset (or 0) does nothing, not even import the engine
+    or the hooks; another value is refused."""
+    var = f"REPLAY_OPS_{engine.upper()}_INJECT"
+    hooks = f"replay_ops.integrations.{engine}._hooks"
+    code = (f"import sys, os; os.environ.pop({var!r}, None)\n"
+            f"from replay_ops.integrations import {engine} as p\n"
+            f"p.register()\n"
+            f"assert {engine!r} not in sys.modules and {hooks!r} not in sys.modules\n"
+            f"os.environ[{var!r}] = '0'; p.register()\n"
+            f"assert {hooks!r} not in sys.modules\n"
+            f"os.environ[{var!r}] = 'yes'\n"
+            f"try:\n    p.register()\nexcept ValueError as e:\n    print(e)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        cwd=str(ROOT), timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "REPLAY_OPS_VLLM_INJECT='yes': expected 1" in r.stdout
+    assert f"{var}='yes': expected 1" in r.stdout
 
 
-def test_entry_point_declared_once(tmp_path):
-    """setup.py declares the plugin entry point the CPU engines' path folder declares, and
-    that folder's metadata is what importlib reads."""
+def test_entry_points_declared_once(tmp_path):
+    """setup.py declares the plugins' entry points that the CPU engines' path folder
+    declares, and that folder's metadata is what importlib reads."""
     from replay_ops.demo.engine_server import ENGINE_PLUGINS, engine_path
-    from replay_ops.integrations.vllm import ENTRY_POINT, ENTRY_POINT_GROUP
+    from replay_ops.integrations import sglang, vllm
 
-    assert ENGINE_PLUGINS == ((ENTRY_POINT_GROUP, ENTRY_POINT),)
+    want = ((vllm.ENTRY_POINT_GROUP, vllm.ENTRY_POINT),
+            (sglang.ENTRY_POINT_GROUP, sglang.ENTRY_POINT))
+    assert ENGINE_PLUGINS == want
     setup = (ROOT / "setup.py").read_text()
-    assert f'"{ENTRY_POINT_GROUP}": [' in setup and f'"{ENTRY_POINT}"' in setup
+    for group, ep in want:
+        assert f'"{group}": ["{ep}"]' in setup
     folder = engine_path(str(tmp_path))
     assert engine_path(str(tmp_path)) == folder  # made once, then reused
     (info,) = [p for p in os.listdir(folder) if p.endswith(".dist-info")]
     dist = importlib.metadata.PathDistribution(Path(folder) / info)
-    (ep,) = dist.entry_points
-    assert (ep.group, f"{ep.name} = {ep.value}") == (ENTRY_POINT_GROUP, ENTRY_POINT)
+    assert sorted((e.group, f"{e.name} = {e.value}") for e in dist.entry_points) == \
+        sorted(want)
     import replay_ops
 
     assert os.path.realpath(os.path.join(folder, "replay_ops")) == \
@@ -312,3 +318,77 @@ def test_step_rows_follow_positions():
     st.routes.clear()
     st.build_step(batch, torch.device("cpu"))
     assert st.step is None
+
+
+# ----------------------------------------------------------------------------- SGLang's plugin
+def test_sglang_wire_text_and_model_rule():
+    from replay_ops.integrations.sglang import _hooks
+
+    a = routes(5, seed=8, dense=())
+    r = InjectedRoutes(3, a.astype(np.int16), (0, 1, 2))
+    text = _hooks.wire_text(r)
+    assert _hooks.is_wire_text(text) and "\n" not in text and "[" not in text  # a JSON scalar
+    back = _hooks.from_wire_text(text)
+    assert back.start == 3 and np.array_equal(back.ids, r.ids) and back.moe_layer_ids == (0, 1, 2)
+    ns = types.SimpleNamespace
+    # SGLang 0.5.23's Qwen2/3-MoE route in every layer, whatever mlp_only_layers says
+    qwen = ns(num_experts=16, num_experts_per_tok=2, num_hidden_layers=3, mlp_only_layers=[1],
+              decoder_sparse_step=1)
+    assert _hooks.model_shape(qwen) == ModelShape(16, 2, (0, 1, 2), 3)
+    ds = ns(n_routed_experts=8, num_experts_per_tok=2, num_hidden_layers=4,
+            first_k_dense_replace=1, moe_layer_freq=1)
+    assert _hooks.model_shape(ds) == ModelShape(8, 2, (1, 2, 3), 4)
+    with pytest.raises(_hooks.InjectionUnsupported, match="names no expert count"):
+        _hooks.model_shape(ns(num_experts_per_tok=2, num_hidden_layers=2))
+
+
+@pytest.mark.parametrize("sf", ["softmax", "sigmoid", "sqrtsoftplus"])
+@pytest.mark.parametrize("renorm", [True, False])
+def test_sglang_forced_weights(sf, renorm):
+    """SGLang's forced weights are the gate semantics (the reference), and forcing the torch
+    router's own choice reproduces its weights bit for bit."""
+    from replay_ops.integrations.sglang._hooks import forced_weights
+
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(7, 16, generator=g) * 2).to(torch.bfloat16)
+    cfg = types.SimpleNamespace(scoring_func=sf, renormalize=renorm, correction_bias=None,
+                                apply_routed_scaling_factor_on_output=True,
+                                routed_scaling_factor=2.5)
+    ids = torch.stack([torch.randperm(16, generator=g)[:3] for _ in range(7)])
+    ref = reference.gate_weights(logits.double(), ids, sf, renorm, 2.5).float()
+    torch.testing.assert_close(forced_weights(logits, ids, cfg), ref, atol=1e-6, rtol=1e-6)
+    # SGLang's fused_topk_torch_native (no bias), then the scale it folds in after routing
+    scores = {"softmax": lambda x: x.softmax(-1), "sigmoid": torch.sigmoid,
+              "sqrtsoftplus": lambda x: torch.nn.functional.softplus(x).sqrt()}[sf]
+    own_w, own = torch.topk(scores(logits.float()), 3, dim=-1)
+    if renorm:
+        own_w = own_w / (own_w.sum(dim=-1, keepdim=True, dtype=torch.float32) + 1e-20)
+    own_w = own_w * 2.5
+    assert torch.equal(forced_weights(logits, own, cfg), own_w)
+
+
+def test_sglang_step_rows_follow_positions():
+    """A forward's forced rows from the batch's lengths: an extend (one request with a
+    cached prefix, one without routes) and a decode, checked against `positions`."""
+    from replay_ops.integrations.sglang import _hooks
+
+    a = np.arange(30 * 3 * 2).reshape(30, 3, 2).astype(np.int16)
+    r = InjectedRoutes(4, a, (0, 1, 2))  # positions 4..33
+    _hooks._ROUTES.clear()
+    _hooks._ROUTES["x"] = r
+    mode = types.SimpleNamespace
+    extend = mode(is_idle=lambda: False, is_extend=lambda: True, is_decode=lambda: False)
+    fb = types.SimpleNamespace(
+        forward_mode=extend, rids=["y", "x"], extend_prefix_lens_cpu=[0, 2],
+        extend_seq_lens_cpu=[3, 5], positions=torch.tensor([0, 1, 2, 2, 3, 4, 5, 6]))
+    step = _hooks.build_step(fb, {0: 0, 1: 1, 2: 2})
+    assert step.rows.tolist() == [5, 6, 7] and torch.equal(step.ids, torch.from_numpy(a[:3]).int())
+    decode = mode(is_idle=lambda: False, is_extend=lambda: False, is_decode=lambda: True)
+    fb = types.SimpleNamespace(forward_mode=decode, rids=["x", "y"], seq_lens_cpu=[34, 9],
+                               positions=torch.tensor([33, 8]))
+    step = _hooks.build_step(fb, {0: 0, 1: 1, 2: 2})
+    assert step.rows.tolist() == [0] and torch.equal(step.ids, torch.from_numpy(a[29:30]).int())
+    fb.positions = torch.tensor([32, 8])  # lengths and positions disagree: refused
+    with pytest.raises(_hooks.InjectionUnsupported, match="positions are not the ones"):
+        _hooks.build_step(fb, {0: 0, 1: 1, 2: 2})
+    _hooks._ROUTES.clear()

@@ -128,6 +128,7 @@ class EngineRuntime:
 ENGINE_PLUGINS = (
     # (entry point group, entry point): replay_ops' engine plugins, inert until turned on
     ("vllm.general_plugins", "replay_ops_inject = replay_ops.integrations.vllm:register"),
+    ("sglang.srt.plugins", "replay_ops_inject = replay_ops.integrations.sglang:register"),
 )
 
 

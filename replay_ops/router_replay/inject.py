@@ -228,7 +228,7 @@ def check_returned(routes, returned, *, shape: ModelShape, start: int = 0,
 
 
 def _moe_columns(x, shape: ModelShape, who: str, check_values: bool = True) -> np.ndarray:
-    t = torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x
+    t = torch.from_numpy(np.array(x)) if isinstance(x, np.ndarray) else x
     if not isinstance(t, torch.Tensor):
         t = torch.as_tensor(np.asarray(t))
     if t.dim() != 3 or t.shape[2] != shape.top_k:
