@@ -392,3 +392,47 @@ def test_sglang_step_rows_follow_positions():
     with pytest.raises(_hooks.InjectionUnsupported, match="positions are not the ones"):
         _hooks.build_step(fb, {0: 0, 1: 1, 2: 2})
     _hooks._ROUTES.clear()
+
+
+# ----------------------------------------------------------------------------- the demo's part
+def test_demo_other_routes_and_refusals():
+    from replay_ops.demo import DemoConfig, injection, run
+
+    a = routes(20, seed=9)
+    b, n = injection.other_routes(a, (0, 2), 16, 0.1, np.random.default_rng(0))
+    changed = (np.sort(b[:, [0, 2]], -1) != np.sort(a[:, [0, 2]], -1)).any(-1)
+    assert n == 3 and changed.all(1).sum() == 3 and changed[-1].all()  # 2 + the last row
+    assert (b[:, 1] == a[:, 1]).all()  # the dense layer's column is left alone
+    assert all(len(set(r)) == 2 for r in b[:, [0, 2]].reshape(-1, 2).tolist())
+    for engine in ("builtin", "sglang"):
+        cfg = DemoConfig.from_size("tiny", engine=engine, inject=True, out="/nonexistent/x")
+        with pytest.raises(ValueError, match="--inject and --resume"):
+            run(cfg)
+
+
+def test_demo_report_lines():
+    from replay_ops.demo.report import injection_lines, resume_lines
+
+    s = {"model": {"moe_layer_ids": [0, 1]},
+         "injection": {"requests": 2, "own_routes": {"tokens_equal": 2, "logprobs_equal": 2,
+                                                      "routes_equal": 2, "max_abs_dlogprob": 0.0,
+                                                      "requests": 2},
+                       "batch_rerun_without_routes": {"tokens_equal": 2, "logprobs_equal": 1},
+                       "other_routes": {"rows_changed": 3, "rows": 30, "positions_checked": 30},
+                       "r3_plain": {"kl_k3_mean": 1e-5, "abs_dlogprob_max": 0.01},
+                       "r3_other_routes": {"kl_k3_mean": 2e-5, "abs_dlogprob_max": 0.02},
+                       "throughput": {"tokens": 40, "runs": 2, "off_tok_s": 10.0,
+                                      "on_tok_s": 9.0, "overhead_pct": 11.1}},
+         "resume": {"resumed_requests": 2, "learning_rate": 0.003, "prefix_rows": 10,
+                    "without_injection": {"prefix_routes_differ_per_layer": [0.1, 0.2],
+                                          "prefix_routes_differ": 0.15,
+                                          "training_r3": {"prefix_routes_replayed_differ": 0.15,
+                                                          "resumed_tokens_kl_k3_mean": 1e-5}},
+                    "with_injection": {"prefix_routes_differ_per_layer": [0.0, 0.0],
+                                       "prefix_routes_differ": 0.0,
+                                       "training_r3": {"prefix_routes_replayed_differ": 0.0,
+                                                       "resumed_tokens_kl_k3_mean": 1e-5}}}}
+    text = "\n".join(injection_lines(s) + resume_lines(s))
+    assert "tokens equal 2/2" in text and "at all 30 positions" in text
+    assert "(+11.1% time)" in text
+    assert "      1 |     20.00% |      0.00%" in text and "  all |     15.00% |      0.00%" in text
