@@ -23,7 +23,7 @@ vLLM. Active, it hooks three places (read from vLLM 0.32's source; nothing is co
   capture records), so chunked prefill, preemption and recompute force the same routes;
   every MoE router's `_compute_routing` then replaces the forced rows' expert ids, and
   their gate weights are recomputed from the current router logits at those ids (the
-  router's own formula and dtype: see `_hooks.forced_weights`). vLLM's capture, which
+  router's own formula and dtype: see `_hooks.forced_weights_fn`). vLLM's capture, which
   runs after, records the forced ids, so the returned `routed_experts` show them.
 
 Limits (each refused loudly at start-up or per request, never silently ignored): Model
