@@ -326,4 +326,11 @@ setup(
         "demo": ["tqdm", "matplotlib"],
         "test": ["pytest", "hypothesis"],
     },
+    # vLLM and SGLang load these in their processes; they do nothing unless
+    # REPLAY_OPS_VLLM_INJECT=1 / REPLAY_OPS_SGLANG_INJECT=1 (route injection,
+    # replay_ops/integrations/vllm and replay_ops/integrations/sglang)
+    entry_points={
+        "vllm.general_plugins": ["replay_ops_inject = replay_ops.integrations.vllm:register"],
+        "sglang.srt.plugins": ["replay_ops_inject = replay_ops.integrations.sglang:register"],
+    },
 )

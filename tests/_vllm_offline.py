@@ -2,7 +2,11 @@
 process (`LLM.generate`), with the routing as `RequestOutput.outputs[0].routed_experts`
 hands it over. Writes what came back to an .npz (no pickles) and a JSON of the Python types.
 
-usage: python _vllm_offline.py MODEL_DIR OUT_PREFIX PROMPTS_JSON MAX_TOKENS
+usage: python _vllm_offline.py MODEL_DIR OUT_PREFIX PROMPTS_JSON MAX_TOKENS [EXTRA_ARGS_JSON]
+
+EXTRA_ARGS_JSON: a JSON list of (prompt index, SamplingParams.extra_args) run as further
+requests after the prompts (route injection sent to this engine, whose replay_ops plugin is
+not turned on).
 """
 import json
 import sys
@@ -12,6 +16,7 @@ import numpy as np
 
 def main() -> None:
     model, out, prompts_json, max_tokens = sys.argv[1:5]
+    extra = json.loads(sys.argv[5]) if len(sys.argv) > 5 else []
     from vllm import LLM, SamplingParams
 
     prompts = json.loads(prompts_json)
@@ -19,6 +24,10 @@ def main() -> None:
               enable_return_routed_experts=True, enable_prefix_caching=True)
     params = [SamplingParams(max_tokens=int(max_tokens), min_tokens=int(max_tokens),
                              ignore_eos=True, seed=i, logprobs=0) for i in range(len(prompts))]
+    params += [SamplingParams(max_tokens=int(max_tokens), min_tokens=int(max_tokens),
+                              ignore_eos=True, seed=i, logprobs=0, extra_args=args)
+               for i, args in extra]
+    prompts = prompts + [prompts[i] for i, _ in extra]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     arrays, types = {}, []
     for i, o in enumerate(outs):

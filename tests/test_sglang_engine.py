@@ -8,6 +8,11 @@ that most tests use, and a DeepSeek-V3 whose layer 0 is dense in fp32 (form 7). 
 training side is the same checkpoint in fp32 through transformers, patched with
 `replay_ops.integrations.hf`.
 
+The Qwen3-MoE's server runs with replay_ops' route-injection plugin turned on
+(REPLAY_OPS_SGLANG_INJECT=1, replay_ops.integrations.sglang), which is inert for requests
+without routes: the same server serves the plain tests and the injection tests (after
+`# route injection` below).
+
 Expected values come from SGLang's payload decoded here with numpy (not by the adapter),
 and are compared with the routing the patched model actually used. With
 REPLAY_OPS_REQUIRE_CLIENTS=1 (`make test`) an SGLang that is missing or does not start
@@ -38,6 +43,7 @@ from replay_ops.router_replay.adapters import (  # noqa: E402
     sglang_sequences,
 )
 from replay_ops.router_replay.adapters.sglang import openai_meta_infos  # noqa: E402
+from replay_ops.router_replay import inject  # noqa: E402
 from replay_ops.testing import tiny  # noqa: E402
 
 import _engine_helpers as h  # noqa: E402
@@ -47,6 +53,8 @@ MODEL = dict(vocab_size=256, hidden_size=64, num_heads=2, top_k=K, expert_size=3
              initializer_range=0.06, num_layers=L, num_experts=E)
 GEN = 8
 PROMPT_LENS = h.PROMPT_LENS
+MAX_PAYLOAD = 65536  # REPLAY_OPS_INJECT_MAX_BYTES of the Qwen3-MoE's server
+QWEN = ModelShape(E, K, (0, 1, 2), L)
 
 
 def _unavailable(msg: str):
@@ -77,8 +85,9 @@ def servers(tmp_path_factory):
     template = root / "chat_template.jinja"  # the checkpoint's tokenizer has none
     template.write_text(CHAT_TEMPLATE)
     qwen = sglang_engine.SglangServer(path, runtime, dtype="bfloat16", context_length=512,
-                                      start_timeout=600,
-                                      extra_args=("--chat-template", str(template)))
+                                      start_timeout=600, inject=True,
+                                      extra_args=("--chat-template", str(template)),
+                                      env={inject.MAX_BYTES_ENV: str(MAX_PAYLOAD)})
     ds_model = tiny.tiny_model("deepseek_v3", seed=0, **MODEL)  # layer 0 dense
     ds_path = sglang_engine.save_checkpoint(ds_model, str(root / "deepseek_v3"))
     ds = sglang_engine.SglangServer(ds_path, runtime, dtype="float32", context_length=512,
@@ -409,3 +418,170 @@ def test_payload_refused_for_another_model(server, trainer):
         sglang_sequences([g.meta_info], [g.seq_len], dense1, num_layers=L)
     with pytest.raises(RoutingMismatchError, match=r"do not fit the expected"):
         sglang_sequences([g.meta_info], [g.seq_len], ModelShape(E, 4, (0, 1, 2), L))
+
+
+# ----------------------------------------------------------------------------- route injection
+def random_routes(n: int, seed: int) -> np.ndarray:
+    """[n, L, K] distinct experts per token and layer."""
+    g = np.random.default_rng(seed)
+    return np.stack([np.stack([g.permutation(E)[:K] for _ in range(L)]) for _ in range(n)])
+
+
+def test_inject_own_routes_changes_nothing(server):
+    """Result 1: a greedy request that injects the routes SGLang chose itself (prompt and
+    generated positions) gets the same tokens, log-probs and routes, bit for bit. (Its
+    routes give it its own radix-cache namespace, so it is computed afresh, as the plain
+    request was; SGLang's seeded sampling is not repeatable on its CPU engine, hence
+    greedy.)"""
+    for i, p in enumerate(h.prompts(21, MODEL["vocab_size"], [9, 13, 17])):
+        plain = server.generate(p, GEN, temperature=0.0)
+        own = decode(plain.meta_info["routed_experts"])
+        assert own.shape[0] == len(p) + GEN - 1
+        same = server.generate(p, GEN, temperature=0.0,
+                               custom_params=inject.request_args(own, num_experts=E))
+        assert same.token_ids == plain.token_ids
+        assert same.logprobs == plain.logprobs  # exactly
+        assert np.array_equal(decode(same.meta_info["routed_experts"]), own)
+        assert same.meta_info["cached_tokens"] == 0
+
+
+def test_inject_differing_routes_replay_exactly(server, trainer):
+    """Result 2: 10% of each request's rows (prompt and generated positions) take other
+    experts: SGLang returns exactly the injected routes at every position and layer, and the
+    training model replaying them (R3) agrees with SGLang's log-probs as closely as for
+    requests without injection."""
+    ps = prompts(22)
+    plain = server.generate_batch(ps, [GEN] * len(ps))
+    g = np.random.default_rng(22)
+    alts = []
+    for c in plain:
+        a = decode(c.meta_info["routed_experts"]).astype(np.int64)
+        n = a.shape[0]
+        for t in set(g.choice(n, max(1, n // 10), replace=False).tolist()) | {n - 1}:
+            for lid in range(L):
+                while True:
+                    new = g.permutation(E)[:K]
+                    if set(new) != set(a[t, lid]):
+                        break
+                a[t, lid] = new
+        alts.append(a)
+    inj = server.generate_batch(ps, [GEN] * len(ps), custom_params=[
+        inject.request_args(a, num_experts=E) for a in alts])
+    for i, (a, c) in enumerate(zip(alts, inj)):
+        got = decode(c.meta_info["routed_experts"])
+        assert np.array_equal(got, a), f"request {i}"
+        assert inject.check_returned(a, got, shape=QWEN) == a.shape[0]
+    ids = list(range(len(ps)))
+    res = {}
+    for name, gens in (("plain", plain), ("injected", inj)):
+        routing, mask, _ = sglang_rollout.routing_from_generations(dict(zip(ids, gens)),
+                                                                   trainer.moe)
+        seqs = {i: torch.tensor(gens[i].prompt_ids + gens[i].token_ids) for i in ids}
+        used, lp = h.replay(trainer, seqs, {i: len(ps[i]) for i in ids}, routing, mask)
+        res[name] = metrics.compare(used, lp, routing,
+                                    {i: torch.tensor(gens[i].logprobs) for i in ids}, ids,
+                                    infer_mask=mask)
+        print(f"{name}: routing mismatch own {res[name]['own']['routing_mismatch']:.4f}, k3 KL "
+              f"own {res[name]['own']['kl_k3_mean']:.3e}, R3 {res[name]['R3']['kl_k3_mean']:.3e}"
+              f", R3 max|dlogprob| {res[name]['R3']['abs_dlogprob_max']:.4f}")
+    r3_plain, r3_inj = res["plain"]["R3"], res["injected"]["R3"]
+    assert r3_inj["routing_mismatch"] == 0.0
+    assert r3_inj["abs_dlogprob_max"] < 0.1
+    assert r3_inj["kl_k3_mean"] < 3 * r3_plain["kl_k3_mean"] + 1e-6
+    assert res["injected"]["own"]["routing_mismatch"] > res["plain"]["own"]["routing_mismatch"]
+
+
+def test_inject_bad_requests_refused_alone(server):
+    """Bad routes are refused per request (HTTP 400 naming the problem) in the server
+    process; a good request sent at the same time is unaffected."""
+    import concurrent.futures
+
+    p = prompts(23)[2]  # 12 tokens; with GEN=8, positions 0..18 are run
+    good = random_routes(len(p) + GEN - 1, 23)
+    args = inject.request_args(good, num_experts=E)
+    ref = server.generate(p, GEN, temperature=0.0, custom_params=args)
+    r = random_routes(4, 24)
+    dup = r.copy()
+    dup[2, 1] = [5, 5]
+    bad = [
+        (inject.request_args(random_routes(2, 25)[:, :2], num_experts=E), r"L=2"),
+        (inject.request_args(r[:, :, :1], num_experts=E), r"K=1 experts per token, the model "
+                                                          r"has top_k=2"),
+        (inject.request_args(np.full((2, L, K), E), num_experts=E),
+         rf"expert {E}, out of range for num_experts={E}"),
+        (inject.request_args(dup, start=3, num_experts=E),
+         r"token 5, MoE layer 1 repeats an expert \[5, 5\]"),
+        (inject.request_args(r, start=16, num_experts=E), r"4 token rows, more than the "
+                                                          r"request's 3"),
+        ({inject.ROUTES_KEY: "A" * (MAX_PAYLOAD + 4)}, rf"more than the limit of "
+                                                       rf"{MAX_PAYLOAD} bytes"),
+        ({inject.ROUTES_KEY: "@@@@"}, r"not valid base64"),
+        ({inject.START_KEY: 3}, r"replay_ops_routes_start was given without "
+                                r"replay_ops_routes"),
+    ]
+    with concurrent.futures.ThreadPoolExecutor(len(bad) + 1) as ex:
+        ok = ex.submit(server.generate, p, GEN, temperature=0.0, custom_params=args)
+        futs = [ex.submit(server.generate, p, GEN, temperature=0.0, custom_params=x)
+                for x, _ in bad]
+        for f, (_, msg) in zip(futs, bad):
+            with pytest.raises(HttpError, match=msg) as e:
+                f.result()
+            assert e.value.status == 400
+        out = ok.result()
+    assert out.token_ids == ref.token_ids
+    assert np.array_equal(decode(out.meta_info["routed_experts"]), good)
+
+
+def test_inject_radix_cache_keeps_routes_apart(server):
+    """The radix cache shares KV by token ids; a request with routes gets its own namespace
+    (a digest of its routes in `extra_key`): the same prompt without routes never reuses KV
+    computed with them, and the same routes again reuse all of it."""
+    p = h.prompts(25, MODEL["vocab_size"], [40])[0]
+    alt = random_routes(40, 26)
+    args = inject.request_args(alt, num_experts=E)
+    r1 = server.generate(p, 4, temperature=0.0, custom_params=args)
+    r2 = server.generate(p, 4, temperature=0.0)
+    r3 = server.generate(p, 4, temperature=0.0, custom_params=args)
+    r4 = server.generate(p, 4, temperature=0.0)
+    a1, a2, a3, a4 = (decode(r.meta_info["routed_experts"]) for r in (r1, r2, r3, r4))
+    assert [r.meta_info["cached_tokens"] for r in (r1, r2)] == [0, 0]
+    assert r3.meta_info["cached_tokens"] >= 39 and r4.meta_info["cached_tokens"] >= 39
+    assert np.array_equal(a1[:40], alt) and np.array_equal(a3, a1)
+    assert (a2[:40] != alt).any(-1).any(-1).sum() > 20
+    assert np.array_equal(a4, a2) and r4.token_ids == r2.token_ids
+
+
+def test_inject_survives_retraction(server):
+    """A request streaming its tokens is retracted after its third token
+    (/pause_generation, mode "retract", then /continue_generation: its KV is freed and it is
+    prefilled again, prompt and generated tokens). Its routes at every position, the
+    re-prefilled ones included, come back exactly as injected (miles #3307: without them the
+    re-prefill's routes replace the ones the tokens were generated with)."""
+    import json
+    import urllib.request
+
+    p = h.prompts(27, MODEL["vocab_size"], [20])[0]
+    G = 24
+    alt = random_routes(20 + G - 1, 27)
+    sp = server.sampling(G, 1.0, 3)
+    sp["custom_params"] = inject.request_args(alt, num_experts=E)
+    body = {"input_ids": p, "sampling_params": sp, "return_logprob": True,
+            "return_routed_experts": True, "stream": True}
+    req = urllib.request.Request(server.url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    last, chunks = None, 0
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            last = json.loads(line[5:])
+            chunks += 1
+            if chunks == 3:
+                assert server.post("/pause_generation", {"mode": "retract"})["status"] == "ok"
+                assert server.post("/continue_generation", {})["status"] == "ok"
+    meta = last["meta_info"]
+    assert meta["num_retractions"] >= 1 and meta["completion_tokens"] == G
+    got = decode(meta["routed_experts"])
+    assert np.array_equal(got, alt)
+    assert inject.check_returned(alt, got, shape=QWEN) == 20 + G - 1

