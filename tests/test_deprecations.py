@@ -54,6 +54,13 @@ def _megatron():
     return megatron
 
 
+def _router_slot():
+    with warnings.catch_warnings():  # megatron-core's own warnings when it is first imported
+        warnings.simplefilter("ignore")
+        from replay_ops.integrations.megatron.layers import RouterSlot
+    return RouterSlot(None, "r", 2, False, None, 0)
+
+
 # (id, the call that warns: a lambda on one line, the line its warning must point at)
 CASES = [
     # module attributes
@@ -87,6 +94,7 @@ CASES = [
     # functions
     ("megatron.pack_thd", lambda: _megatron().pack_thd(_routes(), LENS, align=4)),
     ("hf.native_topk", lambda: hf.native_topk("mixtral", types.SimpleNamespace(top_k=2), torch.randn(3, 8))),
+    ("RouterSlot.column", lambda: _router_slot().column("moe", [2], 3)),
     # modules
     ("integrations.hf_block", lambda: __import__(_unload("replay_ops.integrations.hf_block"))),
     ("distributed.hf", lambda: __import__(_unload("replay_ops.distributed.hf"))),

@@ -58,6 +58,7 @@ from .batch import (
     ReplayBatch,
     RoutingMismatchError,
     SequenceRouting,
+    _mark_checked,
     _short,
     as_tensor,
     b64_size,
@@ -502,4 +503,6 @@ def sglang_batch(meta_infos, seq_lens, prompt_lens, model_shape, *, starts=None,
     seqs = sglang_sequences(meta_infos, seq_lens, model_shape, starts=starts, requests=requests,
                             num_layers=num_layers, prefix_routing=prefix_routing,
                             omitted=omitted, allow_missing=allow_missing)
-    return pack(seqs, prompt_lens, packing, max_prompt_len, max_response_len)
+    # scanned against model_shape per turn (`to_moe`); packing adds only -1 rows, mask False
+    return _mark_checked(pack(seqs, prompt_lens, packing, max_prompt_len, max_response_len),
+                         model_shape)

@@ -8,7 +8,8 @@ from typing import Any, Mapping
 import torch
 
 from ..._validate import signed_routing
-from .batch import ModelShape, ReplayBatch, RoutingMismatchError, as_tensor, to_moe
+from .batch import (ModelShape, ReplayBatch, RoutingMismatchError, _mark_checked, as_tensor,
+                    first_unrouted, to_moe)
 from ..._deprecated import renamed_keyword
 
 
@@ -101,8 +102,17 @@ def from_verl_padded(
         moe, mapping = to_moe(model_shape, idx, who, arrived_as=dtype)
     except RoutingMismatchError as e:
         raise RoutingMismatchError(f"{e} (flattened token index = b * S + s, S={S})") from None
-    return ReplayBatch(moe.reshape(B, S, model_shape.num_moe_layers, K), mask, None,
-                       [mapping] * B)
+    hit = first_unrouted(moe, mask.reshape(-1))
+    if hit is not None:
+        b, s = divmod(hit[0], S)
+        layers = [model_shape.moe_layer_ids[j] for j in hit[1]]
+        raise RoutingMismatchError(
+            f"{who}: row (b={b}, s={s}) is among the rows to replay but has no route (every "
+            f"slot -1) in MoE layers {layers}; replayed, it would get no expert there. Leave "
+            f"it out with replay_mask, or route it in every MoE layer")
+    # every row was scanned against model_shape (`to_moe`), every row to replay is routed
+    return _mark_checked(ReplayBatch(moe.reshape(B, S, model_shape.num_moe_layers, K), mask,
+                                     None, [mapping] * B), model_shape)
 
 
 def _padded_mask(replay_mask, am: torch.Tensor, who: str) -> torch.Tensor:

@@ -73,15 +73,17 @@ import torch
 
 from .batch import (
     ModelShape,
+    MoEColumns,
     MultiTurnRouting,
     ReplayBatch,
     RoutingMismatchError,
     SequenceRouting,
+    _mark_checked,
     as_tensor,
     check_batch,
-    check_dense_columns,
     decode_b64,
     missing_sequence,
+    moe_columns,
     pack,
     packing_arg,
 )
@@ -191,21 +193,13 @@ def _as_routing(x, model_shape: ModelShape, who: str, max_rows: int | None = Non
     return t
 
 
-def _check_not_zero_filled(t: torch.Tensor, model_shape: ModelShape, who: str) -> None:
-    """Refuse zero-filled routing (see the module docstring for the top_k == 1 rule)."""
-    if t.dim() != 3 or t.shape[0] == 0 or t.shape[2] != model_shape.top_k:
-        return  # the shape checks that follow name the problem
-    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-        return  # so does the dtype check
-    L = t.shape[1]
-    try:
-        mapping = model_shape.mapping_for(L, who, error=RoutingMismatchError)
-    except RoutingMismatchError:
+def _check_not_zero_filled(cols: MoEColumns, model_shape: ModelShape, who: str) -> None:
+    """Refuse zero-filled routing (see the module docstring for the top_k == 1 rule), in the
+    MoE columns of a payload (`moe_columns`: its mapping decided, its dense columns
+    checked)."""
+    moe = cols.routing
+    if moe.shape[0] == 0:
         return
-    cols = model_shape.columns(mapping)
-    if mapping == "absolute":  # a model shape with other dense layers is the better message
-        check_dense_columns(model_shape, t, who)
-    moe = t[:, cols, :]
     zero = (moe == 0).all(dim=2)  # [n, L_moe]
     if not bool(zero.any()):
         return
@@ -311,6 +305,7 @@ def vllm_sequences(
                     f"{t.shape[0]} token rows but "
                     f"{what} = {want} ({lens}{f', prompt_start={start}' if start else ''})"
                     f"{_hint(t.shape[0], seq_len - 1) if not start else ''}")
+            t = moe_columns(model_shape, t, tw)  # the payload's one mapping decision
             _check_not_zero_filled(t, model_shape, tw)
             if start > acc.rows:
                 gap = (acc.rows, start)
@@ -323,6 +318,7 @@ def vllm_sequences(
                             f"{gap[0]}..{gap[1] - 1} ({start - acc.rows} rows, "
                             f"routed_experts_prompt_start={start}); slice the earlier "
                             f"request's routing to the shared prefix")
+                    p = moe_columns(model_shape, p, pw)
                     _check_not_zero_filled(p, model_shape, pw)
                     acc.add_turn(p, start + 1, acc.rows)
                     acc.turns -= 1  # the prefix is not a turn of its own
@@ -380,4 +376,8 @@ def vllm_batch(routed_experts, prompt_lens, response_lens, model_shape, *, packi
                           prompt_starts=prompt_starts, prefix_routing=prefix_routing,
                           omitted=omitted, allow_missing=allow_missing, narrowed=narrowed,
                           truncated=truncated)
-    return pack(seqs, prompt_lens, packing, max_prompt_len, max_response_len)
+    # the sequences' values were scanned against model_shape (`to_moe`), their masks say
+    # which rows are routed in every MoE layer, and packing adds only -1 rows with mask
+    # False: the batch is checked for model_shape without another scan
+    return _mark_checked(pack(seqs, prompt_lens, packing, max_prompt_len, max_response_len),
+                         model_shape)
