@@ -163,7 +163,8 @@ def _sequence_parts(routings, seq_lens, who):
             continue
         if r is None:
             raise LayoutError(f"{who}: sequence {i} has no routing (None); build it with the "
-                              f"rollout adapters' allow_missing=True to run it with native top-k")
+                              f"rollout adapters' allow_missing=True to run it with the "
+                              f"model's own top-k")
         idx, dtype = _as_index_tensor(r, f"{who}: sequence {i}")
         if idx.dim() != 3:
             raise LayoutError(f"{who}: sequence {i} routing must be [rows, L, K], got shape "

@@ -284,7 +284,7 @@ def set_replay_routing(model, routing: torch.Tensor | ReplayBatch, *, layer_inde
 def set_replay_action(model, action: RouterReplayAction | None, *,
                       include_mtp: bool = False) -> int:
     """Set the replay action of this model's MoE routers only (not every router in
-    Megatron's global list). Excluded MTP routers get None (native routing). Returns the
+    Megatron's global list). Excluded MTP routers get None (the model's own routing). Returns the
     number of routers given `action`."""
     n = 0
     for s in find_moe_routers(model, include_mtp=True):

@@ -117,7 +117,7 @@ def routed_rows(moe: torch.Tensor, who: str, layer_ids: Sequence[int],
                 token_offset: int = 0) -> torch.Tensor:
     """The replay mask of MoE routing [n, L_moe, K]: True for a token routed in every MoE
     layer, False for one with no route at all (every slot -1: the engine returned none, so
-    the token keeps native top-k). A token routed in some MoE layers and not in others
+    the token keeps the model's own top-k). A token routed in some MoE layers and not in others
     raises RoutingMismatchError naming it (`token_offset` + its row) and the layers."""
     if moe.numel() == 0:
         return torch.ones(moe.shape[0], dtype=torch.bool)
@@ -131,7 +131,7 @@ def routed_rows(moe: torch.Tensor, who: str, layer_ids: Sequence[int],
             f"{who}: token {t + token_offset} has no route (every slot -1) in MoE layers "
             f"{layers} but routes in the other MoE layers; replayed, it would get no expert "
             f"in those layers. A token is routed in every MoE layer, or not at all (-1 "
-            f"everywhere: replay mask False, native top-k)")
+            f"everywhere: replay mask False, the model's own top-k)")
     return ~none
 
 
@@ -226,7 +226,7 @@ def missing_sequence(model_shape: ModelShape, n: int) -> SequenceRouting:
 
 def check_batch(routings: Sequence, batch_size: int, who: str, allow_missing: bool) -> None:
     """One entry per request (None for no routing); missing entries are an error unless
-    `allow_missing` (the requests then run with native top-k)."""
+    `allow_missing` (the requests then run with the model's own top-k)."""
     if len(routings) != batch_size:
         raise RoutingMismatchError(
             f"{who}: got routing for {len(routings)} requests but the batch has {batch_size}; "
@@ -239,7 +239,8 @@ def check_batch(routings: Sequence, batch_size: int, who: str, allow_missing: bo
         raise RoutingMismatchError(
             f"{who}: requests {missing[:16]}{'...' if len(missing) > 16 else ''} have no routing "
             f"({have} of {batch_size} requests do); the routing was lost between rollout and "
-            f"training. Pass allow_missing=True to run those requests with native top-k"
+            f"training. Pass allow_missing=True to run those requests with the model's own "
+            f"top-k"
         )
 
 
@@ -310,7 +311,7 @@ class MultiTurnRouting:
         self.turns += 1
 
     def add_masked(self, n: int, why: str) -> None:
-        """Append `n` rows without routing (-1, replay mask False: native top-k), e.g. a
+        """Append `n` rows without routing (-1, replay mask False: the model's own top-k), e.g. a
         prompt prefix the engine omitted and nobody supplied, under an explicit policy.
         `why` is kept in `masked` for the caller's report."""
         if n < 0:

@@ -37,7 +37,7 @@ Refused (`RoutingMismatchError` naming the request, the turn and the row or laye
 * a row count other than `prompt_len + response_len - 1 - start`;
 * rows omitted by a start > 0 that are neither supplied (`prefix_routing[i]`, or an earlier
   turn of a multi-turn entry) nor explicitly masked out (`omitted="mask"`: -1 rows with
-  replay_mask False, native top-k there); they are never zero-filled;
+  replay_mask False, the model's own top-k there); they are never zero-filled;
 * zero-filled routing (a kernel path that bypassed vLLM's capture returned its zero-
   initialised rows, vLLM issue 54730): with top_k >= 2 any (token, MoE layer) whose K ids
   are all 0; with top_k == 1, where a zero is also a route to expert 0, a turn whose every
@@ -249,7 +249,7 @@ def vllm_sequences(
     `prefix_routing[i]`: the routing of the `prompt_starts[i]` omitted rows when the caller
     has it (an earlier request over the same prefix, sliced to those rows), in any form of
     a single payload. `omitted`: what to do with omitted rows nobody supplied: "error"
-    (default) or "mask" (-1, replay_mask False: those tokens keep native top-k).
+    (default) or "mask" (-1, replay_mask False: those tokens keep the model's own top-k).
     `narrowed`, `truncated[i]`: payloads re-encoded by the sender (module docstring).
     """
     who = "vllm routed_experts"
@@ -331,8 +331,8 @@ def vllm_sequences(
                         f"(routed_experts_prompt_start={start}) and "
                         f"{'no earlier turn covers them' if j else 'nothing supplies them'}. "
                         f"Supply them (prefix_routing[{i}], or the earlier turn as a multi-turn "
-                        f"entry), or pass omitted='mask' to run those tokens with native top-k"
-                        f"; they are never zero-filled")
+                        f"entry), or pass omitted='mask' to run those tokens with the "
+                        f"model's own top-k; they are never zero-filled")
             acc.add_turn(t, seq_len + last, start)
         if cut:  # every token has a route: no final row without one
             seq = acc.sequence(P + G + 1)
