@@ -293,3 +293,40 @@ def test_gate_output_equals_the_tensor_path():
         assert torch.equal(pa[lid].expert_indices, pt[lid].expert_indices)
         assert torch.equal(pa[lid].weights, pt[lid].weights)
     assert replay_ops.router_replay.ReplayBatch is ReplayBatch
+
+
+def test_sources_refuse_a_row_to_replay_without_a_route_in_some_layer(tmp_path):
+    """verl's padded routing and a record file: a token to replay with no route in one MoE
+    layer is refused where the batch is made (it could not be marked checked)."""
+    from replay_ops.router_replay.adapters import from_verl_padded
+
+    r = torch.from_numpy(rows(8, 3, seed=12).astype(np.int16)).view(2, 4, 3, K)
+    r[1, 1, 2] = -1
+    am = torch.ones(2, 4, dtype=torch.bool)
+    with pytest.raises(RoutingMismatchError, match=r"row \(b=1, s=1\) is among the rows to "
+                                                   r"replay but has no route .* MoE layers \[4\]"):
+        from_verl_padded(r, am, SHAPE)
+    keep = am.clone()
+    keep[1, 1] = False
+    b = from_verl_padded(r, am, SHAPE, replay_mask=keep)
+    assert b.checked_for(SHAPE) and not bool(b.replay_mask[1, 1])
+    p = tmp_path / "holey.safetensors"
+    flat = r.view(8, 3, K).clone()
+    files.write_routing(p, flat, files.RecordMeta(shape=SHAPE), cu_seqlens=[0, 8])
+    with pytest.raises(files.RoutingFileError, match=r"token 5 has no route \(every slot -1\) "
+                                                     r"in MoE layers \[4\] but routes in the "
+                                                     r"other MoE layers"):
+        files.open_routing(p).batch(SHAPE)
+
+
+def test_recorded_batch_is_scanned_even_without_validate():
+    """The mark promises a scan: recorded_batch scans the recording whatever validate says."""
+    rr = RouterReplay(RouterReplayConfig(mode="R2", validate=False), shape=SHAPE)
+    rr.set_action(ReplayAction.RECORD)
+    logits = torch.randn(3, E, generator=torch.Generator().manual_seed(3))
+    for lid in MOE_IDS:
+        fn = (lambda x: torch.tensor([[1, 2], [4, 4], [0, 1]])) if lid == 4 else own_topk
+        rr.route(lid, logits, topk_fn=fn)
+    rr.recorded()  # not scanned: validate=False
+    with pytest.raises(RouterReplayError, match=r"token 1, MoE layer 4 repeats an expert"):
+        rr.recorded_batch()

@@ -80,7 +80,8 @@ def _scheme(scheme, layout, who: str, default=None):
 
 
 class LayoutError(RoutingError, ValueError):
-    """Routing whose layout does not match the tokens it is meant to follow."""
+    """Routing whose layout does not match the tokens it is meant to follow, or whose
+    layers do not match the model's (`set_replay_routing`)."""
 
 
 # ----------------------------------------------------------------------------- checks
