@@ -18,11 +18,23 @@ import torch
 
 import replay_ops
 from replay_ops import _validate
-from replay_ops.router_replay import (ModelShape, ReplayAction, ReplayBatch, RouterReplay,
-                                     RouterReplayConfig, RouterReplayError, files, shape as
-                                     shape_mod)
-from replay_ops.router_replay.adapters import (RoutingMismatchError, encode_sglang, encode_vllm,
-                                               sglang_batch, vllm_batch)
+from replay_ops.router_replay import (
+    ModelShape,
+    ReplayAction,
+    ReplayBatch,
+    RouterReplay,
+    RouterReplayConfig,
+    RouterReplayError,
+    files,
+)
+from replay_ops.router_replay import shape as shape_mod
+from replay_ops.router_replay.adapters import (
+    RoutingMismatchError,
+    encode_sglang,
+    encode_vllm,
+    sglang_batch,
+    vllm_batch,
+)
 
 E, K = 8, 2
 MOE_IDS = (1, 2, 4)
@@ -107,7 +119,7 @@ def test_vllm_payload_reaches_the_gate_with_one_scan_and_one_mapping_decision(L,
     for j, lid in enumerate(MOE_IDS):
         got = plans[lid].expert_indices
         for i, a in enumerate(payloads):
-            col = MOE_IDS[j] if L == 5 else j
+            col = lid if L == 5 else j
             assert torch.equal(got[cu[i]:cu[i + 1] - 1].long(), torch.from_numpy(a[:, col]).long())
             assert torch.equal(got[cu[i + 1] - 1].long(), own_topk(logits[cu[i + 1] - 1]).long())
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import sys
 import weakref
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -91,7 +91,7 @@ class _QueueEntry:
     backward: a skipped step, an evaluation forward with grad enabled): such an entry can
     never be recomputed, and popping it would replay another batch's routing."""
 
-    __slots__ = ("indices", "alive", "token_ref", "__weakref__")
+    __slots__ = ("__weakref__", "alive", "indices", "token_ref")
 
     def __init__(self, indices: torch.Tensor):
         self.indices = indices

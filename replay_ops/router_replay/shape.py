@@ -91,7 +91,7 @@ class ModelShape:
         return cls(obj.num_experts, obj.top_k, tuple(obj.moe_layer_ids), obj.num_hidden_layers)
 
     @classmethod
-    def from_megatron(cls, config, *, include_mtp: bool = False) -> "ModelShape":
+    def from_megatron(cls, config, *, include_mtp: bool = False) -> ModelShape:
         """The shape of a Megatron-Core model, from its `TransformerConfig`: `num_moe_experts`,
         `moe_router_topk`, and the MoE layers of `num_layers` by `moe_layer_freq` (an int N:
         layers 0, N, 2N, ...; or a 0/1 list, one entry per layer, e.g. `[0]*3 + [1]*58`
@@ -105,8 +105,10 @@ class ModelShape:
         layer, and `num_hidden_layers` is `num_layers + mtp_num_layers`."""
         who = "ModelShape.from_megatron"
         n = config.num_layers
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"{who}: num_layers must be an integer >= 1, got {n!r}")
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"{who}: num_layers must be an integer, got {n!r}")
+        if n < 1:
+            raise ValueError(f"{who}: num_layers must be >= 1, got {n}")
         if getattr(config, "num_moe_experts", None) is None:
             raise ValueError(f"{who}: num_moe_experts is None: the config has no MoE layer, "
                              f"so there is no routing to replay")
@@ -124,7 +126,7 @@ class ModelShape:
     def num_moe_layers(self) -> int:
         return len(self.moe_layer_ids)
 
-    def differences(self, other: "ModelShape", mine: str = "this", theirs: str = "other"
+    def differences(self, other: ModelShape, mine: str = "this", theirs: str = "other"
                     ) -> list[str]:
         """What differs between two shapes, one entry per field, each naming both values
         (`mine`, `theirs`: the words for each side); empty when they are equal."""
@@ -164,8 +166,8 @@ def megatron_moe_pattern(freq, num_layers: int, who: str = "megatron_moe_pattern
     `+` and repeated by `*`, as in "([0]*3+[1]*58)"; nothing else is evaluated)."""
     if isinstance(freq, str):
         freq = _pattern_text(freq, who)
-    if isinstance(freq, bool):
-        raise ValueError(f"{who}: moe_layer_freq={freq!r} is not an int or a 0/1 list")
+    if isinstance(freq, bool) or not isinstance(freq, (int, list, tuple)):
+        raise TypeError(f"{who}: moe_layer_freq={freq!r} is not an int or a 0/1 list")
     if isinstance(freq, int):
         if freq < 1:
             raise ValueError(f"{who}: moe_layer_freq={freq} must be >= 1")

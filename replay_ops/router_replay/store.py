@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import RoutingError
 from .._validate import UNSIGNED, signed_routing, unsigned_note
+from ..errors import RoutingError
 from .shape import ModelShape, describe_bad_route, first_bad_route
 
 

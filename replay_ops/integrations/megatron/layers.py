@@ -91,7 +91,7 @@ def model_shape(config, *, include_mtp: bool = False) -> ModelShape:
     """`ModelShape.from_megatron(config, include_mtp=...)`, its errors as LayoutError."""
     try:
         return ModelShape.from_megatron(config, include_mtp=include_mtp)
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         raise LayoutError(str(e)) from None
 
 

@@ -20,8 +20,9 @@ import json
 import math
 import struct
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -399,7 +400,7 @@ class ReplayBatch:
     cp_scheme: str | None = None
     sp_size: int = 1
     sp_rank: int = 0
-    _checked: "_Checked | None" = field(default=None, init=False, repr=False, compare=False)
+    _checked: _Checked | None = field(default=None, init=False, repr=False, compare=False)
 
     # -- the THD frame
     @property
@@ -462,7 +463,7 @@ class ReplayBatch:
         return None if shape is None else shape.layer_ids(self.layer_index)
 
     def check(self, shape: ModelShape, *, who: str = "ReplayBatch.check",
-              error: Callable[[str], Exception] = RoutingMismatchError) -> "ReplayBatch":
+              error: Callable[[str], Exception] = RoutingMismatchError) -> ReplayBatch:
         """This batch checked against `shape` (the scan and the rule: the class docstring).
         Returns the checked batch: this one, or, when the indices arrived unsigned or int8
         or `layer_index` was "auto", a copy with signed indices and the mapping resolved.
@@ -664,7 +665,7 @@ class _Checked:
     version counters at that time. It holds for a batch that still has those tensors,
     unwritten since (the rule: `ReplayBatch`'s docstring)."""
 
-    __slots__ = ("shape", "indices", "mask", "versions")
+    __slots__ = ("indices", "mask", "shape", "versions")
 
     def __init__(self, shape: ModelShape, indices: torch.Tensor, mask: torch.Tensor) -> None:
         self.shape, self.indices, self.mask = shape, indices, mask
