@@ -5,8 +5,8 @@
 Every rank holds the router (replicated) and E/W of the E experts. Each rank replays the
 routing recorded for its own tokens (as a rollout engine would return it: global expert
 ids, some slots empty (-1), and the last token of each sequence without a route, which
-falls back to the native top-k), sends the rows to the experts' owners, and combines the
-results. The script then checks the layer against the same layer run in one process on
+falls back to the model's own top-k), sends the rows to the experts' owners, and combines
+the results. The script then checks the layer against the same layer run in one process on
 the whole batch (rank 0's tokens, then rank 1's, ...): outputs and the experts'
 gradients are bitwise equal, the router gradient (summed over the ranks) equal to fp32
 rounding. It exits with status 1 if they are not.
@@ -76,7 +76,7 @@ def make_batch(rank, tokens, hidden, num_experts, top_k, seed):
     recorded = recorded.to(torch.int16)  # rollout engines send int16
     recorded[torch.rand(tokens, top_k, generator=g) < 0.1] = -1  # empty slots
     replay_mask = torch.ones(tokens, dtype=torch.bool)
-    replay_mask[-1] = False  # the last token has no route: native top-k
+    replay_mask[-1] = False  # the last token has no route: own top-k
     return x, recorded, replay_mask
 
 

@@ -87,6 +87,18 @@ def phase_tp2_sp(rank, world, etp):
     assert torch.equal(rom.sp_gather(rom.sp_scatter(mask, tp_group), tp_group), mask)
     mg = gather_from_sequence_parallel_region(local, group=tp_group)
     assert torch.equal(mg, routing)
+    # a checked ReplayBatch: its rows and its mask follow the same split, still checked
+    from replay_ops.router_replay import ReplayBatch
+
+    shape = rom.model_shape(cfg)
+    batch = ReplayBatch(routing[:, None].to(torch.int16), mask,
+                        torch.tensor([0, T])).check(shape)
+    lb = rom.sp_scatter(batch, tp_group)
+    assert torch.equal(lb.indices[:, 0].long(), local) and (lb.sp_size, lb.sp_rank) == (2, rank)
+    assert torch.equal(lb.replay_mask, rom.sp_scatter(mask, tp_group)) and lb.checked_for(shape)
+    back = rom.sp_gather(lb, tp_group)
+    assert torch.equal(back.indices, batch.indices) and back.sp_size == 1
+    assert torch.equal(back.replay_mask, mask) and back.checked_shape is None
     try:
         rom.sp_scatter(routing[:-1], tp_group)
         raise AssertionError("an odd token count was not detected")
@@ -109,11 +121,16 @@ def phase_cp2(rank, world):
                           dim=1) for i, n in enumerate(lens)]
     align, _ = rom.megatron_thd_alignment(1, 2)
     packed = rom.pack_megatron_thd(routes, lens, align=align, num_experts=E)
+    from replay_ops.router_replay import ModelShape
+
+    shape = ModelShape(E, K, (0, 1, 2))
     for scheme in rom.CP_SCHEMES:
         local = rom.cp_split(packed, 2, rank, scheme)
         back = rom.cp_all_gather(local, cp_group)
         assert torch.equal(back.indices, packed.indices) and torch.equal(back.replay_mask,
                                                                           packed.replay_mask)
+        checked = rom.cp_split(packed.check(shape), 2, rank, scheme)  # the mark is kept
+        assert checked.checked_for(shape) and torch.equal(checked.indices, local.indices)
     # one padded sequence in BSHD: Megatron's zigzag split of the positions
     n = 16
     pos = torch.arange(n)[None]

@@ -54,6 +54,24 @@ def _megatron():
     return megatron
 
 
+def _router_slot():
+    with warnings.catch_warnings():  # megatron-core's own warnings when it is first imported
+        warnings.simplefilter("ignore")
+        from replay_ops.integrations.megatron.layers import RouterSlot
+    return RouterSlot(None, "r", 2, False, None, 0)
+
+
+def _replay_router():
+    """A ReplayTopKRouter without its module state: enough for its own top-k."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from replay_ops.integrations.megatron.router import ReplayTopKRouter
+    r = ReplayTopKRouter.__new__(ReplayTopKRouter)
+    cfg = types.SimpleNamespace(moe_router_pre_softmax=False, moe_router_group_topk=None)
+    r.__dict__.update(config=cfg, score_function="softmax", topk=2, expert_bias=None)
+    return r
+
+
 # (id, the call that warns: a lambda on one line, the line its warning must point at)
 CASES = [
     # module attributes
@@ -87,6 +105,8 @@ CASES = [
     # functions
     ("megatron.pack_thd", lambda: _megatron().pack_thd(_routes(), LENS, align=4)),
     ("hf.native_topk", lambda: hf.native_topk("mixtral", types.SimpleNamespace(top_k=2), torch.randn(3, 8))),
+    ("RouterSlot.column", lambda: _router_slot().column("moe", [2], 3)),
+    ("ReplayTopKRouter.native_topk", lambda: _replay_router().native_topk(torch.randn(3, 8))),
     # modules
     ("integrations.hf_block", lambda: __import__(_unload("replay_ops.integrations.hf_block"))),
     ("distributed.hf", lambda: __import__(_unload("replay_ops.distributed.hf"))),

@@ -58,7 +58,7 @@ def native_rows(router, x):
     replay mask must route to)."""
     with torch.no_grad():
         logits = router.gating(x).view(-1, E)
-        return router.native_topk(logits)
+        return router.own_topk(logits)
 
 
 # ----------------------------------------------------------------------------- actions

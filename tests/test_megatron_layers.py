@@ -189,10 +189,141 @@ def test_global_action_mtp_router_without_target_routes_natively(how):
     assert mtp.router_replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD
     x = torch.randn(S * B, 1, 16)
     with torch.no_grad():
-        native = mtp.native_topk(mtp.gating(x).view(-1, mtp.config.num_moe_experts))
+        native = mtp.own_topk(mtp.gating(x).view(-1, mtp.config.num_moe_experts))
         _, rmap = mtp(x)
     assert torch.equal(rmap, torch.zeros_like(rmap).scatter(1, native, True))
     slots[0].router.router_replay.clear_indices()
     with pytest.raises(rom.ReplayRoutingError, match=r"layer 2\): REPLAY_FORWARD but no target"):
         forward(m)
     RouterReplay.clear_global_router_replay_action()
+
+
+# ------------------------------------------------------------------ the model's shape
+def test_model_shape_from_megatron():
+    import types
+
+    from replay_ops.router_replay import ModelShape
+
+    m = build_gpt(mtp=True)
+    assert rom.model_shape(m.config) == ModelShape(E, K, (1, 2, 4), 5)
+    assert rom.model_shape(m.config, include_mtp=True) == ModelShape(E, K, (1, 2, 4, 5), 6)
+
+    def cfg(freq, n=6, **kw):
+        return types.SimpleNamespace(num_layers=n, moe_layer_freq=freq, num_moe_experts=E,
+                                     moe_router_topk=K, **kw)
+
+    assert ModelShape.from_megatron(cfg(2)).moe_layer_ids == (0, 2, 4)
+    assert ModelShape.from_megatron(cfg(1)).moe_layer_ids == tuple(range(6))
+    # the command line's text of a first-k-dense pattern, as Megatron's arguments give it
+    assert ModelShape.from_megatron(cfg("([0]*2+[1]*4)")).moe_layer_ids == (2, 3, 4, 5)
+    assert ModelShape.from_megatron(cfg([0, 0, 1, 1, 1, 1])).moe_layer_ids == (2, 3, 4, 5)
+    for bad, msg in [(cfg([1, 0]), "moe_layer_freq has 2 entries but num_layers=6"),
+                     (cfg("__import__('os')"), "is not a pattern of 0/1 lists"),
+                     (cfg("[1]*2097152"), "is not a pattern of 0/1 lists"),
+                     (cfg([2] * 6), "only 0 \\(dense\\) and 1 \\(MoE\\)"),
+                     (cfg([0] * 6), "moe_layer_ids is empty"),
+                     (types.SimpleNamespace(num_layers=2, moe_layer_freq=1, num_moe_experts=None,
+                                            moe_router_topk=2), "num_moe_experts is None")]:
+        with pytest.raises(ValueError, match=msg):
+            ModelShape.from_megatron(bad)
+    with pytest.raises(rom.LayoutError, match="moe_layer_freq has 2 entries"):
+        rom.model_shape(cfg([1, 0]))
+
+
+# ------------------------------------------------------------------ record file -> routers
+def _write_record(path, shape, T):
+    """A record file of one packed sequence of T tokens in the routers' token order."""
+    from replay_ops.router_replay import files
+
+    routing = torch.stack([env.random_routes(T, E, K, seed=700 + j)
+                           for j in range(shape.num_moe_layers)], dim=1).to(torch.int16)
+    files.write_routing(path, routing, files.RecordMeta(shape=shape), cu_seqlens=[0, T])
+    return routing
+
+
+def test_record_file_reaches_the_routers_with_one_scan(tmp_path):
+    """record file -> RoutingFile.batch -> pad_thd -> cp_split -> sp_scatter ->
+    set_replay_routing: one ReplayBatch all the way, scanned once, its mapping decided
+    once; each router replays its layer's column."""
+    from test_checked_batch import counting
+
+    from replay_ops.router_replay import files
+
+    m = build_gpt(mtp=False)
+    shape = rom.model_shape(m.config)
+    routing = _write_record(tmp_path / "r.safetensors", shape, S * B)
+    rf = files.open_routing(tmp_path / "r.safetensors")
+    with counting() as c:
+        batch = rf.batch(shape)
+        local = rom.sp_scatter(rom.cp_split(rom.pad_thd(batch, align=2), 1, 0), None)
+        rom.set_replay_routing(m, local)
+    assert c == {"scans": 1, "scanned": S * B * 3 * K, "mappings": 1}
+    assert local.checked_for(shape) and local.layer_ids == [1, 2, 4]
+    rom.set_replay_action(m, RouterReplayAction.REPLAY_FORWARD)
+    with torch.no_grad():
+        forward(m)
+    for j, s in enumerate(rom.find_moe_routers(m)):
+        assert torch.equal(s.router.last_plan.expert_indices.long(), routing[:, j].long())
+
+
+def test_record_file_of_another_moe_pattern_is_refused_naming_the_layers(tmp_path):
+    """A file recorded for MoE layers 1, 2, 3 (ids 0, 1, 2) replayed into a model whose MoE
+    layers are 2, 3, 5: as many MoE layers, so the columns fit; refused, naming both."""
+    from replay_ops.router_replay import ModelShape, files
+
+    m = build_gpt(mtp=False)
+    other = ModelShape(E, K, (0, 1, 2), 5)
+    _write_record(tmp_path / "o.safetensors", other, S * B)
+    rf = files.open_routing(tmp_path / "o.safetensors")
+    with pytest.raises(files.RoutingShapeError, match=r"moe_layer_ids: file \[0, 1, 2\], "
+                                                      r"model \[1, 2, 4\]"):
+        rf.batch(rom.model_shape(m.config))
+    batch = rf.batch()  # checked for the file's own shape, all the way to the routers
+    local = rom.sp_scatter(rom.cp_split(rom.pad_thd(batch), 1, 0), None)
+    assert local.checked_for(other)
+    with pytest.raises(rom.LayoutError, match=r"checked against another model shape: "
+                                              r"moe_layer_ids: batch \[0, 1, 2\], model "
+                                              r"\[1, 2, 4\]"):
+        rom.set_replay_routing(m, local)
+    assert all(s.router.router_replay.target_topk_idx is None for s in rom.find_moe_routers(m))
+
+
+def test_batch_mask_and_padded_order_reach_the_routers():
+    """Rows a batch does not replay reach the routers as -1 (the padding policy routes
+    them: Megatron's own top-k by default), though they hold routes; a padded [B, S] batch
+    reaches them sequence-first."""
+    from replay_ops.router_replay import ReplayBatch
+
+    m = build_gpt(mtp=False)
+    shape = rom.model_shape(m.config)
+    full = full_routing(3, seed=800).to(torch.int16).view(S, B, 3, K)  # sequence-first
+    bsf = full.transpose(0, 1).contiguous()  # the batch's [B, S]
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[1, 5] = mask[0, 0] = False
+    batch = ReplayBatch(bsf, mask).check(shape)
+    rom.set_replay_routing(m, batch)
+    for j, s in enumerate(rom.find_moe_routers(m)):
+        got = s.router.router_replay.target_topk_idx.view(S, B, K)
+        assert (got[5, 1] == -1).all() and (got[0, 0] == -1).all()
+        keep = mask.t()
+        assert torch.equal(got[keep], full[:, :, j][keep])
+    rom.set_replay_action(m, RouterReplayAction.REPLAY_FORWARD)
+    with torch.no_grad():
+        forward(m)  # the -1 rows take Megatron's own selection: every row has K experts
+    for s in rom.find_moe_routers(m):
+        assert (s.router.last_plan.expert_indices >= 0).all()
+    with pytest.raises(rom.LayoutError, match="batch_first=False contradicts it"):
+        rom.set_replay_routing(m, batch, batch_first=False)
+
+
+def test_routers_outside_the_configs_moe_layers_are_refused():
+    m = build_gpt(mtp=False)
+    cfg = m.config
+    old = cfg.moe_layer_freq
+    cfg.moe_layer_freq = [1, 1, 0, 0, 1]  # the config says layer 3 is dense; its router exists
+    try:
+        with pytest.raises(rom.LayoutError, match=r"is layer number 3, which is not a MoE layer "
+                                                  r"of num_layers=5.*MoE layers \[1, 2, 5\]"):
+            rom.set_replay_routing(m, full_routing(3))
+    finally:
+        cfg.moe_layer_freq = old

@@ -74,7 +74,7 @@ def test_static_buffer_r2_recording_and_errors():
     rr.set_action(ReplayAction.RECORD)
     with torch.no_grad():
         rec_out = m(ids).logits
-    buf = rr._static[0]
+    buf = rr._store.static[0]
     rr.set_action(ReplayAction.REPLAY_FORWARD)  # the recording goes into the buffer
     assert rr.routing_for(p.moe_layer_ids[0]).data_ptr() == buf.data_ptr()
     assert torch.equal(buf[:6], rr.recorded())

@@ -43,7 +43,7 @@ class ConfigError(ValueError):
 
 
 class ReplayMode(str, enum.Enum):
-    """`disabled`: native routing. `R2`: the training engine records routing in its
+    """`disabled`: the model's own routing. `R2`: the training engine records routing in its
     forward-only pass and replays it in the update passes. `R3`: the rollout engine's
     routing is replayed in every training pass."""
 

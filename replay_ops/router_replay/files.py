@@ -821,6 +821,55 @@ class RoutingFile:
                 raise self._codec_error(e) from None
         return self.indices(int(cu[i]), int(cu[i + 1]))
 
+    def batch(self, shape: ModelShape | None = None, *,
+              sequences: tuple[int, int] | None = None, model_name: str | None = None,
+              check: bool = True):
+        """The file's routing as a `ReplayBatch` (THD: `[N, L, K]` int16, -1 = empty, the
+        file's `cu_seqlens` and `layer_index`), checked against `shape`, the model it is
+        replayed into (default: the shape the file records, for a caller that compares it
+        later: a sink of another shape refuses the batch, naming the difference).
+
+        The file's shape is compared with `shape` first (`check_model`): a file recorded
+        for another model, MoE layer ids included, raises RoutingShapeError naming each
+        difference. `sequences=(b0, b1)`: only sequences b0..b1-1. `replay_mask` is False
+        for a token with no route in any MoE layer; a token with a route in some MoE layers
+        and not in others is refused. Then the values are scanned once (`ReplayBatch.check`:
+        expert ids in range, no repeats) unless `check=False` (a batch that the sink
+        checks). Raw int16 files give views of the data read, without a copy."""
+        from .adapters.batch import ReplayBatch
+
+        if shape is None:
+            shape = self.meta.shape
+        self.check_model(num_experts=shape.num_experts, top_k=shape.top_k,
+                         moe_layer_ids=shape.moe_layer_ids,
+                         num_hidden_layers=shape.num_hidden_layers, model_name=model_name)
+        b0, b1 = (0, self.num_sequences) if sequences is None else \
+            (int(v) for v in sequences)
+        if not 0 <= b0 <= b1 <= self.num_sequences:
+            raise IndexError(f"router replay file {self.path!r}: sequences=({b0}, {b1}) is "
+                             f"outside the file's {self.num_sequences} sequences")
+        cu = torch.from_numpy(np.array(self.cu_seqlens_np[b0:b1 + 1], dtype=np.int64))
+        start, stop = int(cu[0]), int(cu[-1])
+        cu -= start
+        idx = self.indices(start, stop)
+        mapping = self.meta.layer_index
+        moe = idx if mapping == "moe" else idx[:, shape.columns(mapping), :]
+        empty = (moe < 0).all(dim=2)  # [n, L_moe]
+        none = empty.all(dim=1)
+        partial = empty.any(dim=1) & ~none
+        if bool(partial.any()):
+            t = int(partial.nonzero()[0, 0])
+            layers = [shape.moe_layer_ids[j] for j in empty[t].nonzero().flatten().tolist()]
+            raise RoutingFileError(
+                self.path, f"token {start + t} has no route (every slot -1) in MoE layers "
+                f"{layers} but routes in the other MoE layers; a token is routed in every MoE "
+                f"layer or in none")
+        batch = ReplayBatch(idx, ~none, cu, [mapping] * (b1 - b0), mapping)
+        if not check:
+            return batch
+        return batch.check(shape, who="cannot be replayed",
+                           error=lambda msg: RoutingFileError(self.path, msg))
+
     def replay_mask(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """[n] bool: False for tokens with no route (all slots empty in every layer)."""
         idx = self.indices(start, stop)

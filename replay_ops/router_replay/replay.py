@@ -4,7 +4,7 @@ One object per model, no module-level state: two models in one process never sha
 routing. A MoE layer calls
 
     plan = replay.route(layer_id, logits, topk_fn=..., score_func=..., normalize=...)
-    if plan is None:            # disabled, or no action set: the layer's native path
+    if plan is None:            # disabled, or no action set: the layer's own path
         ...
 
 `route` does what its action says (`action=`, or the object's current action, see
@@ -18,29 +18,34 @@ number of hidden layers, dense rows ignored); `set_routing` says which one it us
 
 Checks of the routing's values (expert ids in range, no expert twice in a token's layer)
 run once, when the routing is set, loaded or taken from a recording, with
-`config.validate` (one host sync); the MoE layers then gate without a host sync.
+`config.validate` (one host sync); the MoE layers then gate without a host sync. A
+`ReplayBatch` checked against this model's shape (the rollout adapters give one) is not
+scanned again.
+
+The parts: this module holds the state machine (actions, R2 steps), the layer call and
+the recordings; `store.py` the routing to replay (its checks, the static buffers);
+`recompute.py` the recompute queue of activation checkpointing; record files are read
+and written through `files.py` (`RoutingFile.batch`, `write_routing`).
 """
 from __future__ import annotations
 
 import collections
 import os
-import sys
-import weakref
 from typing import Callable, Sequence
 
 import torch
 
-from ..errors import RoutingError
 from ..plan import RoutingPlan
+from .adapters.batch import INDEX_DTYPE, ReplayBatch, _mark_checked
 from .config import ConfigError, ReplayAction, ReplayMode, RouterReplayConfig, check_combination
-from .._validate import UNSIGNED, signed_routing, unsigned_note
-from .shape import LAYER_INDEX, ModelShape, describe_bad_route, first_bad_route
+from .recompute import RecomputeQueues
+from .shape import LAYER_INDEX, ModelShape
+from .store import RouterReplayError, RoutingStore, describe_source
 
 LAYER_MAPPINGS = LAYER_INDEX  # the choices of layer_index=
+_describe_source = describe_source  # (its former name here)
 
-
-class RouterReplayError(RoutingError, RuntimeError):
-    """Routing that cannot be replayed as asked (missing, mis-shaped, out of order)."""
+__all__ = ["LAYER_MAPPINGS", "RouterReplay", "RouterReplayError"]
 
 
 class RouterReplay:
@@ -69,7 +74,7 @@ class RouterReplay:
                 raise ValueError(f"RouterReplay: {e}") from None
         self.shape = shape
         self._ordinal = {lid: n for n, lid in enumerate(shape.moe_layer_ids)}
-        self._static: tuple[torch.Tensor, torch.Tensor] | None = None  # use_static_buffer
+        self._store = RoutingStore(shape)
         self._action: ReplayAction | None = None
         self.step = 0  # recordings started (R2): a new RECORD after a replay starts the next
         self.clear()
@@ -93,7 +98,7 @@ class RouterReplay:
         return self._action
 
     def set_action(self, action: ReplayAction | str | None) -> None:
-        """Set what the next `route` calls do by default; None means native routing.
+        """Set what the next `route` calls do by default; None means the model's own routing.
 
         R2: REPLAY_FORWARD after RECORD forwards takes the recording as the routing to
         replay here, before the layers run (where a recording cannot be used, e.g. layers
@@ -104,7 +109,7 @@ class RouterReplay:
                 and self._replayed):
             self._start_new_recording()  # (as the first RECORD route would)
         if (self._action is ReplayAction.REPLAY_FORWARD and self.mode is ReplayMode.R2
-                and self._routing is None and self._has_records()):
+                and self._store.routing is None and self._has_records()):
             try:
                 self._use_recorded()
             except RouterReplayError:
@@ -122,30 +127,18 @@ class RouterReplay:
     def clear(self) -> None:
         """Forget recordings, the routing to replay and the recompute queues."""
         self._records: dict[int, list[torch.Tensor]] = {lid: [] for lid in self.moe_layer_ids}
-        self._queues: dict[int, collections.deque] = {
-            lid: collections.deque() for lid in self.moe_layer_ids
-        }
-        self._forget_routing()
+        self._queues = RecomputeQueues(self.moe_layer_ids)
+        self._store.forget()
         self._calls = collections.Counter()
         self._replayed = False  # a REPLAY_FORWARD ran since the recording started
 
-    def _forget_routing(self) -> None:
-        self._routing: torch.Tensor | None = None
-        self._routing_cols: dict[int, int] = {}
-        self._replay_mask: torch.Tensor | None = None
-        self.layer_mapping: str | None = None
-        self.routing_source: str | None = None
-
     def clear_queues(self) -> None:
-        for q in self._queues.values():
-            q.clear()
+        self._queues.clear()
 
     def queue_depth(self, layer_id: int) -> int:
         """Entries waiting for a recompute (entries whose forward's graph is gone are not
         counted: they can never be recomputed)."""
-        q = self._queues[self._check_layer(layer_id, "queue_depth")]
-        _drop_dead(q)
-        return len(q)
+        return self._queues.depth(self._check_layer(layer_id, "queue_depth"))
 
     def calls(self, layer_id: int) -> int:
         """How many times `route` served this layer with replay or record since the
@@ -181,81 +174,64 @@ class RouterReplay:
     # ------------------------------------------------------------------ routing in
     def set_routing(
         self,
-        indices: torch.Tensor,
+        indices: torch.Tensor | ReplayBatch,
         replay_mask: torch.Tensor | None = None,
         layer_index: str = "auto",
     ) -> None:
-        """Routing to replay: `indices` [T, L, K] (or [B, S, L, K], flattened to B*S
-        tokens), -1 = empty slot. L is the number of MoE layers (`layer_index="moe"`) or
-        of all hidden layers (`"absolute"`); `"auto"` picks by L. An int16/int32/int64
-        tensor is kept as is: each layer replays a `[T, K]` view of it. int8 and unsigned
-        tensors (uint8/16/32/64) are widened to a signed copy first, and their values are
-        always checked, `validate` or not: an unsigned type cannot hold -1, so each of its
-        values, its maximum included, is an expert id, refused when >= num_experts.
+        """Routing to replay: a `ReplayBatch` (with its own mask and layer mapping), or
+        `indices` [T, L, K] (or [B, S, L, K], flattened to B*S tokens), -1 = empty slot.
 
-        `replay_mask` [T] bool: False rows fall back to native top-k. When None, tokens
-        whose slots are empty (-1) in every MoE layer get False; a token that is empty in
-        some MoE layers but not in others is an error. With `config.validate` the values of
-        the replayed rows are checked here, once (expert ids in range, no repeats), and a
-        row an explicit mask marks True must be routed in every MoE layer (a row with every
-        slot -1 in a MoE layer would get no expert there, a MoE output of 0: one more host
-        read).
+        A `ReplayBatch` checked against this model's shape (`ReplayBatch.check`; the
+        rollout adapters and `RoutingFile.batch` give checked batches) is taken as it is:
+        no scan, no mapping decided again. One checked against another shape is refused,
+        naming what differs; an unchecked one is checked here like a tensor.
+
+        For a tensor, L is the number of MoE layers (`layer_index="moe"`) or of all hidden
+        layers (`"absolute"`); `"auto"` picks by L. An int16/int32/int64 tensor is kept as
+        is: each layer replays a `[T, K]` view of it. int8 and unsigned tensors
+        (uint8/16/32/64) are widened to a signed copy first, and their values are always
+        checked, `validate` or not: an unsigned type cannot hold -1, so each of its values,
+        its maximum included, is an expert id, refused when >= num_experts.
+
+        `replay_mask` [T] bool: False rows fall back to the model's own top-k. When None,
+        tokens whose slots are empty (-1) in every MoE layer get False; a token that is
+        empty in some MoE layers but not in others is an error. With `config.validate` the
+        values of the replayed rows are checked here, once (expert ids in range, no
+        repeats), and a row an explicit mask marks True must be routed in every MoE layer
+        (a row with every slot -1 in a MoE layer would get no expert there, a MoE output
+        of 0: one more host read).
         """
+        if isinstance(indices, ReplayBatch):
+            if replay_mask is not None or layer_index != "auto":
+                raise ValueError("RouterReplay.set_routing: a ReplayBatch carries its own "
+                                 "replay_mask and layer_index; pass the batch alone")
+            self._set_batch(indices, "set_routing")
+            return
         self._set_routing(indices, replay_mask, layer_index, "set_routing")
 
     def _set_routing(self, indices, replay_mask, layer_index: str, source: str) -> None:
+        self._require_enabled()
+        self._store.set(indices, replay_mask, layer_index, source, self.config.validate)
+
+    def _set_batch(self, batch: ReplayBatch, source: str) -> None:
+        self._require_enabled()
+        if batch.checked_for(self.shape):
+            self._store.set_checked(batch, source)
+            return
+        other = batch.checked_shape
+        if other is not None:
+            raise RouterReplayError(
+                "RouterReplay.set_routing: the batch was checked against another model shape: "
+                + "; ".join(other.differences(self.shape, "batch", "model"))
+                + ". Its columns are those layers' routes, not this model's")
+        self._store.set(batch.indices, batch.replay_mask, batch.layer_index, source,
+                        self.config.validate)
+
+    def _require_enabled(self) -> None:
         if not self.enabled:
             raise ConfigError(
                 "RouterReplay.set_routing: router replay is disabled (mode=disabled)"
             )
-        if not isinstance(indices, torch.Tensor):
-            raise TypeError(
-                f"RouterReplay.set_routing: indices must be a torch.Tensor, got "
-                f"{type(indices).__name__}"
-            )
-        if indices.dim() == 4:
-            B, S = indices.shape[:2]
-            indices = indices.reshape(B * S, *indices.shape[2:])
-            if replay_mask is not None and replay_mask.dim() == 2:
-                replay_mask = replay_mask.reshape(B * S)
-        if indices.dim() != 3:
-            raise ValueError(
-                f"RouterReplay.set_routing: indices must be [T, L, K] or [B, S, L, K], got "
-                f"shape {tuple(indices.shape)}"
-            )
-        indices, dtype = signed_routing(indices, "RouterReplay.set_routing", "indices")
-        T, L, K = indices.shape
-        if K != self.top_k:
-            raise ValueError(
-                f"RouterReplay.set_routing: indices have K={K} slots per token but the model "
-                f"has top_k={self.top_k} (shape {tuple(indices.shape)})"
-            )
-        mapping = self.resolve_layer_mapping(L, layer_index, where="set_routing")
-        cols = dict(zip(self.moe_layer_ids, self.shape.columns(mapping)))
-        if replay_mask is not None:
-            if replay_mask.dtype != torch.bool or tuple(replay_mask.shape) != (T,):
-                raise ValueError(
-                    f"RouterReplay.set_routing: replay_mask must be bool [T]=({T},), got "
-                    f"{replay_mask.dtype} {tuple(replay_mask.shape)}"
-                )
-            if replay_mask.device != indices.device:
-                replay_mask = replay_mask.to(indices.device)
-            if self.config.validate:
-                self._check_masked_rows(indices, cols, replay_mask, source)
-        else:
-            replay_mask = self._derive_mask(indices, cols)
-        # unsigned routing is always checked: its type cannot hold -1, so a format's
-        # stand-in for an empty slot (often the type's maximum) would otherwise pass
-        self._check_values(indices[:, self.shape.columns(mapping), :], replay_mask, source,
-                           dtype, force=dtype in UNSIGNED)
-        if self._static is not None:
-            self._copy_static(indices[:, self.shape.columns(mapping), :], replay_mask, source)
-            return
-        self._routing = indices
-        self._routing_cols = cols
-        self._replay_mask = replay_mask
-        self.layer_mapping = mapping
-        self.routing_source = source
 
     # ------------------------------------------------------------------ static buffers
     def use_static_buffer(self, max_tokens: int, device: torch.device | str | None = None
@@ -274,111 +250,41 @@ class RouterReplay:
             raise ValueError(f"RouterReplay.use_static_buffer: max_tokens must be > 0, got "
                              f"{max_tokens}")
         device = torch.device(device) if device is not None else torch.device("cpu")
-        L, K = self.num_moe_layers, self.top_k
-        self._static = (torch.full((max_tokens, L, K), -1, dtype=torch.int32, device=device),
-                        torch.zeros(max_tokens, dtype=torch.bool, device=device))
-        self._forget_routing()
+        self._store.use_static_buffer(max_tokens, device)
 
     @property
     def static_capacity(self) -> int | None:
         """max_tokens of `use_static_buffer`, or None (the routing tensor is rebound)."""
-        return None if self._static is None else self._static[0].shape[0]
+        static = self._store.static
+        return None if static is None else static[0].shape[0]
 
-    def _copy_static(self, moe_routing: torch.Tensor, mask: torch.Tensor | None,
-                     source: str) -> None:
-        buf, mbuf = self._static
-        T = moe_routing.shape[0]
-        if T > buf.shape[0]:
-            raise RouterReplayError(
-                f"RouterReplay.set_routing: indices have T={T} tokens but the static buffer "
-                f"holds max_tokens={buf.shape[0]} (use_static_buffer); allocate a larger "
-                f"one or split the batch")
-        buf[:T].copy_(moe_routing)
-        if mask is None:
-            mbuf[:T].fill_(True)
-        else:
-            mbuf[:T].copy_(mask)
-        self._routing = buf[:T]
-        self._routing_cols = dict(zip(self.moe_layer_ids, range(self.num_moe_layers)))
-        self._replay_mask = mbuf[:T]
-        self.layer_mapping = "moe"
-        self.routing_source = source
+    # ------------------------------------------------------------------ the routing set
+    @property
+    def layer_mapping(self) -> str | None:
+        """How the routing set indexes its layer columns ("moe" or "absolute"), or None."""
+        return self._store.mapping
 
-    def _check_values(self, moe_routing: torch.Tensor, mask, source: str,
-                      dtype: torch.dtype | None = None, force: bool = False) -> None:
-        """With config.validate (or `force`): the replayed rows of [T, L_moe, K] routing
-        name experts in range, none twice in a token's layer (one host sync). `dtype`: the
-        dtype the routing arrived in, for the message."""
-        if not (self.config.validate or force):
-            return
-        bad = first_bad_route(moe_routing, self.num_experts, mask)
-        if bad is not None:
-            raise RouterReplayError(
-                f"RouterReplay: the routing from {_describe_source(source)} cannot be "
-                f"replayed: {describe_bad_route(bad, self.num_experts, self.moe_layer_ids)}"
-                f"{unsigned_note(dtype, bad.value) if bad.kind == 'range' else ''}"
-            )
-
-    def resolve_layer_mapping(self, L: int, layer_index: str = "auto", *, where: str = "") -> str:
-        """"moe" or "absolute" for a routing tensor with L layers; raises if L fits neither."""
-        return self.shape.mapping_for(L, f"RouterReplay.{where}", layer_index)
-
-    def _check_masked_rows(self, indices: torch.Tensor, cols: dict[int, int],
-                           mask: torch.Tensor, source: str) -> None:
-        """A row marked for replay is routed in every MoE layer: one with every slot -1 in
-        a MoE layer would get no expert there (its MoE output 0) instead of falling back."""
-        sel = torch.tensor(sorted(set(cols.values())), device=indices.device)
-        empty = (indices.index_select(1, sel) < 0).all(dim=2) & mask[:, None]  # [T, L_moe]
-        if not bool(empty.any()):
-            return
-        t = int(empty.any(dim=1).nonzero()[0, 0])
-        layers = [self.moe_layer_ids[j] for j in empty[t].nonzero().flatten().tolist()]
-        raise RouterReplayError(
-            f"RouterReplay.set_routing: token {t} is marked for replay (replay_mask True) but "
-            f"has no route (every slot -1) in MoE layers {layers} (routing from "
-            f"{_describe_source(source)}); replayed, it would get no expert there. Set its "
-            f"replay_mask False (native top-k) or route it in every MoE layer")
-
-    def _derive_mask(self, indices: torch.Tensor, cols: dict[int, int]) -> torch.Tensor:
-        sel = torch.tensor(sorted(set(cols.values())), device=indices.device)
-        empty = (indices.index_select(1, sel) < 0).all(dim=2)  # [T, L_moe]
-        all_empty = empty.all(dim=1)
-        partial = empty.any(dim=1) & ~all_empty
-        # one host read for both flags
-        any_partial, any_empty = torch.stack([partial.any(), all_empty.any()]).tolist()
-        if not any_partial and not any_empty:
-            # every row has a route: no mask, so the layers run no fallback selection
-            return None
-        if any_partial:
-            t = int(partial.nonzero()[0, 0])
-            layers = [self.moe_layer_ids[j] for j in empty[t].nonzero().flatten().tolist()]
-            raise RouterReplayError(
-                f"RouterReplay.set_routing: token {t} has no route (all slots -1) in MoE "
-                f"layers {layers} but has routes in the other MoE layers; pass an explicit "
-                f"replay_mask or fix the recording"
-            )
-        return ~all_empty
-
-    def routing_for(self, layer_id: int) -> torch.Tensor:
-        """The [T, K] view of the routing that `layer_id` replays (no copy)."""
-        self._check_layer(layer_id, "routing_for")
-        if self._routing is None:
-            raise RouterReplayError(self._no_routing_message(layer_id))
-        return self._routing[:, self._routing_cols[layer_id], :]
-
-    def _move_routing(self, device: torch.device) -> None:
-        """Move the routing buffer (and mask) to the model's device, keeping its layout,
-        so that each layer's slice stays a view. Set the routing on the model's device
-        to avoid this copy."""
-        self._routing = self._routing.to(device)
-        if self._replay_mask is not None:
-            self._replay_mask = self._replay_mask.to(device)
+    @property
+    def routing_source(self) -> str | None:
+        """Where the routing set came from: "set_routing", "recorded", "file:<path>"."""
+        return self._store.source
 
     @property
     def replay_mask(self) -> torch.Tensor | None:
         """bool [T]: the rows replayed (False: the fallback selection). None when every row
         is replayed (set explicitly, or derived from routing where no row is all -1)."""
-        return self._replay_mask
+        return self._store.mask
+
+    def routing_for(self, layer_id: int) -> torch.Tensor:
+        """The [T, K] view of the routing that `layer_id` replays (no copy)."""
+        self._check_layer(layer_id, "routing_for")
+        if self._store.routing is None:
+            raise RouterReplayError(self._no_routing_message(layer_id))
+        return self._store.layer_view(layer_id)
+
+    def resolve_layer_mapping(self, L: int, layer_index: str = "auto", *, where: str = "") -> str:
+        """"moe" or "absolute" for a routing tensor with L layers; raises if L fits neither."""
+        return self.shape.mapping_for(L, f"RouterReplay.{where}", layer_index)
 
     def _no_routing_message(self, layer_id: int) -> str:
         hint = (
@@ -441,11 +347,11 @@ class RouterReplay:
         return replay_ops.gate(logits, idx, **kw)
 
     def _route_record(self, layer_id, logits, topk_fn, opts) -> RoutingPlan:
-        """The layer's native top-k, gated and stored (checked when read out)."""
+        """The layer's own top-k, gated and stored (checked when read out)."""
         if topk_fn is None:
             raise ValueError(
                 f"RouterReplay.route: layer {layer_id}: RECORD needs topk_fn, the layer's "
-                f"native top-k selection"
+                f"own top-k selection"
             )
         if self._replayed and self.mode is ReplayMode.R2:
             # R2: a replay ran since this recording started (of the recording itself, or of
@@ -453,103 +359,70 @@ class RouterReplay:
             # next step, whose routing replaces it (a forgotten clear() must not replay the
             # old step).
             self._start_new_recording()
-        elif self.routing_source == "recorded":
+        elif self._store.source == "recorded":
             # taken from the recording by set_action(REPLAY_FORWARD) but not replayed yet:
             # the recording goes on, and the routing is taken again from all of it
-            self._forget_routing()
+            self._store.forget()
         with torch.no_grad():
-            idx = self._check_native(layer_id, topk_fn(logits.detach()), logits.shape[0])
+            idx = self._check_own(layer_id, topk_fn(logits.detach()), logits.shape[0])
         self._records[layer_id].append(idx.detach())
         return self._gate(logits, idx, **opts)
 
     def _start_new_recording(self) -> None:
         for lid in self.moe_layer_ids:
             self._records[lid].clear()
-        self._forget_routing()
+        self._store.forget()
         self._replayed = False
         self.step += 1
 
     def _route_replay_forward(self, layer_id, logits, topk_fn, opts) -> RoutingPlan:
-        """The routing set (or recorded) for this layer; fallback rows use native top-k.
+        """The routing set (or recorded) for this layer; fallback rows use the model's own
+        top-k.
         With recompute=True the indices used go onto the layer's queue when a recompute can
         follow (grad enabled, or inside a reentrant checkpoint's forward)."""
         T = logits.shape[0]
         self._replayed = True
-        if self._routing is None and self.mode is ReplayMode.R2 and self._has_records():
+        if self._store.routing is None and self.mode is ReplayMode.R2 and self._has_records():
             self._use_recorded()
-        if self._routing is not None and self._routing.device != logits.device:
-            if self._static is not None:
+        store = self._store
+        if store.routing is not None and store.routing.device != logits.device:
+            if store.static is not None:
                 raise RouterReplayError(
                     f"RouterReplay.route: layer {layer_id}: the static routing buffer is on "
-                    f"{self._routing.device} but the logits are on {logits.device}; pass the "
+                    f"{store.routing.device} but the logits are on {logits.device}; pass the "
                     f"model's device to use_static_buffer")
-            self._move_routing(logits.device)  # once per routing, not once per layer
+            store.move_to(logits.device)  # once per routing, not once per layer
         idx = self.routing_for(layer_id)
         if idx.shape[0] != T:
             raise RouterReplayError(
                 f"RouterReplay.route: layer {layer_id}: the routing to replay has "
                 f"{idx.shape[0]} tokens but the logits have T={T} tokens (source: "
-                f"{_describe_source(self.routing_source)}, mapping: {self.layer_mapping}); "
+                f"{describe_source(store.source)}, mapping: {store.mapping}); "
                 f"the batch and its routing do not line up"
             )
-        mask = self._replay_mask
+        mask = store.mask
         if mask is not None and self.config.fallback == "topk_fn":
             if topk_fn is None:
                 raise ValueError(
                     f"RouterReplay.route: layer {layer_id}: fallback='topk_fn' needs topk_fn"
                 )
             with torch.no_grad():
-                native = self._check_native(layer_id, topk_fn(logits.detach()), T)
-            idx = torch.where(mask[:, None], idx.to(torch.int32), native.to(torch.int32))
+                own = self._check_own(layer_id, topk_fn(logits.detach()), T)
+            idx = torch.where(mask[:, None], idx.to(torch.int32), own.to(torch.int32))
             mask = None
         plan = self._gate(logits, idx, replay_mask=mask, **opts)
         if not self.config.recompute or _compiling():
             return plan
-        # queued when a recompute can follow: a grad-enabled forward (non-reentrant
-        # checkpoint), or a forward run without grad inside an autograd Function's forward
-        # (a reentrant checkpoint), whose node then holds the entry
-        node = None if torch.is_grad_enabled() else _enclosing_function_node()
-        if torch.is_grad_enabled() or node is not None:
-            q = self._queues[layer_id]
-            _drop_dead(q)
-            if len(q) >= self.config.max_queue:
-                raise RouterReplayError(
-                    f"RouterReplay.route: layer {layer_id}: {len(q)} replayed forwards are "
-                    f"waiting for REPLAY_BACKWARD (max_queue={self.config.max_queue}); "
-                    f"without activation recompute set recompute=False, or call "
-                    f"clear_queues() after each step"
-                )
-            entry = _QueueEntry(plan.expert_indices.detach())
-            if node is not None:
-                _bind_to_node(node, entry)
-            elif plan.weights.requires_grad:
-                plan = plan._replace(weights=_bind_to_graph(plan.weights, entry))
-            q.append(entry)
-        return plan
+        return self._queues.push(layer_id, plan, self.config.max_queue)
 
     def _route_replay_backward(self, layer_id, logits, opts) -> RoutingPlan:
         """Activation recompute: the indices of the matching REPLAY_FORWARD, first in,
         first out."""
-        q = self._queues[layer_id]
-        _drop_dead(q)
-        if not q:
-            raise RouterReplayError(
-                f"RouterReplay.route: layer {layer_id}: REPLAY_BACKWARD but the layer's "
-                f"queue is empty: the recompute has no matching REPLAY_FORWARD (forwards "
-                f"are queued when recompute=True and grad is enabled, or inside a reentrant "
-                f"checkpoint's forward; an entry goes when the graph of its forward is "
-                f"freed)"
-            )
-        idx = q.popleft().indices
-        if idx.shape[0] != logits.shape[0]:
-            raise RouterReplayError(
-                f"RouterReplay.route: layer {layer_id}: REPLAY_BACKWARD pops {idx.shape[0]} "
-                f"tokens but the recomputed logits have T={logits.shape[0]} tokens; recompute "
-                f"order differs from the forward order"
-            )
+        idx = self._queues.pop(layer_id, logits.shape[0])
         return self._gate(logits, idx.to(logits.device), **opts)
 
-    def _check_native(self, layer_id: int, idx, T: int) -> torch.Tensor:
+    def _check_own(self, layer_id: int, idx, T: int) -> torch.Tensor:
+        """The layer's own top-k (`topk_fn`'s result) checked: [T, K] integer indices."""
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape != (T, self.top_k):
             shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
             raise ValueError(
@@ -562,7 +435,6 @@ class RouterReplay:
                 f"return the integer indices (torch.topk(...).indices)"
             )
         return idx
-
     # ------------------------------------------------------------------ recordings out
     def _has_records(self) -> bool:
         return any(self._records[lid] for lid in self.moe_layer_ids)
@@ -574,6 +446,9 @@ class RouterReplay:
         """int32 [T, L_moe, K]: what RECORD stored, MoE layers in `moe_layer_ids` order;
         several RECORD forwards are concatenated along T in call order. With
         config.validate the values are checked (one host sync)."""
+        return self._recording(self.config.validate).to(torch.int32)
+
+    def _recording(self, check: bool) -> torch.Tensor:
         counts = {lid: len(self._records[lid]) for lid in self.moe_layer_ids}
         if not any(counts.values()):
             raise RouterReplayError(
@@ -590,20 +465,34 @@ class RouterReplay:
                 f"RouterReplay.recorded: MoE layers recorded different token counts {lengths}"
             )
         rec = torch.stack(per_layer, dim=1)
-        self._check_values(rec, None, "recorded")
-        return rec.to(torch.int32)
+        if check:
+            self._store.check_values(rec, None, "recorded")
+        return rec
+
+    def recorded_batch(self, cu_seqlens: torch.Tensor | Sequence[int] | None = None
+                       ) -> ReplayBatch:
+        """The recording (`recorded()`) as a `ReplayBatch` checked against this model's
+        shape: THD `[T, L_moe, K]` int16 (int32 above 32767 experts), every row replayed,
+        one sequence unless `cu_seqlens` gives the boundaries. Its values are scanned once
+        here (whatever `config.validate` says: the mark promises it), and not again by a
+        sink of the same shape (`set_routing`, Megatron's `set_replay_routing`)."""
+        rec = self._recording(True)
+        T = rec.shape[0]
+        rec = rec.to(INDEX_DTYPE if self.num_experts <= torch.iinfo(INDEX_DTYPE).max
+                     else torch.int32)
+        cu = torch.tensor([0, T], dtype=torch.int64) if cu_seqlens is None else \
+            torch.as_tensor(cu_seqlens).to(torch.int64).cpu()
+        if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != T or \
+                bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError(f"RouterReplay.recorded_batch: cu_seqlens {cu.tolist()} must run "
+                             f"from 0 to the {T} recorded tokens, never decreasing")
+        batch = ReplayBatch(rec, torch.ones(T, dtype=torch.bool, device=rec.device), cu,
+                            ["moe"] * (cu.numel() - 1), "moe")
+        return _mark_checked(batch, self.shape)  # scanned by _recording just above
 
     def _use_recorded(self) -> None:
         """R2: replay what RECORD stored, if no routing was set explicitly."""
-        rec = self.recorded()
-        if self._static is not None:
-            self._copy_static(rec, None, "recorded")
-            return
-        self._routing = rec
-        self._routing_cols = dict(zip(self.moe_layer_ids, range(self.num_moe_layers)))
-        self._replay_mask = None
-        self.layer_mapping = "moe"
-        self.routing_source = "recorded"
+        self._store.set_recorded(self.recorded())
 
     def clear_records(self) -> None:
         for lid in self.moe_layer_ids:
@@ -625,14 +514,13 @@ class RouterReplay:
         path = path if path is not None else self.config.record_file
         if path is None:
             raise ValueError("RouterReplay.save: no path given and config.record_file is not set")
-        rec = self.recorded()
         meta = files.RecordMeta(
             shape=self.shape,
             layer_index="moe",
             model_name=model_name if model_name is not None else (self.config.model_name or ""),
         )
         writer = files.append_routing if append else files.write_routing
-        writer(path, rec, meta, cu_seqlens=cu_seqlens)
+        writer(path, self.recorded(), meta, cu_seqlens=cu_seqlens)
         return os.fspath(path)
 
     def load(
@@ -649,31 +537,19 @@ class RouterReplay:
         it, uint8 and codec files are decoded (to int16) for the tokens loaded.
         `sequences=(b0, b1)` loads only sequences b0..b1-1 (tokens
         cu_seqlens[b0]:cu_seqlens[b1]). The file's model shape is checked against this
-        model. Returns the opened `RoutingFile`."""
+        model (`RoutingFile.batch`), its values here, once (with `config.validate`).
+        Returns the opened `RoutingFile`."""
         from . import files
 
         path = path if path is not None else self.config.replay_file
         if path is None:
             raise ValueError("RouterReplay.load: no path given and config.replay_file is not set")
         rf = files.open_routing(path, verify=verify)
-        rf.check_model(
-            num_experts=self.num_experts,
-            top_k=self.top_k,
-            moe_layer_ids=self.moe_layer_ids,
-            num_hidden_layers=self.num_hidden_layers,
-            model_name=self.config.model_name,
-        )
-        start, stop = 0, rf.num_tokens
-        if sequences is not None:
-            b0, b1 = (int(v) for v in sequences)
-            if not 0 <= b0 <= b1 <= rf.num_sequences:
-                raise IndexError(
-                    f"RouterReplay.load: sequences=({b0}, {b1}) is outside the file's "
-                    f"{rf.num_sequences} sequences ({os.fspath(path)!r})"
-                )
-            start, stop = int(rf.cu_seqlens_np[b0]), int(rf.cu_seqlens_np[b1])
-        self._set_routing(rf.indices(start, stop), None, rf.meta.layer_index,
-                          f"file:{os.fspath(path)}")
+        batch = rf.batch(self.shape, sequences=sequences, model_name=self.config.model_name,
+                         check=False)
+        # scanned here, with this object's words; the mask derived again (None when every
+        # token is routed, so the layers run no fallback selection)
+        self._set_routing(batch.indices, None, batch.layer_index, f"file:{os.fspath(path)}")
         self.routing_file = rf
         return rf
 
@@ -692,106 +568,3 @@ def _compiling() -> bool:
     recompiles on every call. A compiled forward's recompute runs in the compiled backward
     (AOTAutograd), from the graph's own inputs, and never calls `route` again."""
     return torch.compiler.is_compiling()
-
-
-def _describe_source(source: str | None) -> str:
-    if source is None:
-        return "nowhere"
-    if source.startswith("file:"):
-        return f"the record file {source[5:]!r}"
-    if source == "recorded":
-        return "the recording (RECORD forwards of this RouterReplay)"
-    return "set_routing()"
-
-
-# ----------------------------------------------------------------------------- recompute queue
-class _QueueEntry:
-    """The indices a REPLAY_FORWARD used, waiting for its recompute. `alive` turns False
-    when the autograd graph of that forward is freed (backpropagated, or dropped without a
-    backward: a skipped step, an evaluation forward with grad enabled): such an entry can
-    never be recomputed, and popping it would replay another batch's routing."""
-
-    __slots__ = ("indices", "alive", "token_ref", "__weakref__")
-
-    def __init__(self, indices: torch.Tensor):
-        self.indices = indices
-        self.alive = True
-        self.token_ref = None  # set by _bind_to_graph; kept so that its callback fires
-
-
-class _GraphToken:
-    """Held by a node of the forward's graph; its deletion marks the queue entry dead."""
-
-    __slots__ = ("__weakref__",)
-
-
-class _Bind(torch.autograd.Function):
-    """Identity on the gate weights whose node holds a token: the node lives exactly as
-    long as the forward's graph."""
-
-    @staticmethod
-    def forward(ctx, weights, token):
-        ctx.token = token
-        return weights.view_as(weights)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def _bind_to_graph(weights: torch.Tensor, entry: _QueueEntry) -> torch.Tensor:
-    token = _GraphToken()
-    entry_ref = weakref.ref(entry)
-
-    def _freed(_ref, entry_ref=entry_ref):
-        e = entry_ref()
-        if e is not None:
-            e.alive = False
-
-    entry.token_ref = weakref.ref(token, _freed)
-    return _Bind.apply(weights, token)
-
-
-def _bind_to_node(node, entry: _QueueEntry) -> None:
-    """The entry lives as long as `node`, the context (and backward node) of the autograd
-    Function whose forward runs the layer: a reentrant checkpoint's, which its backward
-    recomputes; freed without a backward (no input needed grad, or the graph was
-    dropped), it takes the entry with it."""
-    token = _GraphToken()
-    entry_ref = weakref.ref(entry)
-
-    def _freed(_ref, entry_ref=entry_ref):
-        e = entry_ref()
-        if e is not None:
-            e.alive = False
-
-    entry.token_ref = weakref.ref(token, _freed)
-    tokens = getattr(node, "_replay_ops_tokens", None)
-    if tokens is None:
-        tokens = node._replay_ops_tokens = []
-    tokens.append(token)
-
-
-def _enclosing_function_node():
-    """The context of the innermost autograd Function whose forward is running further up
-    this call (a reentrant checkpoint: `torch.utils.checkpoint(..., use_reentrant=True)`
-    runs the layers inside `CheckpointFunction.forward`, without grad, and again in its
-    backward), or None. Looked up only for a replayed forward run without grad."""
-    ctx_type = torch.autograd.function.FunctionCtx
-    frame = sys._getframe(2)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "forward" and code.co_varnames[:1] == ("ctx",):
-            ctx = frame.f_locals.get("ctx")
-            if isinstance(ctx, ctx_type):
-                return ctx
-        frame = frame.f_back
-    return None
-
-
-def _drop_dead(q: collections.deque) -> None:
-    """Discard the entries whose forward's graph is gone, keeping the order of the rest."""
-    if any(not e.alive for e in q):
-        live = [e for e in q if e.alive]
-        q.clear()
-        q.extend(live)

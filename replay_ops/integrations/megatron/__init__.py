@@ -9,10 +9,15 @@ the replay data sharded like the tokens under packing, CP, SP, PP and EP.
 
 Or, for a model that is already built: `rom.install(model)`. The data path:
 
-    packed = rom.pack_megatron_thd(rollout_routes, seq_lens, align=a, total_align=t)  # THD
-    local = rom.cp_split(packed, cp_size, cp_rank, "zigzag")                   # CP
-    rows = rom.sp_scatter(local.indices, tp_group)                              # SP
+    batch = open_routing(path).batch(rom.model_shape(config))     # or a rollout adapter's
+    packed = rom.pad_thd(batch, align=a, total_align=t)              # Megatron's THD padding
+    local = rom.cp_split(packed, cp_size, cp_rank, "zigzag")         # CP
+    rows = rom.sp_scatter(local, tp_group)                           # SP
     rom.set_replay_routing(model_chunks, rows)       # PP: each stage's routers, by layer
+
+One `ReplayBatch` all the way: it keeps its replay mask, layer mapping and the model shape
+it was checked against (a record file of a model with another MoE layer pattern is
+refused by `set_replay_routing`, naming both).
 
 `data` (packing, CP, SP) needs only torch; `router`, `dispatcher` and `layers` import
 megatron-core when first used. `import replay_ops` never imports megatron-core.
@@ -66,6 +71,7 @@ _LAZY = {
     "RouterSlot": "layers",
     "find_moe_routers": "layers",
     "gather_recorded_routing": "layers",
+    "model_shape": "layers",
     "moe_layer_numbers": "layers",
     "prune_global_registry": "layers",
     "recorded_routing": "layers",

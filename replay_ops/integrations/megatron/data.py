@@ -7,10 +7,10 @@ that does not hold a model.
 
 The order Megatron-Core applies to the tokens, and so to the routing:
 
-    per-sequence routing [n_i, L, K]            (rollout: n_i = len_i - 1, + placeholder row)
-      -> pack_megatron_thd    [N_pad, L, K]     the adapters' THD batch (`adapters.pack_thd`),
-                                                then `pad_thd`: each sequence padded to a
-                                                multiple (FP8 too)
+    a THD ReplayBatch [N, L, K]                 a record file's `RoutingFile.batch()`, a
+                                                rollout adapter's (`packing="thd"`), or
+                                                `pack_megatron_thd` of per-sequence routing
+      -> pad_thd              [N_pad, L, K]     each sequence padded to a multiple (FP8 too)
       -> cp_split             [N_pad/CP, L, K]  zigzag (2*CP chunks per sequence) or contiguous
       -> sp_scatter           [N_pad/(CP*TP), L, K]  along the packed token dimension, TP group
       -> set_replay_routing   each MoE router of the stage gets its layer's [T, K] view
@@ -19,8 +19,11 @@ R2 goes back: `sp_gather` over the TP group, `cp_gather`/`cp_all_gather` over th
 `unpack_thd` to per-sequence routing.
 
 Every step takes and returns the one type for routing in a training format,
-`router_replay.adapters.ReplayBatch` (its `cu_seqlens_padded` and `cp_*` fields say how far
-along the steps it is).
+`router_replay.adapters.ReplayBatch` (its `cu_seqlens_padded`, `cp_*` and `sp_*` fields say
+how far along the steps it is), with its replay mask and layer mapping. A batch checked
+against a model shape stays checked through `pad_thd`, `cp_split`, `cp_gather` and
+`sp_scatter` (they move rows and add -1 rows with replay_mask False), so
+`set_replay_routing` scans nothing again.
 
 Every routing tensor here holds **logical** expert ids (the ids the router's top-k picks,
 before any EPLB/physical-replica remapping), `-1` for an empty slot, and is int16 unless
@@ -37,7 +40,7 @@ import torch
 from ..._deprecated import deprecated_function, deprecated_names, resolve_renamed
 from ...errors import RoutingError
 from ..._validate import first_bad_route, int16_routing, signed_routing, unsigned_note
-from ...router_replay.adapters.batch import ReplayBatch, SequenceRouting
+from ...router_replay.adapters.batch import ReplayBatch, SequenceRouting, _keep_checked
 from ...router_replay.adapters.batch import pack_thd as _concat_thd
 
 INDEX_DTYPE = torch.int16
@@ -77,7 +80,8 @@ def _scheme(scheme, layout, who: str, default=None):
 
 
 class LayoutError(RoutingError, ValueError):
-    """Routing whose layout does not match the tokens it is meant to follow."""
+    """Routing whose layout does not match the tokens it is meant to follow, or whose
+    layers do not match the model's (`set_replay_routing`)."""
 
 
 # ----------------------------------------------------------------------------- checks
@@ -160,7 +164,8 @@ def _sequence_parts(routings, seq_lens, who):
             continue
         if r is None:
             raise LayoutError(f"{who}: sequence {i} has no routing (None); build it with the "
-                              f"rollout adapters' allow_missing=True to run it with native top-k")
+                              f"rollout adapters' allow_missing=True to run it with the "
+                              f"model's own top-k")
         idx, dtype = _as_index_tensor(r, f"{who}: sequence {i}")
         if idx.dim() != 3:
             raise LayoutError(f"{who}: sequence {i} routing must be [rows, L, K], got shape "
@@ -247,7 +252,7 @@ def pad_thd(batch: ReplayBatch, *, align: int = 1, total_align: int = 1,
     if batch.cu_seqlens is None or batch.indices.dim() != 3:
         raise LayoutError(f"{who}: needs a THD batch ([N, L, K] with cu_seqlens), got indices "
                           f"{tuple(batch.indices.shape)}, cu_seqlens={batch.cu_seqlens}")
-    if batch.cu_seqlens_padded is not None or batch.cp_size != 1:
+    if batch.cu_seqlens_padded is not None or batch.cp_size != 1 or batch.sp_size != 1:
         raise LayoutError(f"{who}: {batch.describe()} is padded or split already")
     cu = batch.cu_seqlens.detach().to(torch.int64).cpu()
     lens = (cu[1:] - cu[:-1]).tolist()
@@ -283,8 +288,8 @@ def pad_thd(batch: ReplayBatch, *, align: int = 1, total_align: int = 1,
         s, f = int(cup[i]), int(cu[i])
         indices[s:s + n] = batch.indices[f:f + n]
         mask[s:s + n] = batch.replay_mask[f:f + n]
-    return replace(batch, indices=indices, replay_mask=mask, cu_seqlens=cu,
-                   cu_seqlens_padded=cup)
+    return _keep_checked(batch, replace(batch, indices=indices, replay_mask=mask, cu_seqlens=cu,
+                                        cu_seqlens_padded=cup))
 
 
 # (`adapters.pack_thd` is the unpadded THD packing; this one pads for Megatron)
@@ -295,9 +300,9 @@ pack_thd = deprecated_function(pack_megatron_thd, "replay_ops.integrations.megat
 def unpack_thd(packed: ReplayBatch, *, with_placeholder: bool = True) -> list[torch.Tensor]:
     """Per-sequence routing from a whole (not CP-split) THD pack: `[len_i, L, K]` each, or
     `[len_i - 1, L, K]` (the rollout form) with `with_placeholder=False`."""
-    if packed.cp_size != 1:
-        raise LayoutError(f"unpack_thd: {packed.describe()} is one CP rank's share; gather it "
-                          f"first (cp_gather / cp_all_gather)")
+    if packed.cp_size != 1 or packed.sp_size != 1:
+        raise LayoutError(f"unpack_thd: {packed.describe()} is one CP or TP rank's share; "
+                          f"gather it first (sp_gather, cp_gather / cp_all_gather)")
     out = []
     for i in range(packed.num_sequences):
         s = int(packed.padded_cu_seqlens[i])
@@ -348,15 +353,17 @@ def cp_split(packed: ReplayBatch, cp_size: int, cp_rank: int, scheme: str | None
              *, layout: str | None = None) -> ReplayBatch:
     """CP rank `cp_rank`'s share of a whole THD pack, split like the tokens
     (`cp_partition_index`)."""
-    if packed.cp_size != 1:
-        raise LayoutError(f"cp_split: {packed.describe()} is already split; split the whole pack")
+    if packed.cp_size != 1 or packed.sp_size != 1:
+        raise LayoutError(f"cp_split: {packed.describe()} is already split; split the whole "
+                          f"pack (CP before SP, as Megatron splits the tokens)")
     scheme = _scheme(scheme, layout, "cp_split", "zigzag")
     if cp_size == 1:
-        return replace(packed, cp_scheme=scheme)
+        return _keep_checked(packed, replace(packed, cp_scheme=scheme))
     idx = cp_partition_index(packed.padded_cu_seqlens, cp_size, cp_rank, scheme)
-    return replace(packed, indices=packed.indices.index_select(0, idx.to(packed.indices.device)),
-                   replay_mask=packed.replay_mask.index_select(0, idx.to(packed.replay_mask.device)),
-                   cp_size=cp_size, cp_rank=cp_rank, cp_scheme=scheme)
+    return _keep_checked(packed, replace(
+        packed, indices=packed.indices.index_select(0, idx.to(packed.indices.device)),
+        replay_mask=packed.replay_mask.index_select(0, idx.to(packed.replay_mask.device)),
+        cp_size=cp_size, cp_rank=cp_rank, cp_scheme=scheme))
 
 
 def cp_gather(parts: Sequence[ReplayBatch], scheme: str | None = None, *,
@@ -389,13 +396,18 @@ def cp_gather(parts: Sequence[ReplayBatch], scheme: str | None = None, *,
     dev = first.indices.device
     indices = torch.empty((N, L, K), dtype=first.indices.dtype, device=dev)
     mask = torch.empty(N, dtype=torch.bool, device=dev)
+    # the whole pack is checked if every share was checked for one shape
+    shapes = {p.checked_shape for p in parts}
+    src = first if len(shapes) == 1 else None
     if cp == 1:
-        return replace(first, cp_size=1, cp_rank=0, cp_scheme=None)
+        out = replace(first, cp_size=1, cp_rank=0, cp_scheme=None)
+        return out if src is None else _keep_checked(src, out)
     for r, p in enumerate(parts):
         idx = cp_partition_index(first.padded_cu_seqlens, cp, r, lay).to(dev)
         indices.index_copy_(0, idx, p.indices.to(dev))
         mask.index_copy_(0, idx, p.replay_mask.to(dev))
-    return replace(first, indices=indices, replay_mask=mask, cp_size=1, cp_rank=0, cp_scheme=None)
+    out = replace(first, indices=indices, replay_mask=mask, cp_size=1, cp_rank=0, cp_scheme=None)
+    return out if src is None else _keep_checked(src, out)
 
 
 def cp_all_gather(local: ReplayBatch, group) -> ReplayBatch:
@@ -423,27 +435,56 @@ def _group_size_rank(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def sp_scatter(x: torch.Tensor, tp_group, *, who: str = "sp_scatter") -> torch.Tensor:
-    """This TP rank's share of `x` along dim 0 (the packed token dimension), exactly as
-    Megatron's `scatter_to_sequence_parallel_region` splits the hidden states: TP equal
-    contiguous chunks, rank r takes chunk r. A view, no copy. Works for the routing
-    `[T, L, K]`, a layer's `[T, K]` and the `[T]` replay mask."""
+def sp_scatter(x, tp_group, *, who: str = "sp_scatter"):
+    """This TP rank's share along the packed token dimension, exactly as Megatron's
+    `scatter_to_sequence_parallel_region` splits the hidden states: TP equal contiguous
+    chunks, rank r takes chunk r. A view, no copy.
+
+    `x` is a `ReplayBatch` (after `pad_thd` and `cp_split`): the result is the batch of this
+    rank's rows, its replay mask with them, `sp_size`/`sp_rank` set, and checked where `x`
+    was (what `set_replay_routing` takes). A padded [B, S] batch is split along S, as
+    Megatron splits an unpacked [S, B] micro-batch. Or a tensor: the routing `[T, L, K]`, a
+    layer's `[T, K]` or the `[T]` replay mask."""
+    if isinstance(x, ReplayBatch):
+        if x.sp_size != 1:
+            raise LayoutError(f"{who}: {x.describe()} is one TP rank's share already")
+        tp, rank = _group_size_rank(tp_group)
+        dim = 1 if x.indices.dim() == 4 else 0  # padded [B, S]: the sequence dimension
+        idx = _sp_rows(x.indices, tp, rank, dim, who)
+        mask = _sp_rows(x.replay_mask, tp, rank, dim, who)
+        return _keep_checked(x, replace(x, indices=idx, replay_mask=mask, sp_size=tp,
+                                        sp_rank=rank))
     tp, rank = _group_size_rank(tp_group)
+    return _sp_rows(x, tp, rank, 0, who)
+
+
+def _sp_rows(x: torch.Tensor, tp: int, rank: int, dim: int, who: str) -> torch.Tensor:
     if tp == 1:
         return x
-    T = x.shape[0]
+    T = x.shape[dim]
     if T % tp:
         raise LayoutError(f"{who}: {T} tokens do not split over TP={tp} ranks; the tokens are "
                           f"padded to a multiple of TP (megatron_thd_alignment), pad the routing "
-                          f"the same way (pack_megatron_thd(align=...))")
+                          f"the same way (pad_thd(align=...))")
     n = T // tp
-    return x[rank * n:(rank + 1) * n]
+    return x.narrow(dim, rank * n, n)
 
 
-def sp_gather(x: torch.Tensor, tp_group) -> torch.Tensor:
+def sp_gather(x, tp_group):
     """Inverse of `sp_scatter` over the TP group (R2: each rank recorded its share of the
-    tokens). int16 and bool travel as uint8 views (NCCL has neither)."""
+    tokens), for a tensor or a `ReplayBatch` (the whole batch back, unchecked: the other
+    ranks' rows come from elsewhere). int16 and bool travel as uint8 views (NCCL has
+    neither)."""
     tp, _ = _group_size_rank(tp_group)
+    if isinstance(x, ReplayBatch):
+        if x.sp_size != tp:
+            raise LayoutError(f"sp_gather: {x.describe()} but the TP group has {tp} ranks")
+        if tp == 1:
+            return x
+        dim = 1 if x.indices.dim() == 4 else 0
+        return replace(x, indices=torch.cat(_gather_tensor(x.indices, tp_group), dim=dim),
+                       replay_mask=torch.cat(_gather_tensor(x.replay_mask, tp_group), dim=dim),
+                       sp_size=1, sp_rank=0)
     if tp == 1:
         return x
     return torch.cat(_gather_tensor(x, tp_group), dim=0)

@@ -8,15 +8,23 @@ order is construction order, not layer order. `find_moe_routers` walks the modul
 the stage's model chunks instead and reads each router's `layer_number` (Megatron's
 global 1-based layer number, pipeline and virtual-pipeline offsets included).
 
-Column of a `[T, L, K]` recording for the decoder layer with layer number n:
+The model's shape is `ModelShape.from_megatron(config)`, the one shape type of the
+package: the router with layer number n is the MoE layer with id n - 1, and a `[T, L, K]`
+recording's column for it is `shape.columns(mapping)` at its MoE ordinal:
 * `layer_index="absolute"` (L = num_layers, dense layers included): column n - 1;
 * `layer_index="moe"` (L = number of MoE layers, `moe_layer_freq`): the MoE ordinal of n;
 * `"auto"` picks by L (the two agree when every layer is MoE).
 
 MTP layers restart their layer numbers at 1, so they would alias the first decoder
 layers. They are left out unless `include_mtp=True`; then MTP layer j (0-based, in the
-MTP block's order) takes the column after all decoder layers (num_layers + j absolute,
-or n_moe + j by MoE ordinal), and L must count them.
+MTP block's order) is the layer with id num_layers + j, after every decoder layer (column
+num_layers + j absolute, or n_moe + j by MoE ordinal), and L must count them.
+
+A `ReplayBatch` (a record file's `RoutingFile.batch()`, the rollout adapters', after
+`pad_thd`, `cp_split` and `sp_scatter`) carries the shape it was checked against: one
+checked against this model's shape is used without a scan, one checked against another
+shape (a record file of a model with another MoE layer pattern, say) is refused, naming
+both sets of MoE layers.
 """
 from __future__ import annotations
 
@@ -28,14 +36,17 @@ import torch
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
+from ..._deprecated import deprecated_function
 from ..._validate import UNSIGNED, signed_routing
+from ...router_replay.adapters.batch import ReplayBatch
+from ...router_replay.shape import LAYER_INDEX, ModelShape, resolve_mapping  # noqa: F401
 from .data import LayoutError, check_expert_range
-from ...router_replay.shape import LAYER_INDEX, resolve_mapping  # noqa: F401  (LAYER_INDEX: the choices)
 
 __all__ = [
     "RouterSlot",
     "find_moe_routers",
     "gather_recorded_routing",
+    "model_shape",
     "moe_layer_numbers",
     "prune_global_registry",
     "recorded_routing",
@@ -44,10 +55,9 @@ __all__ = [
 ]
 
 
-
 @dataclasses.dataclass
 class RouterSlot:
-    """One MoE router of this stage and the recording column it replays."""
+    """One MoE router of this stage."""
 
     router: TopKRouter
     name: str
@@ -56,7 +66,15 @@ class RouterSlot:
     mtp_index: int | None  # 0-based position among the MTP MoE layers, else None
     chunk: int  # index of the model chunk (virtual pipeline stage) holding it
 
-    def column(self, mapping: str, decoder_moe: Sequence[int], num_layers: int) -> int:
+    @property
+    def layer_id(self) -> int:
+        """The router's layer id in `ModelShape.from_megatron(config, include_mtp=True)`:
+        layer_number - 1 for a decoder layer, num_layers + mtp_index for an MTP layer."""
+        if self.is_mtp:
+            return int(self.router.config.num_layers) + self.mtp_index
+        return self.layer_number - 1
+
+    def _column(self, mapping: str, decoder_moe: Sequence[int], num_layers: int) -> int:
         if self.is_mtp:
             base = len(decoder_moe) if mapping == "moe" else num_layers
             return base + self.mtp_index
@@ -64,25 +82,28 @@ class RouterSlot:
             return self.layer_number - 1
         return decoder_moe.index(self.layer_number)
 
+    column = deprecated_function(_column, "RouterSlot.column",
+                                 "model_shape(config).columns(mapping) at the MoE ordinal of "
+                                 "RouterSlot.layer_id")
+
+
+def model_shape(config, *, include_mtp: bool = False) -> ModelShape:
+    """`ModelShape.from_megatron(config, include_mtp=...)`, its errors as LayoutError."""
+    try:
+        return ModelShape.from_megatron(config, include_mtp=include_mtp)
+    except (TypeError, ValueError) as e:
+        raise LayoutError(str(e)) from None
+
 
 def _chunks(model) -> list:
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
 def moe_layer_numbers(config) -> list[int]:
-    """1-based layer numbers of the decoder's MoE layers, from `num_layers` and
-    `moe_layer_freq` (an int N: layers 1, 1+N, ...; or a 0/1 list per layer), the pattern
-    Megatron's decoder block spec uses."""
-    n = int(config.num_layers)
-    freq = getattr(config, "moe_layer_freq", 1)
-    if isinstance(freq, int):
-        pattern = [1 if i % freq == 0 else 0 for i in range(n)]
-    else:
-        pattern = list(freq)
-        if len(pattern) != n:
-            raise LayoutError(f"moe_layer_numbers: moe_layer_freq has {len(pattern)} entries but "
-                              f"num_layers={n}")
-    return [i + 1 for i, p in enumerate(pattern) if p]
+    """1-based layer numbers of the decoder's MoE layers (`model_shape(config)`'s MoE layer
+    ids + 1): from `num_layers` and `moe_layer_freq`, the pattern Megatron's decoder block
+    spec builds."""
+    return [i + 1 for i in model_shape(config).moe_layer_ids]
 
 
 def find_moe_routers(model, *, include_mtp: bool = False) -> list[RouterSlot]:
@@ -118,20 +139,22 @@ def find_moe_routers(model, *, include_mtp: bool = False) -> list[RouterSlot]:
     return dec + (mtp if include_mtp else [])
 
 
-def _layout(slots: Sequence[RouterSlot], config, include_mtp: bool):
-    decoder_moe = moe_layer_numbers(config)
-    num_layers = int(config.num_layers)
-    n_mtp = int(getattr(config, "mtp_num_layers", None) or 0) if include_mtp else 0
+def _check_slots(slots: Sequence[RouterSlot], shape: ModelShape, config) -> None:
+    """Every router found is a MoE layer of the config's shape."""
+    ids = set(shape.moe_layer_ids)
     for s in slots:
-        if not s.is_mtp and s.layer_number not in decoder_moe:
+        if s.layer_id not in ids:
+            what = (f"MTP router {s.mtp_index} (layer id {s.layer_id})" if s.is_mtp else
+                    f"layer number {s.layer_number}")
             raise LayoutError(
-                f"router {s.name!r} has layer number {s.layer_number}, which is not a MoE layer "
-                f"of num_layers={num_layers}, moe_layer_freq={config.moe_layer_freq} (MoE layers "
-                f"{decoder_moe}); the model and its config disagree")
-    return decoder_moe, num_layers, n_mtp
+                f"router {s.name!r} is {what}, which is not a MoE layer of num_layers="
+                f"{config.num_layers}, moe_layer_freq={config.moe_layer_freq} (MoE layers "
+                f"{[i + 1 for i in shape.moe_layer_ids if i < config.num_layers]}); the model "
+                f"and its config disagree")
 
 
-def _resolve_mapping(L: int, layer_index: str, n_moe: int, n_abs: int, who: str) -> str:
+def _resolve_mapping(L: int, layer_index: str, shape: ModelShape, who: str) -> str:
+    n_moe, n_abs = shape.num_moe_layers, shape.num_hidden_layers
     return resolve_mapping(
         L, n_moe, n_abs, who, layer_index, error=LayoutError,
         moe_need=f"L={n_moe} columns", abs_need=f"L={n_abs} columns",
@@ -157,33 +180,88 @@ def _flatten_tokens(routing: torch.Tensor, batch_first, who: str) -> torch.Tenso
     return routing
 
 
-def set_replay_routing(model, routing: torch.Tensor, *, layer_index: str = "auto",
+def _batch_rows(batch: ReplayBatch, shape: ModelShape, layer_index: str, batch_first,
+                validate: bool, who: str) -> tuple[torch.Tensor, str]:
+    """The `[T, L, K]` rows of a `ReplayBatch` in the routers' token order, and their
+    mapping; rows the batch does not replay (replay_mask False) become -1 (no route: the
+    router's padding policy routes them, by default with Megatron's own top-k)."""
+    if layer_index != "auto":
+        raise LayoutError(f"{who}: a ReplayBatch carries its own layer_index "
+                          f"({batch.layer_index!r}); pass the batch without layer_index")
+    checked = batch.checked_shape
+    if checked is not None and checked != shape:
+        raise LayoutError(
+            f"{who}: the batch was checked against another model shape: "
+            + "; ".join(checked.differences(shape, "batch", "model"))
+            + ". Its columns hold those layers' routes; replayed here they would route this "
+              "model's layers with other layers' experts")
+    if checked is None and validate:
+        batch = batch.check(shape, who=who, error=LayoutError)  # the one scan
+        checked = shape
+    idx = batch.indices
+    if checked is not None:
+        mapping = batch.layer_index  # decided when it was checked
+    else:
+        idx, dtype = signed_routing(idx, who, "routing", LayoutError)
+        if dtype in UNSIGNED:  # unsigned cannot hold -1: always checked
+            check_expert_range(idx, shape.num_experts, who=who, arrived_as=dtype)
+        if idx.dim() not in (3, 4) or idx.shape[-1] != shape.top_k:
+            raise LayoutError(f"{who}: routing {tuple(idx.shape)} is not [..., L, K] with "
+                              f"K = moe_router_topk={shape.top_k}")
+        mapping = _resolve_mapping(idx.shape[-2], batch.layer_index, shape, who)
+    mask = batch.replay_mask
+    if idx.dim() == 4:  # a padded batch is [B, S] batch-first; the routers read [S, B]
+        if batch_first is False:
+            raise LayoutError(f"{who}: a padded ReplayBatch is [B, S, L, K] batch-first; "
+                              f"batch_first=False contradicts it")
+        idx = idx.transpose(0, 1).reshape(-1, *idx.shape[2:])
+        mask = mask.transpose(0, 1).reshape(-1)
+    rows = torch.where(mask.to(idx.device)[:, None, None], idx, idx.new_full((), -1))
+    return rows, mapping
+
+
+def set_replay_routing(model, routing: torch.Tensor | ReplayBatch, *, layer_index: str = "auto",
                        include_mtp: bool = False, batch_first: bool | None = None,
                        validate: bool = True) -> list[tuple[str, int, int]]:
     """Give every MoE router of this stage its layer's `[T, K]` view of `routing`
     through Megatron's own `router_replay.set_target_indices` (which also queues it for
     REPLAY_BACKWARD).
 
-    `routing` is `[T, L, K]` in the token order the routers see (Megatron's [S, B]
-    flattened sequence-first; THD: the packed order after the CP and SP splits), or
-    `[B, S, L, K]`/`[S, B, L, K]` with `batch_first` said explicitly. Ids are logical
-    expert ids (before EPLB remapping), -1 = empty; with `validate` the range is checked
-    (one host read). Returns (router name, layer number, column) per router."""
+    `routing` is a `ReplayBatch` (THD after `pad_thd`, `cp_split` and `sp_scatter`: the
+    rows of this CP and TP rank, or a padded [B, S] batch), or a tensor `[T, L, K]` in the
+    token order the routers see (Megatron's [S, B] flattened sequence-first; THD: the
+    packed order after the CP and SP splits), or `[B, S, L, K]`/`[S, B, L, K]` with
+    `batch_first` said explicitly. Ids are logical expert ids (before EPLB remapping), -1 =
+    empty.
+
+    A batch keeps its mask, its layer mapping and the shape it was checked against all the
+    way here: checked against this model's shape (`ModelShape.from_megatron(config)`), it
+    is used without another scan; checked against another shape (a record file of a model
+    with another MoE layer pattern), it is refused naming both; unchecked, it is checked
+    now (with `validate`). Its rows with replay_mask False reach the routers as -1 rows
+    (no route; the router's padding policy routes them). A tensor has only its L: with
+    `validate` its range is checked (one host read). Returns (router name, layer number,
+    column) per router."""
     who = "set_replay_routing"
     slots = find_moe_routers(model, include_mtp=include_mtp)
     if not slots:
         raise LayoutError(f"{who}: the model holds no MoE router")
     config = slots[0].router.config
-    routing = _flatten_tokens(routing, batch_first, who)
-    routing, dtype = signed_routing(routing, who, "routing", LayoutError)
-    decoder_moe, num_layers, n_mtp = _layout(slots, config, include_mtp)
-    T, L, K = routing.shape
-    mapping = _resolve_mapping(L, layer_index, len(decoder_moe) + n_mtp, num_layers + n_mtp, who)
-    if K != config.moe_router_topk:
-        raise LayoutError(f"{who}: routing has K={K} slots per token but moe_router_topk="
-                          f"{config.moe_router_topk}")
-    if validate or dtype in UNSIGNED:  # unsigned cannot hold -1: always checked
-        check_expert_range(routing, config.num_moe_experts, who=who, arrived_as=dtype)
+    shape = model_shape(config, include_mtp=include_mtp)
+    _check_slots(slots, shape, config)
+    if isinstance(routing, ReplayBatch):
+        routing, mapping = _batch_rows(routing, shape, layer_index, batch_first, validate, who)
+    else:
+        routing = _flatten_tokens(routing, batch_first, who)
+        routing, dtype = signed_routing(routing, who, "routing", LayoutError)
+        T, L, K = routing.shape
+        mapping = _resolve_mapping(L, layer_index, shape, who)
+        if K != config.moe_router_topk:
+            raise LayoutError(f"{who}: routing has K={K} slots per token but moe_router_topk="
+                              f"{config.moe_router_topk}")
+        if validate or dtype in UNSIGNED:  # unsigned cannot hold -1: always checked
+            check_expert_range(routing, config.num_moe_experts, who=who, arrived_as=dtype)
+    column = dict(zip(shape.moe_layer_ids, shape.columns(mapping)))
     report = []
     from .router import SEQUENCE_FIRST_MARK, ReplayTopKRouter
 
@@ -192,7 +270,7 @@ def set_replay_routing(model, routing: torch.Tensor, *, layer_index: str = "auto
         if rr is None:
             raise LayoutError(f"{who}: router {s.name!r} has no router_replay; build the model "
                               f"with moe_enable_routing_replay=True")
-        col = s.column(mapping, decoder_moe, num_layers)
+        col = column[s.layer_id]
         idx = routing[:, col, :]
         if not isinstance(s.router, ReplayTopKRouter):
             idx = idx.long()  # Megatron's own replay path gathers with int64 only
@@ -206,7 +284,7 @@ def set_replay_routing(model, routing: torch.Tensor, *, layer_index: str = "auto
 def set_replay_action(model, action: RouterReplayAction | None, *,
                       include_mtp: bool = False) -> int:
     """Set the replay action of this model's MoE routers only (not every router in
-    Megatron's global list). Excluded MTP routers get None (native routing). Returns the
+    Megatron's global list). Excluded MTP routers get None (the model's own routing). Returns the
     number of routers given `action`."""
     n = 0
     for s in find_moe_routers(model, include_mtp=True):
@@ -258,9 +336,8 @@ def gather_recorded_routing(model, pp_group=None, *, layer_index: str = "moe",
 
     local, ids = recorded_routing(model, include_mtp=include_mtp)
     config = find_moe_routers(model)[0].router.config
-    decoder_moe = moe_layer_numbers(config)
+    shape = model_shape(config, include_mtp=include_mtp)
     num_layers = int(config.num_layers)
-    n_mtp = int(getattr(config, "mtp_num_layers", None) or 0) if include_mtp else 0
     if pp_group is not None and dist.is_initialized() and dist.get_world_size(pp_group) > 1:
         world = dist.get_world_size(pp_group)
         T, Ls, K = local.shape
@@ -286,13 +363,15 @@ def gather_recorded_routing(model, pp_group=None, *, layer_index: str = "moe",
         stacked = torch.cat(cols, dim=1)
     else:
         stacked, all_ids = local, ids
-    key = [(1, -i) if i < 0 else (0, i) for i in all_ids]  # decoder by number, then MTP
     if len(set(all_ids)) != len(all_ids):
         raise LayoutError(f"gather_recorded_routing: layer numbers recorded twice {all_ids}")
-    order = sorted(range(len(all_ids)), key=lambda j: key[j])
-    want = decoder_moe + [-(j + 1) for j in range(n_mtp)]
-    got = [all_ids[j] for j in order]
-    if got != want:
+    # layer numbers (MTP layer j as -(j+1)) -> layer ids of the shape: decoder by number,
+    # then MTP
+    layer_ids = [i - 1 if i > 0 else num_layers + (-i - 1) for i in all_ids]
+    order = sorted(range(len(all_ids)), key=lambda j: layer_ids[j])
+    if [layer_ids[j] for j in order] != list(shape.moe_layer_ids):
+        got = [all_ids[j] for j in order]
+        want = [i + 1 if i < num_layers else -(i - num_layers + 1) for i in shape.moe_layer_ids]
         raise LayoutError(f"gather_recorded_routing: the stages recorded layers {got}, expected "
                           f"every MoE layer {want}; a stage is missing or a layer bypassed RECORD")
     ordered = stacked[:, order]
@@ -301,9 +380,9 @@ def gather_recorded_routing(model, pp_group=None, *, layer_index: str = "moe",
     if layer_index != "absolute":
         raise ValueError(f"gather_recorded_routing: unknown layer_index={layer_index!r}")
     T, _, K = ordered.shape
-    out = torch.full((T, num_layers + n_mtp, K), -1, dtype=ordered.dtype, device=ordered.device)
-    for j, lid in enumerate(got):
-        out[:, (lid - 1) if lid > 0 else num_layers + (-lid - 1)] = ordered[:, j]
+    out = torch.full((T, shape.num_hidden_layers, K), -1, dtype=ordered.dtype,
+                     device=ordered.device)
+    out[:, shape.columns("absolute")] = ordered
     return out
 
 

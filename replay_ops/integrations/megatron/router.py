@@ -14,7 +14,7 @@ buffers) works unchanged. Only the step that turns logits into `(probs, routing_
 changes, and only when there is something to change:
 
 * a replay action is set (RECORD, REPLAY_FORWARD, REPLAY_BACKWARD): the weights come from
-  `replay_ops.gate` on the live logits at the recorded (or, for RECORD, natively
+  `replay_ops.gate` on the live logits at the recorded (or, for RECORD, the router's own
   selected) experts;
 * `moe_router_fusion=True`: every call goes through `replay_ops.gate` (Megatron's fused
   path would return the fused top-k *before* consulting replay, silently skipping it);
@@ -22,13 +22,14 @@ changes, and only when there is something to change:
 
 Replay actions are compared by value, so Megatron-Core's `RouterReplayAction` and the
 copy that verl's router replay patch installs are both recognised; any other value set
-as `router_replay_action` raises `ReplayRoutingError` (never native routing in silence).
+as `router_replay_action` raises `ReplayRoutingError` (never Megatron's own routing in
+silence).
 The router reads `score_function` and `topk` from its own attributes at every call, as
 Megatron's routing does, and the other flags from `config`.
 
 verl's replay mask (`set_target_indices(idx, replay_mask=mask)`, stored as
 `target_replay_mask` and pushed on `replay_backward_mask_list` beside the index FIFO):
-rows where the mask is False take Megatron's native selection and their recorded values
+rows where the mask is False take Megatron's own selection and their recorded values
 are not read (a zero placeholder row stays unread); REPLAY_BACKWARD pops both FIFOs
 together and raises if their lengths differ.
 
@@ -37,9 +38,9 @@ MTP router (`is_mtp_layer`: passed by megatron-core >= 0.17, set by `replay_spec
 routers below an MTP block spec and by `install` on the routers below an MTP module).
 verl sets the global action on every router but gives targets only to decoder routers,
 and the recording has no MTP columns, so an MTP router without a target takes
-Megatron's native selection (through the fused gate), as Megatron does under verl's
+Megatron's own selection (through the fused gate), as Megatron does under verl's
 patch; an MTP router that is given a target replays it. A decoder router is never
-routed natively in place of a missing target.
+routed with its own top-k in place of a missing target.
 
 Rows that have no usable route (a -1 slot, a repeated expert such as a zero-filled
 padding row) follow an explicit padding policy so that every row routes to
@@ -55,7 +56,7 @@ routed weight of exactly 0 raised to the dtype's smallest normal value) inside t
 and the dispatch plan of the same routing for the plan dispatcher. The router reads the
 flags once when it must (validate=True, or padding="error"), and not at all otherwise.
 Rows that take Megatron's own selection (replay mask False, and the "topk" padding) get
-it from `native_topk`: on every row before the gate when nothing is read (sync-free), or
+it from `own_topk`: on every row before the gate when nothing is read (sync-free), or
 after the read on the flagged rows only, followed by a second gate call, when there are
 any.
 """
@@ -72,6 +73,7 @@ import torch
 
 import replay_ops
 from replay_ops import scores as scores_table
+from replay_ops._deprecated import deprecated_function
 from replay_ops._validate import signed_routing
 from replay_ops.errors import RoutingError
 from replay_ops.plan import (
@@ -133,7 +135,7 @@ class ReplayOptions:
     """Options of the replay router (not TransformerConfig fields).
 
     padding: what a row without a usable route does (replay_mask False, a -1 slot, a
-        repeated expert, e.g. a zero-filled padding row): "topk" = Megatron's native
+        repeated expert, e.g. a zero-filled padding row): "topk" = Megatron's own
         selection for that row (expert bias and group limits included); "spread" = K
         distinct experts spread evenly over the EP ranks (deterministic, rotated per
         layer); "error" = raise, naming the layer and the row (one host read per call).
@@ -266,7 +268,7 @@ def replay_action(router_replay, where: str = "ReplayTopKRouter") -> RouterRepla
     replay patch installs (`verl.utils.megatron.router_replay_patch.RouterReplayAction`,
     whose members are not Megatron's objects but carry the same names and values). None
     means no action. Anything else raises `ReplayRoutingError`: a router that does not
-    recognise an action must never fall back to native routing in silence."""
+    recognise an action must never fall back to its own routing in silence."""
     a = getattr(router_replay, "router_replay_action", None) if router_replay is not None else None
     if a is None or isinstance(a, RouterReplayAction):
         return a
@@ -279,7 +281,7 @@ def replay_action(router_replay, where: str = "ReplayTopKRouter") -> RouterRepla
         f"{type(a).__module__}.{type(a).__qualname__}) is not a replay action this router "
         f"recognises; expected a RouterReplayAction member with one of the values "
         f"{sorted(_ACTIONS)} (Megatron-Core's enum, or verl's copy of it). Refusing to route "
-        f"natively in its place")
+        f"with its own top-k in its place")
 
 
 # ----------------------------------------------------------------------------- padding rows
@@ -328,7 +330,7 @@ class ReplayTopKRouter(TopKRouter):
     def _where(self) -> str:
         return f"ReplayTopKRouter(layer {self.layer_number})"
 
-    def native_topk(self, logits: torch.Tensor) -> torch.Tensor:
+    def own_topk(self, logits: torch.Tensor) -> torch.Tensor:
         """int64 [T, K]: Megatron's own selection for `logits` [T, E], op for op as
         `topk_routing_with_score_function` does it (pre-softmax, sigmoid plus expert
         bias, group-limited top-k), so RECORD stores what Megatron would store."""
@@ -352,6 +354,9 @@ class ReplayTopKRouter(TopKRouter):
         else:
             _, idx = torch.topk(scores, k=self.topk, dim=1)
         return idx
+
+    native_topk = deprecated_function(own_topk, "ReplayTopKRouter.native_topk",
+                                      "ReplayTopKRouter.own_topk")
 
     def _replay_mask(self, mask, T: int, action, device) -> torch.Tensor | None:
         """verl's per-token replay mask ([T], or any shape with T elements; bool, or integers
@@ -443,7 +448,7 @@ class ReplayTopKRouter(TopKRouter):
         fallback = None
         if keep is not None or (opts.padding == "topk" and not read):
             with torch.no_grad():
-                fallback = self.native_topk(logits.detach())
+                fallback = self.own_topk(logits.detach())
         if opts.padding == "spread":
             padding = "spread"
         else:
@@ -469,7 +474,7 @@ class ReplayTopKRouter(TopKRouter):
             fixed = idx.to(torch.int64)  # a copy for int16/int32 targets; cloned below else
             fixed = fixed.clone() if fixed is idx else fixed
             with torch.no_grad():
-                fixed[rows] = self.native_topk(logits.detach()[rows])
+                fixed[rows] = self.own_topk(logits.detach()[rows])
             out = self._gate(logits, fixed)
         return out
 
@@ -536,7 +541,7 @@ class ReplayTopKRouter(TopKRouter):
         replay = None
         if action == RouterReplayAction.RECORD:
             with torch.no_grad():
-                idx = self.native_topk(logits.detach())
+                idx = self.own_topk(logits.detach())
             rr.record_indices(idx)  # Megatron's own method (static buffer where it has one)
             return self._gate(logits, idx)
         if action is not None:
@@ -547,7 +552,7 @@ class ReplayTopKRouter(TopKRouter):
         # moe_router_fusion=True without a replay action, or an MTP router given no target:
         # Megatron's own selection, through the fused gate
         with torch.no_grad():
-            idx = self.native_topk(logits.detach())
+            idx = self.own_topk(logits.detach())
         return self._gate(logits, idx)
 
     # ---------------------------------------------------------------- routing

@@ -4,7 +4,7 @@
 
     shape = ModelShape(num_experts=64, top_k=8, moe_layer_ids=[1, 2, 3], num_hidden_layers=4)
     batch = vllm_batch(routed_experts, prompt_lens, response_lens, shape, packing="thd")
-    batch.apply(router_replay)       # RouterReplay.set_routing(indices, replay_mask)
+    router_replay.set_routing(batch)  # checked against `shape` already: not scanned again
 
 Modules: `batch` (the types, checks and packing into the training formats that every
 engine shares), one module per
@@ -22,25 +22,31 @@ them with `batch.pack`. It must:
 3. append each turn of a request through `MultiTurnRouting.add_turn(routing, seq_len,
    start)` (which checks the rows against `seq_len - 1 - start`, maps absolute or MoE layers
    with `to_moe`, checks the values, and never overwrites earlier turns), then take
-   `.sequence(num_tokens)`, which adds the final token's placeholder row (mask False);
+   `.sequence(num_tokens)`, which adds the final token's placeholder row (mask False); an
+   engine module that checks the MoE columns itself first takes them from `moe_columns`
+   (the one layer-mapping decision) and gives that result to `add_turn`;
 4. raise `RoutingMismatchError` naming the request (and turn) and both lengths whenever the
    payload does not line up with the request, and never guess a layer count or a length
    that the data cannot settle (see `sglang.payload_layers`).
 
 Outputs are int16 `[n, L_moe, K]` with -1 for no route, indexed by MoE ordinal
-(`layer_index="moe"` for `RouterReplay.set_routing`). Ids are logical expert ids.
+(`layer_index="moe"` for `RouterReplay.set_routing`). Ids are logical expert ids. The
+`<engine>_batch` functions return a `ReplayBatch` checked against the model shape (its
+values were scanned once, per turn, by `to_moe`), which no sink scans again.
 """
 from ..._deprecated import deprecated_names
 from .batch import (
     INDEX_DTYPE,
     PACKINGS,
     ModelShape,
+    MoEColumns,
     MultiTurnRouting,
     ReplayBatch,
     RoutingMismatchError,
     SequenceRouting,
     check_batch,
     missing_sequence,
+    moe_columns,
     pack,
     pack_padded,
     pack_thd,
@@ -53,6 +59,7 @@ from .vllm import decode_vllm, encode_vllm, vllm_batch, vllm_dtype, vllm_sequenc
 __all__ = [
     "INDEX_DTYPE",
     "ModelShape",
+    "MoEColumns",
     "PACKINGS",
     "MultiTurnRouting",
     "ReplayBatch",
@@ -65,6 +72,7 @@ __all__ = [
     "encode_vllm",
     "from_verl_padded",
     "missing_sequence",
+    "moe_columns",
     "pack",
     "pack_padded",
     "pack_thd",

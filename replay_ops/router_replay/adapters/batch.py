@@ -20,8 +20,9 @@ import json
 import math
 import struct
 import zlib
-from dataclasses import dataclass, field, fields
-from typing import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ import torch
 from ..._deprecated import (deprecated_names, deprecated_property, renamed_keyword,
                              resolve_renamed)
 from ...errors import RoutingError
-from ..._validate import int16_routing, signed_routing, unsigned_note
+from ..._validate import UNSIGNED, int16_routing, signed_routing, unsigned_note
 from .._bounds import MAX_LAYER_SLOTS, MAX_LAYERS, MAX_TOP_K, check_limits
 from ..shape import MAPPINGS, ModelShape, describe_bad_route, first_bad_route
 
@@ -44,13 +45,22 @@ class RoutingMismatchError(RoutingError, ValueError):
     """Rollout routing that does not line up with the batch it belongs to."""
 
 
-@renamed_keyword("layout", "model_shape", "to_moe")
-def to_moe(model_shape: ModelShape, routing: torch.Tensor, who: str,
-           arrived_as: torch.dtype | None = None) -> tuple[torch.Tensor, str]:
-    """[n, L, K] routing (absolute or MoE layers) of any integer dtype (`signed_routing`)
-    -> ([n, L_moe, K] int16, the mapping), with the values checked (range -1..E-1, no
-    repeated expert in a token's layer; an unsigned maximum is an expert id, so out of
-    range unless E exceeds it; `arrived_as`: the dtype it came in, when converted already)."""
+class MoEColumns(NamedTuple):
+    """Rollout routing whose layer mapping is decided (`moe_columns`): the MoE columns
+    `[n, L_moe, K]` (signed), the mapping they came in, and the dtype they arrived as."""
+
+    routing: torch.Tensor
+    mapping: str
+    arrived_as: torch.dtype
+
+
+def moe_columns(model_shape: ModelShape, routing: torch.Tensor, who: str,
+                arrived_as: torch.dtype | None = None) -> MoEColumns:
+    """The one layer-mapping decision for rollout routing [n, L, K] (absolute or MoE layers)
+    of any integer dtype (`signed_routing`): the shape checked against the model, the mapping
+    decided by L, the dense layers' columns checked (`check_dense_columns`), and the MoE
+    columns taken (a view when the routing is signed and already indexed by MoE ordinal).
+    No value is scanned here: `to_moe` does that, once."""
     if routing.dim() != 3:
         raise RoutingMismatchError(f"{who}: routing must be [tokens, L, K], got shape "
                                    f"{tuple(routing.shape)}")
@@ -60,19 +70,32 @@ def to_moe(model_shape: ModelShape, routing: torch.Tensor, who: str,
                                    f"has top_k={model_shape.top_k} (shape {tuple(routing.shape)})")
     mapping = model_shape.mapping_for(L, who, error=RoutingMismatchError)
     routing, dtype = signed_routing(routing, who, "routing", RoutingMismatchError)
-    dtype = arrived_as or dtype
     if model_shape.num_experts > torch.iinfo(INDEX_DTYPE).max:
         raise RoutingMismatchError(f"{who}: num_experts={model_shape.num_experts} does not fit the "
                                    f"int16 routing of the training batch")
     if mapping == "absolute":
         check_dense_columns(model_shape, routing, who)
-    routing = routing[:, model_shape.columns(mapping), :]
-    bad = first_bad_route(routing, model_shape.num_experts)
+        routing = routing[:, model_shape.columns(mapping), :]
+    return MoEColumns(routing, mapping, arrived_as or dtype)
+
+
+@renamed_keyword("layout", "model_shape", "to_moe")
+def to_moe(model_shape: ModelShape, routing, who: str,
+           arrived_as: torch.dtype | None = None) -> tuple[torch.Tensor, str]:
+    """[n, L, K] routing (absolute or MoE layers) of any integer dtype (`signed_routing`), or
+    the `MoEColumns` of it -> ([n, L_moe, K] int16, the mapping), with the values checked
+    (range -1..E-1, no repeated expert in a token's layer; an unsigned maximum is an expert
+    id, so out of range unless E exceeds it; `arrived_as`: the dtype it came in, when
+    converted already). The one scan of the values of rollout routing."""
+    cols = routing if isinstance(routing, MoEColumns) else \
+        moe_columns(model_shape, routing, who, arrived_as)
+    moe = cols.routing
+    bad = first_bad_route(moe, model_shape.num_experts)
     if bad is not None:
         raise RoutingMismatchError(
             f"{who}: {describe_bad_route(bad, model_shape.num_experts, model_shape.moe_layer_ids)}"
-            f"{unsigned_note(dtype, bad.value)}")
-    return routing.to(INDEX_DTYPE), mapping
+            f"{unsigned_note(cols.arrived_as, bad.value)}")
+    return moe.to(INDEX_DTYPE), cols.mapping
 
 
 def first_unrouted(routing: torch.Tensor, mask: torch.Tensor | None = None):
@@ -95,7 +118,7 @@ def routed_rows(moe: torch.Tensor, who: str, layer_ids: Sequence[int],
                 token_offset: int = 0) -> torch.Tensor:
     """The replay mask of MoE routing [n, L_moe, K]: True for a token routed in every MoE
     layer, False for one with no route at all (every slot -1: the engine returned none, so
-    the token keeps native top-k). A token routed in some MoE layers and not in others
+    the token keeps the model's own top-k). A token routed in some MoE layers and not in others
     raises RoutingMismatchError naming it (`token_offset` + its row) and the layers."""
     if moe.numel() == 0:
         return torch.ones(moe.shape[0], dtype=torch.bool)
@@ -109,7 +132,7 @@ def routed_rows(moe: torch.Tensor, who: str, layer_ids: Sequence[int],
             f"{who}: token {t + token_offset} has no route (every slot -1) in MoE layers "
             f"{layers} but routes in the other MoE layers; replayed, it would get no expert "
             f"in those layers. A token is routed in every MoE layer, or not at all (-1 "
-            f"everywhere: replay mask False, native top-k)")
+            f"everywhere: replay mask False, the model's own top-k)")
     return ~none
 
 
@@ -204,7 +227,7 @@ def missing_sequence(model_shape: ModelShape, n: int) -> SequenceRouting:
 
 def check_batch(routings: Sequence, batch_size: int, who: str, allow_missing: bool) -> None:
     """One entry per request (None for no routing); missing entries are an error unless
-    `allow_missing` (the requests then run with native top-k)."""
+    `allow_missing` (the requests then run with the model's own top-k)."""
     if len(routings) != batch_size:
         raise RoutingMismatchError(
             f"{who}: got routing for {len(routings)} requests but the batch has {batch_size}; "
@@ -217,7 +240,8 @@ def check_batch(routings: Sequence, batch_size: int, who: str, allow_missing: bo
         raise RoutingMismatchError(
             f"{who}: requests {missing[:16]}{'...' if len(missing) > 16 else ''} have no routing "
             f"({have} of {batch_size} requests do); the routing was lost between rollout and "
-            f"training. Pass allow_missing=True to run those requests with native top-k"
+            f"training. Pass allow_missing=True to run those requests with the model's own "
+            f"top-k"
         )
 
 
@@ -247,8 +271,11 @@ class MultiTurnRouting:
     layout = deprecated_property("model_shape", "MultiTurnRouting.layout")
 
     def add_turn(self, routing, seq_len: int, start: int = 0) -> None:
+        """Append a turn: `routing` in any form `as_tensor` takes, or the `MoEColumns` an
+        engine module took from it already (then its mapping is not decided again)."""
         who = f"request {self.request} turn {self.turns}"
-        r = as_tensor(routing, who)
+        cols = routing if isinstance(routing, MoEColumns) else None
+        r = cols.routing if cols is not None else as_tensor(routing, who)
         if r.dim() != 3:
             raise RoutingMismatchError(f"{who}: routing must be [tokens, L, K], got "
                                        f"{tuple(r.shape)}")
@@ -271,7 +298,7 @@ class MultiTurnRouting:
                 f"{who}: seq_len={seq_len} is shorter than the {self.rows + 1} tokens of the "
                 f"earlier turns; turns must be added in order"
             )
-        moe, mapping = to_moe(self.model_shape, r, who)
+        moe, mapping = to_moe(self.model_shape, r if cols is None else cols, who)
         if self.mapping is not None and mapping != self.mapping:
             raise RoutingMismatchError(f"{who}: layer mapping {mapping!r} differs from earlier "
                                        f"turns ({self.mapping!r})")
@@ -285,7 +312,7 @@ class MultiTurnRouting:
         self.turns += 1
 
     def add_masked(self, n: int, why: str) -> None:
-        """Append `n` rows without routing (-1, replay mask False: native top-k), e.g. a
+        """Append `n` rows without routing (-1, replay mask False: the model's own top-k), e.g. a
         prompt prefix the engine omitted and nobody supplied, under an explicit policy.
         `why` is kept in `masked` for the caller's report."""
         if n < 0:
@@ -315,25 +342,51 @@ class MultiTurnRouting:
         return SequenceRouting(idx, mask, self.mapping)
 
 
-# ---------------------------------------------------------------------------- layouts
-@dataclass
+# ---------------------------------------------------------------------------- the batch
+@dataclass(frozen=True)
 class ReplayBatch:
-    """Routing in a training format: the one type for it, from the rollout adapters to the
-    trainer (`RouterReplay.set_routing`, Megatron's packing and CP split).
+    """Routing in a training format: the one type for it, from every source (the rollout
+    adapters, `RoutingFile.batch()`, `RouterReplay.recorded_batch()`, `from_bytes`) to every
+    sink (`RouterReplay.set_routing`, Megatron's `pad_thd`, `cp_split`, `sp_scatter` and
+    `set_replay_routing`).
 
-    indices       [B, S, L_moe, K] (padded) or [N, L_moe, K] (THD), -1 = none; int16 from
-                  the packers (any integer dtype is carried as is)
+    indices       [B, S, L, K] (padded) or [N, L, K] (THD), -1 = none; int16 from the
+                  packers (any integer dtype is carried as is)
     replay_mask   [B, S] or [N] bool, False for padding and rows without a route
     cu_seqlens    [B+1] int64 for THD: the real sequence boundaries (global packed frame)
     mappings      mappings[i]: the layer mapping request i arrived in ("absolute", "moe",
                   or None when it had no routing); may be empty
-    layer_index   how `indices` columns are indexed for `RouterReplay` ("moe")
+    layer_index   how the L columns of `indices` are indexed: "moe" (one per MoE layer, in
+                  order; what the adapters give) or "absolute" (one per layer id; a record
+                  file written that way)
 
-    After Megatron's padding step (`integrations.megatron.pad_thd`) and CP split:
+    After Megatron's padding step (`integrations.megatron.pad_thd`), CP split and SP
+    scatter:
 
     cu_seqlens_padded [B+1] int64: the padded boundaries (what PackedSeqParams carries);
                   None = not padded (the boundaries are `cu_seqlens`)
     cp_size, cp_rank, cp_scheme: which share of the CP split this is (1, 0, None = whole)
+    sp_size, sp_rank: which TP rank's rows of the sequence-parallel split (1, 0 = all)
+
+    **Checked against a model shape.** `check(shape)` scans the routing once against a
+    `ModelShape` (the layer mapping decided by L and `layer_index`; every id of a row to
+    replay in -1..E-1, no expert twice in a token's layer; a row to replay routed in every
+    MoE layer) and marks the batch checked for that shape: `checked_shape` is the shape,
+    `layer_ids` the absolute layer id of each column. The adapters, `RoutingFile.batch()`,
+    `RouterReplay.recorded_batch()` and `from_bytes(..., shape=)` give batches checked
+    already; `pad_thd`, `cp_split`, `cp_gather` and `sp_scatter` keep the mark (they only
+    move rows and add padding rows). A sink given a batch checked for its own shape
+    scans nothing and decides no mapping again; one checked for another shape is refused,
+    naming what differs (a record file's MoE layer ids against the model's, say); an
+    unchecked batch, or a bare tensor, is checked there as before.
+
+    The rule that keeps the mark honest: the mark is the shape plus the indices and mask
+    tensors it was made for and their version counters. The batch is frozen (its fields
+    cannot be rebound), `dataclasses.replace` and every constructor give an unchecked
+    batch, and an in-place write through either tensor (or a view of it) bumps its version
+    counter, which voids the mark; the next sink checks again. A write that bypasses
+    PyTorch (through memory shared with a numpy array, or another process) cannot be seen:
+    do not write routing that way after checking it.
     """
 
     indices: torch.Tensor
@@ -345,6 +398,9 @@ class ReplayBatch:
     cp_size: int = 1
     cp_rank: int = 0
     cp_scheme: str | None = None
+    sp_size: int = 1
+    sp_rank: int = 0
+    _checked: _Checked | None = field(default=None, init=False, repr=False, compare=False)
 
     # -- the THD frame
     @property
@@ -375,16 +431,90 @@ class ReplayBatch:
         return (cup[1:] - cup[:-1]).tolist()
 
     def describe(self) -> str:
+        sp = f", sp_size={self.sp_size}, sp_rank={self.sp_rank}" if self.sp_size != 1 else ""
         return (f"ReplayBatch(tokens={self.num_tokens}, sequences={self.num_sequences}, "
-                f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, cp_scheme={self.cp_scheme})")
+                f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, cp_scheme={self.cp_scheme}"
+                f"{sp})")
 
     cp_layout = deprecated_property("cp_scheme", "ReplayBatch.cp_layout")
 
     def _megatron_fields(self) -> bool:
-        return self.cu_seqlens_padded is not None or self.cp_size != 1 or self.cp_scheme is not None
+        return (self.cu_seqlens_padded is not None or self.cp_size != 1
+                or self.cp_scheme is not None or self.sp_size != 1)
+
+    # -- checked against a model shape
+    @property
+    def checked_shape(self) -> ModelShape | None:
+        """The `ModelShape` this batch was checked against, while the mark holds (see the
+        class docstring); else None."""
+        c = self._checked
+        return c.shape if c is not None and c.holds(self) else None
+
+    def checked_for(self, shape: ModelShape) -> bool:
+        """Whether this batch was checked against `shape` and its routing has not changed
+        since."""
+        return self.checked_shape == shape
+
+    @property
+    def layer_ids(self) -> list[int] | None:
+        """The absolute layer id of each column of `indices` (checked batches; else None:
+        only a model shape says which layers the columns are)."""
+        shape = self.checked_shape
+        return None if shape is None else shape.layer_ids(self.layer_index)
+
+    def check(self, shape: ModelShape, *, who: str = "ReplayBatch.check",
+              error: Callable[[str], Exception] = RoutingMismatchError) -> ReplayBatch:
+        """This batch checked against `shape` (the scan and the rule: the class docstring).
+        Returns the checked batch: this one, or, when the indices arrived unsigned or int8
+        or `layer_index` was "auto", a copy with signed indices and the mapping resolved.
+        A batch checked for `shape` already is returned as is, without a scan. Errors name
+        the token (a padded batch's tokens counted b * S + s) and the layer; `error` makes
+        the exception from the message (default RoutingMismatchError)."""
+        if self.checked_for(shape):
+            return self
+        idx, mask = self.indices, self.replay_mask
+        if not isinstance(idx, torch.Tensor) or idx.dim() not in (3, 4):
+            got = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
+            raise error(f"{who}: indices must be [N, L, K] or [B, S, L, K], got {got}")
+        if (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool
+                or tuple(mask.shape) != tuple(idx.shape[:-2])):
+            got = (f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor)
+                   else type(mask).__name__)
+            raise error(f"{who}: replay_mask must be bool {tuple(idx.shape[:-2])} (the tokens "
+                        f"of indices {tuple(idx.shape)}), got {got}")
+        try:
+            idx, dtype = signed_routing(idx, who, "indices")
+        except (TypeError, ValueError) as e:
+            raise error(str(e)) from None
+        L, K = idx.shape[-2:]
+        if K != shape.top_k:
+            raise error(f"{who}: indices have K={K} slots per token but the model has "
+                        f"top_k={shape.top_k} (shape {tuple(idx.shape)})")
+        try:
+            mapping = shape.mapping_for(L, who, self.layer_index)
+        except ValueError as e:
+            raise error(str(e)) from None
+        flat, keep = idx.reshape(-1, L, K), mask.reshape(-1)
+        moe = flat if mapping == "moe" else flat[:, shape.columns(mapping), :]
+        bad = first_bad_route(moe, shape.num_experts, keep)
+        if bad is not None:
+            raise error(f"{who}: {describe_bad_route(bad, shape.num_experts, shape.moe_layer_ids)}"
+                        f"{unsigned_note(dtype, bad.value) if bad.kind == 'range' else ''}")
+        hit = first_unrouted(moe, keep)
+        if hit is not None:
+            layers = [shape.moe_layer_ids[j] for j in hit[1]]
+            raise error(f"{who}: token {hit[0]} is marked for replay (replay_mask True) but has "
+                        f"no route (every slot -1) in MoE layers {layers}; replayed, it would "
+                        f"get no expert there. Set its replay_mask False (the model's own "
+                        f"top-k) or route it in every MoE layer")
+        out = self
+        if idx is not self.indices or mapping != self.layer_index:
+            out = replace(self, indices=idx, layer_index=mapping)
+        return _mark_checked(out, shape)
 
     def apply(self, replay) -> None:
-        replay.set_routing(self.indices, self.replay_mask, layer_index=self.layer_index)
+        """`replay.set_routing(self)`: the batch and its mask to a `RouterReplay`."""
+        replay.set_routing(self)
 
     # -- bytes (transport from rollout workers to trainers)
     def to_bytes(self, *, num_experts: int | None = None, level: int = 3) -> bytes:
@@ -431,7 +561,7 @@ class ReplayBatch:
         return _BATCH_MAGIC + struct.pack("<I", zlib.crc32(body)) + body + blob
 
     @classmethod
-    def from_bytes(cls, data, *, max_tokens: int | None = None,
+    def from_bytes(cls, data, *, shape: ModelShape | None = None, max_tokens: int | None = None,
                    max_bytes: int | None = None) -> "ReplayBatch":
         """Inverse of `to_bytes`, the safe way to take a batch from another process (never
         unpickle bytes from a peer you do not trust). Every header field is checked against
@@ -441,9 +571,11 @@ class ReplayBatch:
         decoded batch further (tokens; bytes of indices). A corrupt, foreign or crafted
         payload raises RoutingMismatchError naming the problem (the codec's errors name the
         offset within the blob). A token marked for replay must be routed
-        (`_check_masked_rows`)."""
+        (`_check_masked_rows`). With `shape` (the receiving model's) the batch is also
+        checked against it (`check`) and returned checked."""
         from .. import codec
 
+        model_shape = shape  # (`shape` names the header's indices_shape below)
         who = "ReplayBatch.from_bytes"
         try:
             buf = memoryview(data).cast("B")
@@ -506,15 +638,72 @@ class ReplayBatch:
         _check_masked_rows(flat, torch.from_numpy(mask), head["layer_index"], who)
         mask = mask.reshape(shape[:-2])
         cu = head["cu_seqlens"]
-        return cls(flat.reshape(shape), torch.from_numpy(mask),
-                   None if cu is None else torch.tensor(cu, dtype=torch.int64),
-                   list(head["mappings"]), head["layer_index"])
+        batch = cls(flat.reshape(shape), torch.from_numpy(mask),
+                    None if cu is None else torch.tensor(cu, dtype=torch.int64),
+                    list(head["mappings"]), head["layer_index"])
+        return batch if model_shape is None else batch.check(model_shape, who=who)
 
     def __reduce__(self):
+        # a copy is unchecked: the receiving side checks it against its model again
         if self._megatron_fields():  # a trainer-side stage: its tensors, as they are
             return (_batch_from_fields, (
-                {f.name: getattr(self, f.name) for f in fields(self)},))
+                {f.name: getattr(self, f.name) for f in fields(self) if f.init},))
         return (_batch_from_bytes, (self.to_bytes(),))
+
+
+def _versions(*tensors: torch.Tensor) -> tuple | None:
+    """The version counters of `tensors` (bumped by every in-place write through them or
+    a view of them); None where a tensor has none (an inference-mode tensor)."""
+    try:
+        return tuple(t._version for t in tensors)
+    except RuntimeError:
+        return None
+
+
+class _Checked:
+    """The mark `ReplayBatch.check` leaves: the shape, the two tensors it scanned and their
+    version counters at that time. It holds for a batch that still has those tensors,
+    unwritten since (the rule: `ReplayBatch`'s docstring)."""
+
+    __slots__ = ("indices", "mask", "shape", "versions")
+
+    def __init__(self, shape: ModelShape, indices: torch.Tensor, mask: torch.Tensor) -> None:
+        self.shape, self.indices, self.mask = shape, indices, mask
+        self.versions = _versions(indices, mask)
+
+    def holds(self, batch: ReplayBatch) -> bool:
+        return (self.versions is not None and batch.indices is self.indices
+                and batch.replay_mask is self.mask
+                and _versions(self.indices, self.mask) == self.versions)
+
+
+def _mark_checked(batch: ReplayBatch, shape: ModelShape) -> ReplayBatch:
+    """Mark `batch` checked for `shape`. Only for a batch whose routing was scanned against
+    `shape` by this package (`ReplayBatch.check`, the adapters), or built from such a batch
+    by steps that keep the check true (padding rows of -1 with mask False, row selection).
+    The structure is confirmed here (no value is read); the values are the caller's
+    promise."""
+    idx, mask = batch.indices, batch.replay_mask
+    L = shape.num_moe_layers if batch.layer_index == "moe" else shape.num_hidden_layers
+    ok = (batch.layer_index in MAPPINGS and idx.dim() in (3, 4)
+          and tuple(idx.shape[-2:]) == (L, shape.top_k)
+          and not idx.is_floating_point() and idx.dtype not in UNSIGNED
+          and idx.dtype != torch.bool
+          and mask.dtype == torch.bool and tuple(mask.shape) == tuple(idx.shape[:-2]))
+    if not ok:
+        raise AssertionError(f"a {tuple(idx.shape)} {idx.dtype} batch ({batch.layer_index}, "
+                             f"mask {mask.dtype} {tuple(mask.shape)}) cannot be checked for "
+                             f"{shape}")
+    object.__setattr__(batch, "_checked", _Checked(shape, idx, mask))
+    return batch
+
+
+def _keep_checked(src: ReplayBatch, out: ReplayBatch) -> ReplayBatch:
+    """`out`, marked checked for the shape `src` is checked for (if any): for the steps that
+    keep a check true (Megatron's padding, CP split and SP scatter: rows moved or selected,
+    padding rows of -1 with replay_mask False)."""
+    shape = src.checked_shape
+    return out if shape is None else _mark_checked(out, shape)
 
 
 _BATCH_MAGIC = b"RRBATCH1"

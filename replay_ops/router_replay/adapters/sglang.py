@@ -21,7 +21,7 @@ The forms a real SGLang (0.5.23, measured) sends, and how they are taken:
    request never has one), and the next turn routes it as a prompt token. With start =
    the previous length, that token is routed in neither turn: it is refused, unless its
    row is supplied (`prefix_routing=`) or masked out (`omitted="mask"`, replay mask False:
-   native top-k there); it is never zero-filled.
+   the model's own top-k there); it is never zero-filled.
 3. **The OpenAI-compatible endpoints** (`/v1/completions`, `/v1/chat/completions`) carry
    the payload in the choice's `sglext.routed_experts`, and only the first choice of a
    response has one (2 prompts x n=2 gave 4 choices, 1 payload): `openai_meta_infos`
@@ -58,6 +58,7 @@ from .batch import (
     ReplayBatch,
     RoutingMismatchError,
     SequenceRouting,
+    _mark_checked,
     _short,
     as_tensor,
     b64_size,
@@ -166,7 +167,7 @@ def openai_meta_infos(response: Mapping, *, allow_missing: bool = False,
     `sglext.routed_experts`: the routing of its first result, choice 0 (a choice's own
     `sglext`, if a version sends one, is taken for that choice). A choice without a payload is refused, naming it, unless
     `allow_missing` (it is then None, and `sglang_sequences(..., allow_missing=True)` runs
-    it with native top-k)."""
+    it with the model's own top-k)."""
     if not isinstance(response, Mapping) or not isinstance(response.get("choices"), list):
         raise RoutingMismatchError(f"{who}: not a completion response (no 'choices' list)")
     choices = response["choices"]
@@ -221,7 +222,7 @@ def openai_meta_infos(response: Mapping, *, allow_missing: bool = False,
             f"{who}: choices {missing[:16]}{'...' if len(missing) > 16 else ''} (of {n}) have "
             f"no routing payload: SGLang returns sglext.{SGLANG_KEY} for the first choice of a "
             f"response only. Send one prompt with n=1 per request (or use /generate), or pass "
-            f"allow_missing=True to run those choices with native top-k")
+            f"allow_missing=True to run those choices with the model's own top-k")
     return out
 
 
@@ -337,7 +338,8 @@ def sglang_sequences(
     Rows a start leaves uncovered (a single request sent with a start, or a turn whose start
     is past the rows the earlier turns hold) are refused unless supplied, `prefix_routing[i]`
     (the rows of request i's one gap, any form a turn takes; or a dict {turn: rows} for
-    several gaps), or masked with `omitted="mask"` (-1, replay_mask False: native top-k).
+    several gaps), or masked with `omitted="mask"` (-1, replay_mask False: the model's own
+    top-k).
     """
     who = "sglang meta_info"
     if omitted not in OMITTED:
@@ -487,8 +489,8 @@ def _fill_gap(acc: MultiTurnRouting, gaps: dict, i: int, j: int, start: int,
     raise RoutingMismatchError(
         f"{tw}: SGLang returned no routing for tokens {lo}..{start - 1} "
         f"({SGLANG_START_KEY}={start}) and {what}.{fix} Supply them (prefix_routing[{i}]), or "
-        f"pass omitted='mask' to run those tokens with native top-k; they are never "
-        f"zero-filled")
+        f"pass omitted='mask' to run those tokens with the model's own top-k; they are "
+        f"never zero-filled")
 
 
 @renamed_keyword("layout", "model_shape", "sglang_batch")
@@ -502,4 +504,6 @@ def sglang_batch(meta_infos, seq_lens, prompt_lens, model_shape, *, starts=None,
     seqs = sglang_sequences(meta_infos, seq_lens, model_shape, starts=starts, requests=requests,
                             num_layers=num_layers, prefix_routing=prefix_routing,
                             omitted=omitted, allow_missing=allow_missing)
-    return pack(seqs, prompt_lens, packing, max_prompt_len, max_response_len)
+    # scanned against model_shape per turn (`to_moe`); packing adds only -1 rows, mask False
+    return _mark_checked(pack(seqs, prompt_lens, packing, max_prompt_len, max_response_len),
+                         model_shape)

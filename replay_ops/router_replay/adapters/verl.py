@@ -8,7 +8,8 @@ from typing import Any, Mapping
 import torch
 
 from ..._validate import signed_routing
-from .batch import ModelShape, ReplayBatch, RoutingMismatchError, as_tensor, to_moe
+from .batch import (ModelShape, ReplayBatch, RoutingMismatchError, _mark_checked, as_tensor,
+                    first_unrouted, to_moe)
 from ..._deprecated import renamed_keyword
 
 
@@ -32,13 +33,13 @@ def from_verl_padded(
     row (the rollout has no route for it) and, when `replay_mask` is given, are True in
     it (`[B, S]` bool, or verl's jagged mask over the unpadded tokens, such as
     `build_r3_replay_mask`'s). Other rows become -1 with replay_mask False: they keep
-    native top-k, as rows outside verl's replay mask do in verl.
+    the model's own top-k, as rows outside verl's replay mask do in verl.
 
     verl leaves all-zero rows where the rollout recorded nothing (multi-turn: the tokens
     after the last generation). An all-zero row (every MoE layer, every slot) among the
     rows replayed is refused, naming the row, unless `zero_rows` says what it is:
 
-    * `"missing"` (top_k >= 2): no route; the row runs with native top-k (-1, mask
+    * `"missing"` (top_k >= 2): no route; the row runs with the model's own top-k (-1, mask
       False). With top_k >= 2 a zero row repeats expert 0, so it can never be a route.
     * `"expert0"` (top_k == 1): a route to expert 0 in every MoE layer. With top_k=1 a
       zero row is also exactly that, so the data cannot tell; pass a `replay_mask` that
@@ -72,7 +73,7 @@ def from_verl_padded(
         raise ValueError(
             f"{who}: zero_rows='expert0' needs top_k=1: with top_k={K} an all-zero row "
             f"repeats expert 0 and is never a route; pass zero_rows='missing' to run such "
-            f"rows with native top-k")
+            f"rows with the model's own top-k")
     am = am.to(torch.bool).cpu()
     pos = torch.arange(S).expand(B, S)
     last = torch.where(am, pos, -1).max(dim=1).values  # [B]
@@ -91,8 +92,8 @@ def from_verl_padded(
             f"to replay ({int(zero.sum())} such rows); verl leaves zero rows where the "
             f"rollout recorded nothing (multi-turn: tokens after the last generation). "
             + (f"With top_k={K} it repeats expert 0 and is not a route: pass "
-               f"zero_rows='missing' to run such rows with native top-k, or a replay_mask "
-               f"that leaves them out" if K > 1 else
+               f"zero_rows='missing' to run such rows with the model's own top-k, or a "
+               f"replay_mask that leaves them out" if K > 1 else
                "With top_k=1 it is also a route to expert 0 in every MoE layer, and the "
                "data cannot tell which: pass a replay_mask that leaves out the rows without "
                "routing, and zero_rows='expert0' to replay the zero rows left as expert 0"))
@@ -101,8 +102,17 @@ def from_verl_padded(
         moe, mapping = to_moe(model_shape, idx, who, arrived_as=dtype)
     except RoutingMismatchError as e:
         raise RoutingMismatchError(f"{e} (flattened token index = b * S + s, S={S})") from None
-    return ReplayBatch(moe.reshape(B, S, model_shape.num_moe_layers, K), mask, None,
-                       [mapping] * B)
+    hit = first_unrouted(moe, mask.reshape(-1))
+    if hit is not None:
+        b, s = divmod(hit[0], S)
+        layers = [model_shape.moe_layer_ids[j] for j in hit[1]]
+        raise RoutingMismatchError(
+            f"{who}: row (b={b}, s={s}) is among the rows to replay but has no route (every "
+            f"slot -1) in MoE layers {layers}; replayed, it would get no expert there. Leave "
+            f"it out with replay_mask, or route it in every MoE layer")
+    # every row was scanned against model_shape (`to_moe`), every row to replay is routed
+    return _mark_checked(ReplayBatch(moe.reshape(B, S, model_shape.num_moe_layers, K), mask,
+                                     None, [mapping] * B), model_shape)
 
 
 def _padded_mask(replay_mask, am: torch.Tensor, who: str) -> torch.Tensor:

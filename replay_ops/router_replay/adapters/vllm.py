@@ -37,7 +37,7 @@ Refused (`RoutingMismatchError` naming the request, the turn and the row or laye
 * a row count other than `prompt_len + response_len - 1 - start`;
 * rows omitted by a start > 0 that are neither supplied (`prefix_routing[i]`, or an earlier
   turn of a multi-turn entry) nor explicitly masked out (`omitted="mask"`: -1 rows with
-  replay_mask False, native top-k there); they are never zero-filled;
+  replay_mask False, the model's own top-k there); they are never zero-filled;
 * zero-filled routing (a kernel path that bypassed vLLM's capture returned its zero-
   initialised rows, vLLM issue 54730): with top_k >= 2 any (token, MoE layer) whose K ids
   are all 0; with top_k == 1, where a zero is also a route to expert 0, a turn whose every
@@ -73,15 +73,17 @@ import torch
 
 from .batch import (
     ModelShape,
+    MoEColumns,
     MultiTurnRouting,
     ReplayBatch,
     RoutingMismatchError,
     SequenceRouting,
+    _mark_checked,
     as_tensor,
     check_batch,
-    check_dense_columns,
     decode_b64,
     missing_sequence,
+    moe_columns,
     pack,
     packing_arg,
 )
@@ -191,21 +193,13 @@ def _as_routing(x, model_shape: ModelShape, who: str, max_rows: int | None = Non
     return t
 
 
-def _check_not_zero_filled(t: torch.Tensor, model_shape: ModelShape, who: str) -> None:
-    """Refuse zero-filled routing (see the module docstring for the top_k == 1 rule)."""
-    if t.dim() != 3 or t.shape[0] == 0 or t.shape[2] != model_shape.top_k:
-        return  # the shape checks that follow name the problem
-    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-        return  # so does the dtype check
-    L = t.shape[1]
-    try:
-        mapping = model_shape.mapping_for(L, who, error=RoutingMismatchError)
-    except RoutingMismatchError:
+def _check_not_zero_filled(cols: MoEColumns, model_shape: ModelShape, who: str) -> None:
+    """Refuse zero-filled routing (see the module docstring for the top_k == 1 rule), in the
+    MoE columns of a payload (`moe_columns`: its mapping decided, its dense columns
+    checked)."""
+    moe = cols.routing
+    if moe.shape[0] == 0:
         return
-    cols = model_shape.columns(mapping)
-    if mapping == "absolute":  # a model shape with other dense layers is the better message
-        check_dense_columns(model_shape, t, who)
-    moe = t[:, cols, :]
     zero = (moe == 0).all(dim=2)  # [n, L_moe]
     if not bool(zero.any()):
         return
@@ -255,7 +249,7 @@ def vllm_sequences(
     `prefix_routing[i]`: the routing of the `prompt_starts[i]` omitted rows when the caller
     has it (an earlier request over the same prefix, sliced to those rows), in any form of
     a single payload. `omitted`: what to do with omitted rows nobody supplied: "error"
-    (default) or "mask" (-1, replay_mask False: those tokens keep native top-k).
+    (default) or "mask" (-1, replay_mask False: those tokens keep the model's own top-k).
     `narrowed`, `truncated[i]`: payloads re-encoded by the sender (module docstring).
     """
     who = "vllm routed_experts"
@@ -311,6 +305,7 @@ def vllm_sequences(
                     f"{t.shape[0]} token rows but "
                     f"{what} = {want} ({lens}{f', prompt_start={start}' if start else ''})"
                     f"{_hint(t.shape[0], seq_len - 1) if not start else ''}")
+            t = moe_columns(model_shape, t, tw)  # the payload's one mapping decision
             _check_not_zero_filled(t, model_shape, tw)
             if start > acc.rows:
                 gap = (acc.rows, start)
@@ -323,6 +318,7 @@ def vllm_sequences(
                             f"{gap[0]}..{gap[1] - 1} ({start - acc.rows} rows, "
                             f"routed_experts_prompt_start={start}); slice the earlier "
                             f"request's routing to the shared prefix")
+                    p = moe_columns(model_shape, p, pw)
                     _check_not_zero_filled(p, model_shape, pw)
                     acc.add_turn(p, start + 1, acc.rows)
                     acc.turns -= 1  # the prefix is not a turn of its own
@@ -335,8 +331,8 @@ def vllm_sequences(
                         f"(routed_experts_prompt_start={start}) and "
                         f"{'no earlier turn covers them' if j else 'nothing supplies them'}. "
                         f"Supply them (prefix_routing[{i}], or the earlier turn as a multi-turn "
-                        f"entry), or pass omitted='mask' to run those tokens with native top-k"
-                        f"; they are never zero-filled")
+                        f"entry), or pass omitted='mask' to run those tokens with the "
+                        f"model's own top-k; they are never zero-filled")
             acc.add_turn(t, seq_len + last, start)
         if cut:  # every token has a route: no final row without one
             seq = acc.sequence(P + G + 1)
@@ -380,4 +376,8 @@ def vllm_batch(routed_experts, prompt_lens, response_lens, model_shape, *, packi
                           prompt_starts=prompt_starts, prefix_routing=prefix_routing,
                           omitted=omitted, allow_missing=allow_missing, narrowed=narrowed,
                           truncated=truncated)
-    return pack(seqs, prompt_lens, packing, max_prompt_len, max_response_len)
+    # the sequences' values were scanned against model_shape (`to_moe`), their masks say
+    # which rows are routed in every MoE layer, and packing adds only -1 rows with mask
+    # False: the batch is checked for model_shape without another scan
+    return _mark_checked(pack(seqs, prompt_lens, packing, max_prompt_len, max_response_len),
+                         model_shape)
