@@ -11,6 +11,7 @@ import types
 import pytest
 import torch
 
+import replay_ops
 from replay_ops.demo import sglang_engine
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU machine's rules")
@@ -29,7 +30,14 @@ def test_missing_cpu_sglang_says_how_to_install(tmp_path, monkeypatch):
 def test_cpu_runtime_environment_and_command_line(tmp_path):
     rt = sglang_engine.SglangRuntime("python", cpu=True, source="test")
     env = rt.env()
-    assert env["PYTHONPATH"] == sglang_engine.SHIM_DIR and env["SGLANG_USE_CPU_ENGINE"] == "1"
+    # the shim alone, then the engine path: replay_ops and its engine plugins (inert)
+    shim, plugins = env["PYTHONPATH"].split(os.pathsep)
+    assert shim == sglang_engine.SHIM_DIR and env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert os.path.realpath(os.path.join(plugins, "replay_ops")) == os.path.dirname(
+        os.path.realpath(replay_ops.__file__))
+    (info,) = [d for d in os.listdir(plugins) if d.endswith(".dist-info")]
+    with open(os.path.join(plugins, info, "entry_points.txt")) as f:
+        assert "replay_ops.integrations" in f.read()
     gpu = sglang_engine.SglangRuntime("python", cpu=False, source="test").env()
     assert gpu.get("PYTHONPATH") == os.environ.get("PYTHONPATH")  # untouched
     assert "SGLANG_USE_CPU_ENGINE" not in gpu or os.environ.get("SGLANG_USE_CPU_ENGINE")

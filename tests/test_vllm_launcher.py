@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+import replay_ops
 from replay_ops.demo import vllm_engine
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU machine's rules")
@@ -30,7 +31,14 @@ def test_missing_cpu_vllm_says_how_to_install(tmp_path, monkeypatch):
 def test_cpu_runtime_environment_holds_the_hook_only_for_vllm():
     rt = vllm_engine.VllmRuntime("python", cpu=True, source="test")
     env = rt.env()
-    assert env["PYTHONPATH"] == vllm_engine.SHIM_DIR and env["TRITON_INTERPRET"] == "1"
+    # the shim alone, then the engine path: replay_ops and its engine plugins (inert)
+    shim, plugins = env["PYTHONPATH"].split(os.pathsep)
+    assert shim == vllm_engine.SHIM_DIR and env["TRITON_INTERPRET"] == "1"
+    assert os.path.realpath(os.path.join(plugins, "replay_ops")) == os.path.dirname(
+        os.path.realpath(replay_ops.__file__))
+    (info,) = [d for d in os.listdir(plugins) if d.endswith(".dist-info")]
+    with open(os.path.join(plugins, info, "entry_points.txt")) as f:
+        assert "replay_ops.integrations" in f.read()
     assert os.path.isfile(os.path.join(vllm_engine.SHIM_DIR, "sitecustomize.py"))
     gpu = vllm_engine.VllmRuntime("python", cpu=False, source="test").env()
     assert gpu.get("PYTHONPATH") == os.environ.get("PYTHONPATH")  # untouched
