@@ -120,6 +120,27 @@ struct GateFwd {
                      w.rvals.data(), w.rids.data(), w.gvals.data(), w.gids.data());
       return;
     }
+    const acc_t* v = values(t, w);
+    rm::select_row([v](int64_t j) { return v[j]; }, E, K, sel, out, w.rvals.data(),
+                   w.rids.data(), w.gvals.data(), w.gids.data());
+  }
+
+  // Whether the used experts idx of row t are the selection's set (replay_select.h).
+  bool agrees(int64_t t, const int32_t* idx, Scratch& w) const {
+    if (sel.num_groups > 0) {
+      select_into(t, w.sel.data(), w);
+      return rm::same_set(idx, w.sel.data(), K);
+    }
+    const scalar_t* x = X + t * E;
+    if (rm::ranks_logits(sel, BIAS != nullptr))
+      return rm::is_top_set([x](int64_t j) { return static_cast<acc_t>(x[j]); }, E, idx, K);
+    const acc_t* v = values(t, w);
+    return rm::is_top_set([v](int64_t j) { return v[j]; }, E, idx, K);
+  }
+
+  // The selection values v_j of row t (scratch w.v).
+  const acc_t* values(int64_t t, Scratch& w) const {
+    const scalar_t* x = X + t * E;
     acc_t* v = w.v.data();
     const bool probs = sel.source == rm::kSelectScores && sf == rm::kSoftmax;
     if (probs) row_stats(x, w);
@@ -132,20 +153,14 @@ struct GateFwd {
       if (sel.round_scores) u = static_cast<acc_t>(static_cast<scalar_t>(u));
       v[j] = BIAS ? u + BIAS[j] : u;
     }
-    rm::select_row([v](int64_t j) { return v[j]; }, E, K, sel, out, w.rvals.data(),
-                   w.rids.data(), w.gvals.data(), w.gids.data());
+    return v;
   }
 
   // agreement[t] and set_logprob[t] of the row's used experts idx (selected: the row was
   // selected itself, so it agrees).
   void agreement_row(int64_t t, const int32_t* idx, bool selected, Scratch& w) const {
     const scalar_t* x = X + t * E;
-    if (selected) {
-      AGREE[t] = true;
-    } else {
-      select_into(t, w.sel.data(), w);
-      AGREE[t] = rm::same_set(idx, w.sel.data(), K);
-    }
+    AGREE[t] = selected || agrees(t, idx, w);
     acc_t* z = w.rvals.data();  // the logits at the slots (scratch of at least K)
     for (int64_t k = 0; k < K; ++k) z[k] = idx[k] >= 0 ? static_cast<acc_t>(x[idx[k]]) : acc_t(0);
     acc_t lp;

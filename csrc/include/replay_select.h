@@ -63,7 +63,7 @@ RO_HDI bool ranks_before(acc_t a, int64_t ia, acc_t b, int64_t ib) {
 
 // The best `cap` candidates so far, in rank order: vals/ids of length n. Candidates are
 // offered in ascending id, so an equal value never displaces an entry (its id is larger):
-// one compare with the last entry rejects most of them.
+// a candidate enters, and moves up past an entry, only when it `beats` it.
 template <typename acc_t>
 struct RankedList {
   acc_t* vals;
@@ -73,13 +73,16 @@ struct RankedList {
 
   RO_HDI RankedList(acc_t* v, int32_t* i, int64_t c) : vals(v), ids(i), cap(c) {}
 
-  RO_HDI void offer(acc_t v, int32_t j) {
-    if (n == cap) {  // v (offered after every entry's id) must beat the last entry
-      const acc_t last = vals[n - 1];
-      if (!(v > last || (v != v && last == last))) return;  // NaN beats a number
-    }
-    int64_t p = n < cap ? n : cap - 1;  // a full list drops its last entry
-    while (p > 0 && ranks_before(v, j, vals[p - 1], ids[p - 1])) {
+  // v, offered after entry b, ranks before it: larger, or NaN over a number.
+  RO_HDI static bool beats(acc_t v, acc_t b) { return v > b || (v != v && b == b); }
+
+  // Whether v enters the list (the hot test, one compare once the list is full).
+  RO_HDI bool enters(acc_t v) const { return n < cap || beats(v, vals[n - 1]); }
+
+  // Insert v (which enters) at its rank; a full list drops its last entry.
+  RO_HDI void insert(acc_t v, int32_t j) {
+    int64_t p = n < cap ? n : cap - 1;
+    while (p > 0 && beats(v, vals[p - 1])) {
       vals[p] = vals[p - 1];
       ids[p] = ids[p - 1];
       --p;
@@ -93,7 +96,10 @@ struct RankedList {
 // Offers the values of [j0, j1), in ascending id.
 template <typename acc_t, typename ValueAt>
 RO_HDI void offer_range(RankedList<acc_t>& list, const ValueAt& value, int64_t j0, int64_t j1) {
-  for (int64_t j = j0; j < j1; ++j) list.offer(value(j), static_cast<int32_t>(j));
+  for (int64_t j = j0; j < j1; ++j) {
+    const acc_t v = value(j);
+    if (list.enters(v)) list.insert(v, static_cast<int32_t>(j));
+  }
 }
 
 // The K experts the selection picks from a row of E values, into out[0..K) in rank order.
@@ -115,7 +121,7 @@ RO_HDI void select_row(const ValueAt& value, int64_t E, int64_t K, const Selecti
     offer_range(best, value, g * size, (g + 1) * size);
     acc_t s = vals[0];
     for (int64_t i = 1; i < best.n; ++i) s += vals[i];  // the largest first
-    groups.offer(s, static_cast<int32_t>(g));
+    if (groups.enters(s)) groups.insert(s, static_cast<int32_t>(g));
   }
   // the kept groups' experts, in ascending id
   RankedList<acc_t> top(vals, out, K);
@@ -137,6 +143,30 @@ RO_HDI bool same_set(const int32_t* used, const int32_t* sel, int64_t K) {
     if (!found) return false;
   }
   return true;
+}
+
+// The agreement of a row without groups, in one pass and no insertion: the K used entries
+// are K distinct ids in [0, E), and no other expert ranks before the member that ranks last
+// (exactly the K - 1 other members do). Equal to select_row + same_set without groups.
+template <typename ValueAt>
+RO_HDI bool is_top_set(const ValueAt& value, int64_t E, const int32_t* used, int64_t K) {
+  for (int64_t k = 0; k < K; ++k) {
+    if (used[k] < 0 || used[k] >= E) return false;
+    for (int64_t j = 0; j < k; ++j)
+      if (used[j] == used[k]) return false;
+  }
+  int32_t wi = used[0];  // the member that ranks last
+  auto wv = value(wi);
+  for (int64_t k = 1; k < K; ++k) {
+    const auto v = value(used[k]);
+    if (ranks_before(wv, wi, v, used[k])) {
+      wv = v;
+      wi = used[k];
+    }
+  }
+  int64_t before = 0;
+  for (int64_t j = 0; j < E; ++j) before += ranks_before(value(j), j, wv, wi) ? 1 : 0;
+  return before == K - 1;
 }
 
 // True when slot k of a row is the first slot holding its expert (the set's members are

@@ -77,7 +77,7 @@ def select_topk(v: torch.Tensor, top_k: int, sel) -> torch.Tensor:
             gs = gs + top[..., i]
         keep_g = torch.zeros(T, G, dtype=torch.uint8, device=v.device).scatter(
             1, _ranked(gs, 1).indices[:, :sel.group_topk], 1)
-        keep = keep_g.repeat_interleave(size, dim=1)  # [T, E]
+        keep = keep_g[:, :, None].expand(T, G, size).reshape(T, E)
         # kept experts first, each part still in the value order (a stable sort by the flag)
         again = _ranked(keep.gather(1, order), 1).indices
         order = order.gather(1, again)
