@@ -10,8 +10,10 @@ host reads and ops of one call counted on the same device (launch_counter.py):
     <b>:gate                the gate with no flagged row (no replay_mask): the baseline
     <b>:flagged-<p>%        the gate with p% of the rows flagged (replay_mask False),
                             validate=False (the sync-free path)
-    <b>:deepseek-<p>%       the same with DeepSeek-V3's selection (sigmoid scores, expert
-                            bias, group-limited top-k)
+    <b>:sigmoid-gate        the gate with sigmoid weights and no flagged row: the
+                            baseline of the next one
+    <b>:deepseek-<p>%       sigmoid weights, and DeepSeek-V3's selection (expert bias,
+                            group-limited top-k, top-2 group scores) of p% flagged rows
     <b>:agreement           the gate with return_agreement=True (every row selected)
     softmax+topk            torch.softmax + torch.topk of every row (the model's routing)
     topk-every-row+gate     what the sync-free path ran before the selection moved into the
@@ -75,6 +77,8 @@ def providers(args, logits, idx, device):
             p[f"{b}:flagged-{f:.0%}"] = (lambda b=b, m=m: replay_ops.gate(
                 logits, idx, replay_mask=m, validate=False, backend=b))
         f = args.flagged[min(1, len(args.flagged) - 1)]
+        p[f"{b}:sigmoid-gate"] = lambda b=b: replay_ops.gate(logits, idx, score_func="sigmoid",
+                                                            validate=False, backend=b)
         p[f"{b}:deepseek-{f:.0%}"] = (lambda b=b, m=ms[f]: replay_ops.gate(
             logits, idx, replay_mask=m, score_func="sigmoid", selection=deepseek,
             validate=False, backend=b))
@@ -112,7 +116,8 @@ def run(args) -> tuple[list[dict], list[str]]:
             for _ in range(args.runs)])
         for name, r in res.items():
             backend = name.split(":")[0] if ":" in name else ""
-            base = res.get(f"{backend}:gate", res.get("native:gate"))
+            base = res.get(f"{backend}:{'sigmoid-gate' if 'deepseek' in name else 'gate'}",
+                           res.get("native:gate"))
             row = {"op": "gate", "provider": name, "T": T, "E": args.E, "K": args.K,
                    "dtype": args.dtype, **r, "vs_gate": r["ms_median"] / base["ms_median"],
                    **counts[name]}
@@ -121,9 +126,12 @@ def run(args) -> tuple[list[dict], list[str]]:
             if f"{b}:gate" not in res:
                 continue
             g = res[f"{b}:gate"]["ms_median"]
+            gs = res[f"{b}:sigmoid-gate"]["ms_median"]
             parts = [f"{name.split(':')[1]} {res[name]['ms_median']:.3f} ms = "
-                     f"{res[name]['ms_median'] / g:.2f}x" for name in res
-                     if name.startswith(f"{b}:") and name != f"{b}:gate"]
+                     f"{res[name]['ms_median'] / (gs if 'deepseek' in name else g):.2f}x"
+                     for name in res if name.startswith(f"{b}:")
+                     and name not in (f"{b}:gate", f"{b}:sigmoid-gate")]
+            parts.append(f"(deepseek against sigmoid-gate {gs:.3f} ms)")
             summary.append(f"{b} T={T} E={args.E} K={args.K} {args.dtype}: gate {g:.3f} ms; "
                            + "; ".join(parts))
         for name in ("softmax+topk", "topk-every-row+gate"):

@@ -8,9 +8,9 @@ vector-Jacobian products of the table. Nothing here reads device memory on the h
 
 The model's own selection (rows without a usable route, and the agreement outputs) is
 vectorised and sync-free, so it is not proportional to the flagged rows: when a call may
-select (a replay_mask, padding="select", return_agreement) it ranks every row with stable
-sorts (the tie rule: torch.sort keeps equal values in ascending expert order) and a
-`where` keeps the recorded rows. The native CPU kernel selects inside the gate pass, for
+select (a replay_mask, padding="select", return_agreement) it ranks every row with
+torch.topk of unique int64 keys (the value's bits made monotone, then the expert id, which
+makes the tie rule exact; a stable sort for fp64) and a `where` keeps the recorded rows. The native CPU kernel selects inside the gate pass, for
 the flagged rows only; this backend is the portable fallback.
 """
 from __future__ import annotations
@@ -58,30 +58,50 @@ def selection_values(x, logits_dtype, sf, sel) -> torch.Tensor:
     return u
 
 
-def _ranked(v, dim):
-    """(values, indices) of `v` sorted along `dim`: larger first, NaN first, equal values in
-    ascending index order (a stable descending sort)."""
-    return torch.sort(v, dim=dim, descending=True, stable=True)
+def _rank_keys(v: torch.Tensor) -> torch.Tensor:
+    """int64 keys of fp32 values `v` [..., n], one per element, all distinct in a row, whose
+    descending order is the selection's order: larger value first, NaN above every number,
+    equal values by ascending index. The value's float bits, made monotone as an integer
+    (-0.0 and every NaN made one value first), shifted up 32 bits, plus n-1-index."""
+    v = torch.where(torch.isnan(v), float("nan"), v + 0.0)  # one NaN; -0.0 + 0.0 is +0.0
+    b = v.view(torch.int32)
+    key = torch.where(b < 0, b ^ 0x7FFFFFFF, b).to(torch.int64)
+    n = v.shape[-1]
+    return key * (1 << 32) + (n - 1 - torch.arange(n, device=v.device))
+
+
+def _top(v: torch.Tensor, k: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [..., k]: the indices of the k first elements of `v` along the last dimension in
+    the selection's order (torch.topk of unique keys for fp32, a stable descending sort for
+    fp64), among the `allowed` ones (bool, same shape) when given."""
+    if v.dtype == torch.float32:
+        keys = _rank_keys(v)
+        if allowed is not None:  # below every key of a value (NaN and -0.0 were folded)
+            keys = torch.where(allowed, keys, torch.iinfo(torch.int64).min)
+        return torch.topk(keys, k, dim=-1).indices
+    order = torch.sort(v, dim=-1, descending=True, stable=True).indices
+    if allowed is not None:  # allowed first, each part still in the value order
+        again = torch.sort(allowed.gather(-1, order).to(torch.uint8), dim=-1,
+                           descending=True, stable=True).indices
+        order = order.gather(-1, again)
+    return order[..., :k]
 
 
 def select_topk(v: torch.Tensor, top_k: int, sel) -> torch.Tensor:
     """int64 [T, K]: the K experts the selection picks from the values `v` [T, E], in its
-    order (every row)."""
+    order (every row; one torch.topk of unique keys, per group too)."""
     T, E = v.shape
-    order = _ranked(v, 1).indices
-    if sel.grouped:
-        G, size = sel.num_groups, E // sel.num_groups
-        top = _ranked(v.reshape(T, G, size), 2).values
-        gs = top[..., 0]
-        for i in range(1, sel.group_topn(top_k)):  # the largest first, as the kernels sum
-            gs = gs + top[..., i]
-        keep_g = torch.zeros(T, G, dtype=torch.uint8, device=v.device).scatter(
-            1, _ranked(gs, 1).indices[:, :sel.group_topk], 1)
-        keep = keep_g[:, :, None].expand(T, G, size).reshape(T, E)
-        # kept experts first, each part still in the value order (a stable sort by the flag)
-        again = _ranked(keep.gather(1, order), 1).indices
-        order = order.gather(1, again)
-    return order[:, :top_k]
+    if not sel.grouped:
+        return _top(v, top_k)
+    G, size = sel.num_groups, E // sel.num_groups
+    vg = v.reshape(T, G, size)
+    top = vg.gather(2, _top(vg, sel.group_topn(top_k)))
+    gs = top[..., 0]
+    for i in range(1, top.shape[-1]):  # the largest first, as the kernels sum
+        gs = gs + top[..., i]
+    keep_g = torch.zeros(T, G, dtype=torch.bool, device=v.device).scatter(
+        1, _top(gs, sel.group_topk), True)
+    return _top(v, top_k, keep_g[:, :, None].expand(T, G, size).reshape(T, E))
 
 
 def padding_rows(expert_indices, E: int) -> torch.Tensor:
