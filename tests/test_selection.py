@@ -191,6 +191,14 @@ def test_tie_rule_lower_id_first(dev_backend):
     out = replay_ops.gate(logits, idx, replay_mask=mask, validate=False, backend=backend)
     assert out.expert_indices[:3].tolist() == [[1, 3], [0, 1], [2, 4]]
     assert out.expert_indices[3].tolist() == [0, 4]
+    # the agreement follows the same rule (slot order ignored)
+    rec = torch.tensor([[3, 1], [1, 2], [4, 2], [0, 4]], dtype=torch.int32, device=device)
+    a = replay_ops.gate(logits, rec, return_agreement=True, validate=False, backend=backend)
+    assert a.agreement.tolist() == [True, False, True, True]
+    rec[0] = torch.tensor([1, 4])  # 4 ties with 3 at 2.0 but has the higher id
+    rec[2] = torch.tensor([2, 3])  # a NaN and the largest number: not the two NaNs
+    a = replay_ops.gate(logits, rec, return_agreement=True, validate=False, backend=backend)
+    assert a.agreement.tolist() == [False, False, False, True]
     g = replay_ops.gate(logits, idx, replay_mask=mask, validate=False, backend=backend,
                         selection=Selection(source="logits", num_groups=2, group_topk=1))
     assert g.expert_indices[3].tolist() == [0, 1]  # equal group sums: group 0

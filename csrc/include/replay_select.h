@@ -165,7 +165,14 @@ RO_HDI bool is_top_set(const ValueAt& value, int64_t E, const int32_t* used, int
     }
   }
   int64_t before = 0;
-  for (int64_t j = 0; j < E; ++j) before += ranks_before(value(j), j, wv, wi) ? 1 : 0;
+  if (wv != wv) {  // the last member is NaN: only NaNs of lower id rank before it
+    for (int64_t j = 0; j < wi; ++j) before += value(j) != value(j) ? 1 : 0;
+  } else {  // NOTE: branch-free, so the pass over E vectorises (it is the whole cost)
+    for (int64_t j = 0; j < E; ++j) {
+      const auto v = value(j);
+      before += static_cast<int64_t>((v > wv) | (v != v) | ((v == wv) & (j < wi)));
+    }
+  }
   return before == K - 1;
 }
 
