@@ -167,11 +167,16 @@ RO_HDI bool is_top_set(const ValueAt& value, int64_t E, const int32_t* used, int
   int64_t before = 0;
   if (wv != wv) {  // the last member is NaN: only NaNs of lower id rank before it
     for (int64_t j = 0; j < wi; ++j) before += value(j) != value(j) ? 1 : 0;
-  } else {  // NOTE: branch-free, so the pass over E vectorises (it is the whole cost)
-    for (int64_t j = 0; j < E; ++j) {
-      const auto v = value(j);
-      before += static_cast<int64_t>((v > wv) | (v != v) | ((v == wv) & (j < wi)));
-    }
+  } else {
+    // NOTE: a lower id ranks before the last member when its value is not smaller (NaN
+    // included), a higher id when it is larger (or NaN): two branch-free passes with a
+    // 32-bit count, which the compiler vectorises (with a 64-bit count and one pass it did
+    // not, and this pass was most of the agreement's cost).
+    int32_t n = 0;
+    const int32_t w = wi, e = static_cast<int32_t>(E);
+    for (int32_t j = 0; j < w; ++j) n += !(value(j) < wv) ? 1 : 0;
+    for (int32_t j = w; j < e; ++j) n += !(value(j) <= wv) ? 1 : 0;
+    before = n;
   }
   return before == K - 1;
 }
