@@ -103,7 +103,8 @@ def check_gate_padding(padding) -> None:
     expert) as "empty" slots or by the model's own selection ("select")."""
     if padding not in GATE_PADDING:
         raise ValueError(f"replay_ops.gate: unknown padding={padding!r}; expected one of "
-                         f"{GATE_PADDING} (\"spread\" and \"fallback\" are replay_ops.gate_dense's)")
+                         f"{GATE_PADDING} (\"spread\" and \"fallback\" are "
+                         f"replay_ops.gate_dense's)")
 
 
 def check_selection(op: str, logits: torch.Tensor, top_k: int, score_func: str, source: str,

@@ -39,7 +39,8 @@ def plan_capacity(T, K, E, align, op: str = "gate"):
 
 class RoutingPlan(NamedTuple):
     weights: torch.Tensor  # [T, K], logits dtype
-    expert_indices: torch.Tensor  # [T, K] int32, indices used (after fallback); -1 = empty
+    # [T, K] int32, indices used (a flagged row: the model's own selection); -1 = empty
+    expert_indices: torch.Tensor
     tokens_per_expert: torch.Tensor  # [E] int32, valid slots per expert
     expert_offsets: torch.Tensor  # [E+1] int32, exclusive prefix sum of aligned counts
     row_id_map: torch.Tensor  # [T, K] int32, destination row of slot (t, k); -1 = empty

@@ -10,8 +10,9 @@ The model's own selection (rows without a usable route, and the agreement output
 vectorised and sync-free, so it is not proportional to the flagged rows: when a call may
 select (a replay_mask, padding="select", return_agreement) it ranks every row with
 torch.topk of unique int64 keys (the value's bits made monotone, then the expert id, which
-makes the tie rule exact; a stable sort for fp64) and a `where` keeps the recorded rows. The native CPU kernel selects inside the gate pass, for
-the flagged rows only; this backend is the portable fallback.
+makes the tie rule exact; a stable sort for fp64) and a `where` keeps the recorded rows.
+The native CPU kernel selects inside the gate pass, for the flagged rows only; this
+backend is the portable fallback.
 """
 from __future__ import annotations
 
