@@ -265,6 +265,30 @@ def test_agreement_and_set_logprob(dev_backend, sf):
 
 
 @pytest.mark.parametrize("dev_backend", BACKENDS)
+@pytest.mark.parametrize("sel_name", ["default", "bias", "logits"])
+def test_agreement_one_expert_off_the_top_k(dev_backend, sel_name):
+    """Without groups: a set holding the (K+1)-th expert instead of the K-th does not agree
+    (nor one holding the last expert), in any slot order; the top-k itself does."""
+    device, backend = dev_backend
+    T, E, K = 12, 16, 4
+    sel = SELECTIONS[sel_name](E, device)
+    logits = tie_free_logits(T, E, seed=6).to(device)
+    own = ref.select_experts(logits, K + 1, "softmax", sel).to(device)
+    rec = own[:, :K].clone()
+    rec[0, K - 1] = own[0, K]  # the next best instead of the K-th
+    rec[1, 0] = own[1, K]  # the next best instead of the best
+    rec[2] = rec[2].flip(0)  # the top-k, reordered
+    last = ref.select_experts(-logits, 1, "softmax", Selection(source="logits"))[:, 0]
+    if sel_name != "bias":
+        rec[3, 1] = last[3].to(device)  # the lowest-ranked expert
+    out = replay_ops.gate(logits, rec, selection=sel, return_agreement=True, validate=False,
+                          backend=backend)
+    want = [False, False, True, sel_name == "bias"] + [True] * (T - 4)
+    assert out.agreement.tolist() == want
+    assert torch.equal(out.agreement, ref.agreement(logits, rec, "softmax", sel))
+
+
+@pytest.mark.parametrize("dev_backend", BACKENDS)
 @pytest.mark.parametrize("sf", SCORE_FUNCS)
 def test_set_logprob_gradcheck(dev_backend, sf):
     """fp64 gradcheck of (weights, set_logprob) together and of set_logprob alone, through
