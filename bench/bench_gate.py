@@ -71,7 +71,8 @@ def providers(args, logits, idx, device):
     if harness.native_available(device):
         p["native"] = lambda x: replay_ops.gate(x, idx, validate=v, backend="native", **kw).weights
         p["native-raw"] = lambda x: torch.ops.replay_native.gate_fwd(
-            x, idx, scores.get(args.score_func).id, bool(args.normalize), 1.0, args.align)[0]
+            x, idx, None, None, scores.get(args.score_func).id, bool(args.normalize), 1.0,
+            args.align, 0, 0, False, 0, 0, 0, False)[0]
     if args.score_func == "softmax":
         p["eager-replay"] = lambda x: eager_replay_path(x, idx, bool(args.normalize))[0]
     if harness.triton_available(device):

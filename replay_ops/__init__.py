@@ -19,9 +19,9 @@ from . import backends
 from . import ops as _ops  # noqa: F401  (registers torch.ops.replay.*)
 from .api import gate, gate_dense, permute, unpermute
 from .errors import RoutingError
-from .options import GateOptions
+from .options import GateOptions, Selection
 from .plan import DenseRouting, RoutingPlan
 
-__all__ = ["gate", "gate_dense", "permute", "unpermute", "GateOptions", "RoutingPlan",
-           "DenseRouting", "RoutingError", "backends"]
+__all__ = ["gate", "gate_dense", "permute", "unpermute", "GateOptions", "Selection",
+           "RoutingPlan", "DenseRouting", "RoutingError", "backends"]
 __version__ = "0.1.0"

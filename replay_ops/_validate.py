@@ -95,14 +95,87 @@ def check_gate_inputs(
             )
 
 
+GATE_PADDING = ("empty", "select")
+
+
+def check_gate_padding(padding) -> None:
+    """`replay_ops.gate` routes a padding row (a -1 slot, an id outside [0, E), a repeated
+    expert) as "empty" slots or by the model's own selection ("select")."""
+    if padding not in GATE_PADDING:
+        raise ValueError(f"replay_ops.gate: unknown padding={padding!r}; expected one of "
+                         f"{GATE_PADDING} (\"spread\" and \"fallback\" are "
+                         f"replay_ops.gate_dense's)")
+
+
+def check_selection(op: str, logits: torch.Tensor, top_k: int, score_func: str, source: str,
+                    expert_bias: torch.Tensor | None, round_scores: bool, num_groups: int,
+                    group_topk: int, group_score_topn: int) -> None:
+    """The selection's options against the call's sizes (static: no device read). Every
+    message names the argument and its value."""
+    E = logits.shape[1]
+    w = f"replay_ops.{op}: selection"
+    if source not in ("scores", "logits"):
+        raise ValueError(f"{w}.source must be 'scores' or 'logits', got {source!r}")
+    if source == "logits" and score_func != "softmax":
+        raise ValueError(f"{w}.source='logits' (Megatron-Core's softmax router without "
+                         f"pre-softmax) needs score_func='softmax', got "
+                         f"score_func={score_func!r}")
+    if not isinstance(round_scores, bool):
+        raise TypeError(f"{w}.round_scores must be a bool, got {round_scores!r}")
+    for name, v in (("num_groups", num_groups), ("group_topk", group_topk),
+                    ("group_score_topn", group_score_topn)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{w}.{name} must be an integer >= 0, got {name}={v!r}")
+    if expert_bias is not None:
+        if not isinstance(expert_bias, torch.Tensor) or not expert_bias.is_floating_point():
+            what = expert_bias.dtype if isinstance(expert_bias, torch.Tensor) else \
+                type(expert_bias).__name__
+            raise TypeError(f"{w}.expert_bias must be a float tensor [E], got {what}")
+        if tuple(expert_bias.shape) != (E,):
+            raise ValueError(f"{w}.expert_bias must have shape [E]=({E},) (one value per "
+                             f"expert of logits {tuple(logits.shape)}), got "
+                             f"{tuple(expert_bias.shape)}")
+        if expert_bias.device != logits.device:
+            raise ValueError(f"replay_ops.{op}: tensors on different devices: logits on "
+                             f"{logits.device}, selection.expert_bias on {expert_bias.device}")
+    if (num_groups > 0) != (group_topk > 0):
+        raise ValueError(f"{w}: group-limited selection needs both num_groups and group_topk "
+                         f"(> 0), got num_groups={num_groups}, group_topk={group_topk}")
+    if num_groups == 0:
+        if group_score_topn:
+            raise ValueError(f"{w}.group_score_topn={group_score_topn} needs num_groups and "
+                             f"group_topk")
+        return
+    if E % num_groups:
+        raise ValueError(f"{w}.num_groups={num_groups} does not divide the number of experts "
+                         f"E={E}")
+    if group_topk > num_groups:
+        raise ValueError(f"{w}.group_topk={group_topk} is larger than num_groups={num_groups}")
+    size = E // num_groups
+    n = group_score_topn or top_k // group_topk
+    if n < 1:
+        raise ValueError(f"{w}: the group score sums the top K // group_topk = {top_k} // "
+                         f"{group_topk} = 0 scores of a group (group_topk={group_topk} > "
+                         f"K={top_k}); set group_score_topn")
+    if n > size:
+        raise ValueError(f"{w}: the group score sums the top {n} scores of a group "
+                         f"(group_score_topn={group_score_topn}, K={top_k}, group_topk="
+                         f"{group_topk}) but a group has E / num_groups = {size} experts")
+    if top_k > group_topk * size:
+        raise ValueError(f"{w}: K={top_k} experts cannot be chosen from the kept groups: "
+                         f"group_topk={group_topk} groups of E / num_groups = {size} experts "
+                         f"hold {group_topk * size}")
+
+
 def check_index_values(
-    expert_indices: torch.Tensor, num_experts: int, replay_mask: torch.Tensor | None
+    expert_indices: torch.Tensor, num_experts: int, replay_mask: torch.Tensor | None,
+    repeats: bool = True,
 ) -> None:
-    """Data checks: range and duplicates. Rows with replay_mask False are not checked
-    (their recorded content is ignored and replaced by the fallback top-k). One host read
-    when the indices are valid."""
+    """Data checks: range and (with `repeats`) duplicates. Rows with replay_mask False are
+    not checked (their recorded content is ignored: the model's own selection routes them).
+    One host read when the indices are valid."""
     idx = expert_indices
-    bad = first_bad_route(idx[:, None, :], num_experts, replay_mask)
+    bad = first_bad_route(idx[:, None, :], num_experts, replay_mask, repeats=repeats)
     if bad is None:
         return
     t, k, v, row = bad.token, bad.slot, bad.value, bad.row

@@ -3,9 +3,9 @@
 
 Host synchronisation (a read of device memory by the host, which stalls a CUDA stream):
 
-    gate(..., validate=True)        one read: the index checks (range, duplicates); with a
-                                    replay_mask one more, finding the fallback rows
-    gate(..., validate=False)       none (the fallback top-k then runs on every row)
+    gate(..., validate=True)        one read: the index checks (range, duplicates)
+    gate(..., validate=False)       none (the model's own selection of the rows without a
+                                    route runs inside the gate kernel)
     gate_dense(..., validate=True)  one read: the row flags the kernel wrote
     gate_dense(..., validate=False) none
     permute(hidden, plan)           one read: the rows used, plan.expert_offsets[E]
@@ -19,7 +19,16 @@ from __future__ import annotations
 
 import torch
 
-from .options import DENSE_FIELDS, GATE_FIELDS, GateOptions, resolve
+from .options import (
+    DEFAULT_SELECTION,
+    DENSE_FIELDS,
+    DENSE_OPTIONS,
+    GATE_FIELDS,
+    GATE_OPTIONS,
+    GateOptions,
+    Selection,
+    resolve,
+)
 from .plan import DenseRouting, RoutingPlan
 
 
@@ -32,23 +41,39 @@ def gate(
     scaling_factor: float = 1.0,
     align: int = 1,
     replay_mask: torch.Tensor | None = None,
+    padding: str = "empty",
+    selection: Selection = DEFAULT_SELECTION,
+    return_agreement: bool = False,
     validate: bool = True,
     backend: str | None = None,
     options: GateOptions | None = None,
 ) -> RoutingPlan:
     """Gate weights from the current `logits` [T, E] at recorded `expert_indices` [T, K]
-    (-1 = empty slot), plus the expert-major dispatch plan. Top-k is never recomputed,
-    except for rows where `replay_mask` is False, which fall back to the native top-k of
-    the scores. With `validate=False` the index values are not checked and a value
-    outside [0, E) is an empty slot. See docs/ops.md for the exact semantics.
+    (-1 = empty slot), plus the expert-major dispatch plan. Top-k is never recomputed for a
+    replayed row. A row without a usable route gets the model's own choice, computed inside
+    the gate kernel from the logits row it reads (`selection`, a replay_ops.Selection: top-k
+    of the scores by default; expert bias, group limits): every row where `replay_mask` is
+    False, and with `padding="select"` every row with a -1 slot, an id outside [0, E) or a
+    repeated expert (with the default `padding="empty"` a -1 slot is an empty slot, weight
+    0). With `validate=False` the index values are not checked and a value outside [0, E)
+    is an empty slot (or flags its row, with padding="select"). `plan.expert_indices` holds
+    the experts used.
 
-    The four options may come as one `options=replay_ops.GateOptions(...)` instead.
+    `return_agreement=True` also gives `plan.agreement` (bool [T]: the row's set of experts
+    is the set `selection` picks from these logits) and `plan.set_logprob` (float32 [T]:
+    the log of the router's probability mass on that set, differentiable).
+    See docs/ops.md for the exact semantics.
+
+    The options may come as one `options=replay_ops.GateOptions(...)` instead.
     """
-    opts = resolve(options, "gate", GATE_FIELDS, score_func=score_func, normalize=normalize,
-                   scaling_factor=scaling_factor, align=align)
+    opts = resolve(options, "gate", GATE_OPTIONS, score_func=score_func, normalize=normalize,
+                   scaling_factor=scaling_factor, align=align, padding=padding,
+                   selection=selection, return_agreement=return_agreement)
     out = torch.ops.replay.gate(logits, expert_indices, replay_mask, *opts.flat(GATE_FIELDS),
                                 bool(validate), backend or "auto")
-    return RoutingPlan(*out)
+    if opts.return_agreement:
+        return RoutingPlan(*out)
+    return RoutingPlan(*out[:6])
 
 
 def gate_dense(
@@ -66,6 +91,8 @@ def gate_dense(
     underflow_guard: bool = False,
     align: int = 1,
     with_plan: bool = True,
+    selection: Selection = DEFAULT_SELECTION,
+    return_agreement: bool = False,
     validate: bool = True,
     backend: str | None = None,
     options: GateOptions | None = None,
@@ -83,28 +110,34 @@ def gate_dense(
       add up in probs;
     * "spread": K distinct experts spread over `ep_size` expert-parallel ranks, by a
       per-row formula (replay_ops.reference.spread_expert) rotated by `spread_offset`;
-    * "fallback": the row of `fallback` [T, K].
+    * "fallback": the row of `fallback` [T, K];
+    * "select": the model's own choice (`selection`), computed inside the kernel from the
+      row's logits.
 
     A masked row (replay_mask False) takes its `fallback` row whenever `fallback` is given.
     With `underflow_guard`, a routed probability that rounds to exactly 0 becomes the
     dtype's smallest normal value (so index recovery from probs, e.g. Megatron's flex
     dispatcher, keeps it); its gradient passes through. The plan (`with_plan`) has
     weights=None: the dispatcher applies probs itself. The backward reads the gradient of
-    probs at the routed experts inside the kernel.
+    probs at the routed experts inside the kernel. `return_agreement` gives
+    `DenseRouting.agreement` and `.set_logprob`, as `gate` does.
 
     `validate=True` reads the row flags once and raises for an id outside [-1, E), and with
     padding="empty" for a repeated expert; `validate=False` reads nothing.
 
-    The nine options may come as one `options=replay_ops.GateOptions(...)` instead."""
-    opts = resolve(options, "gate_dense", DENSE_FIELDS, score_func=score_func,
+    The options may come as one `options=replay_ops.GateOptions(...)` instead."""
+    opts = resolve(options, "gate_dense", DENSE_OPTIONS, score_func=score_func,
                    normalize=normalize, scaling_factor=scaling_factor, padding=padding,
                    ep_size=ep_size, spread_offset=spread_offset,
-                   underflow_guard=underflow_guard, align=align, with_plan=with_plan)
+                   underflow_guard=underflow_guard, align=align, with_plan=with_plan,
+                   selection=selection, return_agreement=return_agreement)
     out = torch.ops.replay.gate_dense(logits, expert_indices, replay_mask, fallback,
                                       *opts.flat(DENSE_FIELDS), bool(validate),
                                       backend or "auto")
     probs, rmap, flags, idx = out[:4]
-    plan = RoutingPlan(None, idx, *out[4:]) if opts.with_plan else None
+    plan = RoutingPlan(None, idx, *out[4:8]) if opts.with_plan else None
+    if opts.return_agreement:
+        return DenseRouting(probs, rmap, flags, idx, plan, out[8], out[9])
     return DenseRouting(probs, rmap, flags, idx, plan)
 
 

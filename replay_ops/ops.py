@@ -20,15 +20,18 @@ from ._validate import (
     PLAN_DTYPE,
     check_dense_inputs,
     check_gate_inputs,
+    check_gate_padding,
     check_hidden,
     check_index_values,
     check_plan_tensors,
     check_row_flags,
+    check_selection,
 )
 from .backends import OpShape, select
-from .fallback import resolve_indices
+from .backends.protocol import AGREEMENT, SELECT
 from .options import BACKWARD_FIELDS, DENSE_FIELDS, GATE_FIELDS, GateOptions
 from .plan import plan_capacity
+from .scores import compute_dtype
 
 LIB = "replay"
 # Every op this module registers as torch.ops.replay.<name>: the one list the package, its
@@ -38,6 +41,29 @@ OPS = FORWARD_OPS + tuple(f"{name}_backward" for name in FORWARD_OPS)
 
 
 # ----------------------------------------------------------------------------- gate
+def _features(replay_mask, padding: str, return_agreement: bool) -> frozenset:
+    """What a gate call needs beyond the plain replayed gate (backends.protocol.FEATURES):
+    the in-kernel selection when a row may be flagged (a replay_mask, padding="select"),
+    and the agreement outputs."""
+    f = set()
+    if replay_mask is not None or padding == "select":
+        f.add(SELECT)
+    if return_agreement:
+        f.add(AGREEMENT)
+    return frozenset(f)
+
+
+def _check_selection(op, logits, K, score_func, sel_flat) -> None:
+    check_selection(op, logits, K, score_func, *sel_flat)
+
+
+def _agreement_like(T, logits, present):
+    """Fake (agreement bool [T], set_logprob [T] in the compute dtype), sized 0 when absent."""
+    n = T if present else 0
+    return (torch.empty(n, dtype=torch.bool, device=logits.device),
+            torch.empty(n, dtype=compute_dtype(logits.dtype), device=logits.device))
+
+
 @torch.library.custom_op(f"{LIB}::gate", mutates_args=())
 def gate(
     logits: Tensor,
@@ -47,32 +73,52 @@ def gate(
     normalize: bool,
     scaling_factor: float,
     align: int,
+    padding: str,
+    selection_source: str,
+    expert_bias: Tensor | None,
+    round_scores: bool,
+    num_groups: int,
+    group_topk: int,
+    group_score_topn: int,
+    return_agreement: bool,
     validate: bool,
     backend: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(weights, expert_indices int32, tokens_per_expert, expert_offsets, row_id_map,
-    sorted_slots); see replay_ops.gate."""
-    check_gate_inputs(logits, expert_indices, replay_mask, score_func, align)
+    sorted_slots, agreement, set_logprob); the last two sized 0 unless return_agreement.
+    See replay_ops.gate."""
+    sel = (selection_source, expert_bias, round_scores, num_groups, group_topk,
+           group_score_topn)
+    _check_gate(logits, expert_indices, replay_mask, score_func, align, padding, sel)
     if validate:
-        check_index_values(expert_indices, logits.shape[1], replay_mask)
-    if replay_mask is not None:
-        expert_indices = resolve_indices(
-            logits.detach(), expert_indices, replay_mask, score_func, sync_free=not validate
-        )
+        check_index_values(expert_indices, logits.shape[1], replay_mask,
+                           repeats=padding != "select")
     (T, E), K = logits.shape, expert_indices.shape[1]
-    opts = GateOptions.from_flat(GATE_FIELDS, (score_func, normalize, scaling_factor, align))
-    impl = select("gate_fwd", logits.device.type, OpShape(T, E, K), logits.dtype, backend)
-    return impl.gate_fwd(logits, expert_indices, opts)
+    opts = GateOptions.from_flat(GATE_FIELDS, (score_func, normalize, scaling_factor, align,
+                                               padding, *sel, return_agreement))
+    shape = OpShape(T, E, K, 0, _features(replay_mask, padding, return_agreement))
+    impl = select("gate_fwd", logits.device.type, shape, logits.dtype, backend)
+    return impl.gate_fwd(logits, expert_indices, replay_mask, opts)
+
+
+def _check_gate(logits, expert_indices, replay_mask, score_func, align, padding, sel):
+    check_gate_inputs(logits, expert_indices, replay_mask, score_func, align)
+    check_gate_padding(padding)
+    _check_selection("gate", logits, expert_indices.shape[1], score_func, sel)
 
 
 @gate.register_fake
-def _(logits, expert_indices, replay_mask, score_func, normalize, scaling_factor, align,
-      validate, backend):
-    check_gate_inputs(logits, expert_indices, replay_mask, score_func, align)
+def _(logits, expert_indices, replay_mask, score_func, normalize, scaling_factor, align, padding,
+      selection_source, expert_bias, round_scores, num_groups, group_topk, group_score_topn,
+      return_agreement, validate, backend):
+    sel = (selection_source, expert_bias, round_scores, num_groups, group_topk,
+           group_score_topn)
+    _check_gate(logits, expert_indices, replay_mask, score_func, align, padding, sel)
     T, E = logits.shape
     K = expert_indices.shape[1]
     return (logits.new_empty(T, K), torch.empty(T, K, dtype=PLAN_DTYPE, device=logits.device),
-            *_fake_plan(T, K, E, align, logits.device))
+            *_fake_plan(T, K, E, align, logits.device),
+            *_agreement_like(T, logits, return_agreement))
 
 
 def _fake_plan(T, K, E, align, device, present=True):
@@ -88,32 +134,51 @@ def _fake_plan(T, K, E, align, device, present=True):
 
 
 def _logit_grad(kernel: str, grad: Tensor, logits: Tensor, expert_indices: Tensor,
-                flat_opts: tuple, backend: str) -> Tensor:
+                flat_opts: tuple, grad_set_logprob: Tensor | None, backend: str) -> Tensor:
     """The backward ops' body: the backend's `kernel` ("gate_bwd" or "gate_dense_bwd") for
-    this shape and dtype, with the flat backward options as one GateOptions."""
+    this shape and dtype, with the flat backward options as one GateOptions, and the
+    gradient of set_logprob when there is one."""
     (T, E), K = logits.shape, expert_indices.shape[1]
     opts = GateOptions.from_flat(BACKWARD_FIELDS, flat_opts)
-    impl = select(kernel, logits.device.type, OpShape(T, E, K), logits.dtype, backend)
-    return getattr(impl, kernel)(grad, logits, expert_indices, opts)
+    if grad_set_logprob is None:
+        impl = select(kernel, logits.device.type, OpShape(T, E, K), logits.dtype, backend)
+        return getattr(impl, kernel)(grad, logits, expert_indices, opts)
+    _check_set_logprob_grad(grad_set_logprob, logits)
+    shape = OpShape(T, E, K, 0, frozenset((AGREEMENT,)))
+    impl = select(kernel, logits.device.type, shape, logits.dtype, backend)
+    return getattr(impl, kernel)(grad, logits, expert_indices, opts,
+                                 grad_set_logprob.to(compute_dtype(logits.dtype)))
+
+
+def _check_set_logprob_grad(g, logits):
+    if g.shape != (logits.shape[0],) or not g.is_floating_point() or g.device != logits.device:
+        raise ValueError(f"replay_ops: the set_logprob gradient must be a float [T]="
+                         f"({logits.shape[0]},) tensor on {logits.device}, got {g.dtype} "
+                         f"{tuple(g.shape)} on {g.device}")
 
 
 def _gate_setup(ctx, inputs, output):
-    logits, _, _, score_func, normalize, scaling_factor, _, _, backend = inputs
+    logits, score_func, normalize, scaling_factor = inputs[0], inputs[3], inputs[4], inputs[5]
     ctx.save_for_backward(logits, output[1])
-    ctx.opts = (score_func, normalize, scaling_factor, backend)
-    # The five integer outputs have no gradient: do not make autograd fill zeros for them.
+    ctx.opts = (score_func, normalize, scaling_factor)
+    ctx.backend = inputs[-1]
+    ctx.agreement = inputs[-3]  # return_agreement: set_logprob is an output
+    # The integer outputs have no gradient: do not make autograd fill zeros for them.
     ctx.set_materialize_grads(False)
 
 
-def _gate_backward(ctx, grad_weights, *_int_grads):
+def _gate_backward(ctx, grad_weights, _idx, _counts, _offsets, _rid, _slots, _agree,
+                   grad_set_logprob):
     logits, idx = ctx.saved_tensors
-    score_func, normalize, scaling_factor, backend = ctx.opts
+    if not ctx.agreement:  # the size-0 placeholder (a traced graph may hand it zeros)
+        grad_set_logprob = None
     grad = None
-    if ctx.needs_input_grad[0] and grad_weights is not None:
-        grad = gate_backward(
-            grad_weights.contiguous(), logits, idx, score_func, normalize, scaling_factor, backend
-        )
-    return grad, None, None, None, None, None, None, None, None
+    if ctx.needs_input_grad[0] and (grad_weights is not None or grad_set_logprob is not None):
+        if grad_weights is None:
+            grad_weights = torch.zeros(idx.shape, dtype=logits.dtype, device=logits.device)
+        grad = gate_backward(grad_weights.contiguous(), logits, idx, *ctx.opts,
+                             grad_set_logprob, ctx.backend)
+    return (grad,) + (None,) * 16
 
 
 gate.register_autograd(_gate_backward, setup_context=_gate_setup)
@@ -127,15 +192,20 @@ def gate_backward(
     score_func: str,
     normalize: bool,
     scaling_factor: float,
+    grad_set_logprob: Tensor | None,
     backend: str,
 ) -> Tensor:
-    """Dense [T, E] gradient of the logits, given the gradient of the [T, K] weights."""
+    """Dense [T, E] gradient of the logits, given the gradient of the [T, K] weights (and of
+    the [T] set_logprob, when given)."""
     return _logit_grad("gate_bwd", grad_weights, logits, expert_indices,
-                       (score_func, normalize, scaling_factor), backend)
+                       (score_func, normalize, scaling_factor), grad_set_logprob, backend)
 
 
 @gate_backward.register_fake
-def _(grad_weights, logits, expert_indices, score_func, normalize, scaling_factor, backend):
+def _(grad_weights, logits, expert_indices, score_func, normalize, scaling_factor,
+      grad_set_logprob, backend):
+    if grad_set_logprob is not None:
+        _check_set_logprob_grad(grad_set_logprob, logits)
     return torch.empty_like(logits)
 
 
@@ -309,51 +379,81 @@ def gate_dense(
     underflow_guard: bool,
     align: int,
     with_plan: bool,
+    selection_source: str,
+    expert_bias: Tensor | None,
+    round_scores: bool,
+    num_groups: int,
+    group_topk: int,
+    group_score_topn: int,
+    return_agreement: bool,
     validate: bool,
     backend: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(probs [T, E], routing_map [T, E] bool, row_flags [T] uint8, expert_indices int32,
-    tokens_per_expert, expert_offsets, row_id_map, sorted_slots); see replay_ops.gate_dense."""
-    check_dense_inputs(logits, expert_indices, replay_mask, fallback, score_func, align,
-                       padding, ep_size, spread_offset)
+    tokens_per_expert, expert_offsets, row_id_map, sorted_slots, agreement, set_logprob);
+    see replay_ops.gate_dense."""
+    sel = (selection_source, expert_bias, round_scores, num_groups, group_topk,
+           group_score_topn)
+    _check_dense(logits, expert_indices, replay_mask, fallback, score_func, align, padding,
+                 ep_size, spread_offset, sel)
     (T, E), K = logits.shape, expert_indices.shape[1]
     opts = GateOptions.from_flat(DENSE_FIELDS, (
         score_func, normalize, scaling_factor, padding, ep_size, spread_offset % max(E, 1),
-        underflow_guard, align, with_plan))
-    impl = select("gate_dense_fwd", logits.device.type, OpShape(T, E, K), logits.dtype, backend)
+        underflow_guard, align, with_plan, *sel, return_agreement))
+    features = _features(None, padding, return_agreement)
+    impl = select("gate_dense_fwd", logits.device.type, OpShape(T, E, K, 0, features),
+                  logits.dtype, backend)
     out = impl.gate_dense_fwd(logits, expert_indices, replay_mask, fallback, opts)
     if validate:
         check_row_flags(out[2], expert_indices, E, replay_mask, padding)
     return out
 
 
-@gate_dense.register_fake
-def _(logits, expert_indices, replay_mask, fallback, score_func, normalize, scaling_factor,
-      padding, ep_size, spread_offset, underflow_guard, align, with_plan, validate, backend):
+def _check_dense(logits, expert_indices, replay_mask, fallback, score_func, align, padding,
+                 ep_size, spread_offset, sel):
     check_dense_inputs(logits, expert_indices, replay_mask, fallback, score_func, align,
                        padding, ep_size, spread_offset)
+    _check_selection("gate_dense", logits, expert_indices.shape[1], score_func, sel)
+
+
+@gate_dense.register_fake
+def _(logits, expert_indices, replay_mask, fallback, score_func, normalize, scaling_factor,
+      padding, ep_size, spread_offset, underflow_guard, align, with_plan, selection_source,
+      expert_bias, round_scores, num_groups, group_topk, group_score_topn, return_agreement,
+      validate, backend):
+    sel = (selection_source, expert_bias, round_scores, num_groups, group_topk,
+           group_score_topn)
+    _check_dense(logits, expert_indices, replay_mask, fallback, score_func, align, padding,
+                 ep_size, spread_offset, sel)
     T, E = logits.shape
     K = expert_indices.shape[1]
     dev = logits.device
     return (logits.new_empty(T, E), torch.empty(T, E, dtype=torch.bool, device=dev),
             torch.empty(T, dtype=torch.uint8, device=dev),
             torch.empty(T, K, dtype=PLAN_DTYPE, device=dev),
-            *_fake_plan(T, K, E, align, dev, with_plan))
+            *_fake_plan(T, K, E, align, dev, with_plan),
+            *_agreement_like(T, logits, return_agreement))
 
 
 def _gate_dense_setup(ctx, inputs, output):
     logits, _, _, _, score_func, normalize, scaling_factor = inputs[:7]
     ctx.save_for_backward(logits, output[3])
-    ctx.opts = (score_func, normalize, scaling_factor, inputs[-1])
-    ctx.set_materialize_grads(False)  # only probs has a gradient
+    ctx.opts = (score_func, normalize, scaling_factor)
+    ctx.backend = inputs[-1]
+    ctx.agreement = inputs[-3]  # return_agreement: set_logprob is an output
+    ctx.set_materialize_grads(False)  # only probs and set_logprob have gradients
 
 
-def _gate_dense_backward(ctx, grad_probs, *_other):
+def _gate_dense_backward(ctx, grad_probs, *other):
     logits, idx = ctx.saved_tensors
+    grad_set_logprob = other[-1] if ctx.agreement else None
     grad = None
-    if ctx.needs_input_grad[0] and grad_probs is not None:
-        grad = gate_dense_backward(grad_probs, logits, idx, *ctx.opts)
-    return (grad,) + (None,) * 14
+    if ctx.needs_input_grad[0] and (grad_probs is not None or grad_set_logprob is not None):
+        if grad_probs is None:
+            grad_probs = torch.zeros_like(logits)
+        grad = gate_dense_backward(grad_probs, logits, idx, *ctx.opts, grad_set_logprob,
+                                   ctx.backend)
+    return (grad,) + (None,) * 21
 
 
 gate_dense.register_autograd(_gate_dense_backward, setup_context=_gate_dense_setup)
@@ -367,16 +467,21 @@ def gate_dense_backward(
     score_func: str,
     normalize: bool,
     scaling_factor: float,
+    grad_set_logprob: Tensor | None,
     backend: str,
 ) -> Tensor:
     """Dense [T, E] gradient of the logits given the gradient of the dense [T, E] probs (read
-    at the routed experts inside the kernel; any strides)."""
+    at the routed experts inside the kernel; any strides), and of the [T] set_logprob when
+    given."""
     return _logit_grad("gate_dense_bwd", grad_probs.to(logits.dtype), logits, expert_indices,
-                       (score_func, normalize, scaling_factor), backend)
+                       (score_func, normalize, scaling_factor), grad_set_logprob, backend)
 
 
 @gate_dense_backward.register_fake
-def _(grad_probs, logits, expert_indices, score_func, normalize, scaling_factor, backend):
+def _(grad_probs, logits, expert_indices, score_func, normalize, scaling_factor,
+      grad_set_logprob, backend):
+    if grad_set_logprob is not None:
+        _check_set_logprob_grad(grad_set_logprob, logits)
     return torch.empty_like(logits)
 
 

@@ -39,11 +39,17 @@ def plan_capacity(T, K, E, align, op: str = "gate"):
 
 class RoutingPlan(NamedTuple):
     weights: torch.Tensor  # [T, K], logits dtype
-    expert_indices: torch.Tensor  # [T, K] int32, indices used (after fallback); -1 = empty
+    # [T, K] int32, indices used (a flagged row: the model's own selection); -1 = empty
+    expert_indices: torch.Tensor
     tokens_per_expert: torch.Tensor  # [E] int32, valid slots per expert
     expert_offsets: torch.Tensor  # [E+1] int32, exclusive prefix sum of aligned counts
     row_id_map: torch.Tensor  # [T, K] int32, destination row of slot (t, k); -1 = empty
     sorted_slots: torch.Tensor  # [plan_capacity] int32, flat slot per row; -1 = none
+    # with return_agreement=True (else None): bool [T], the row's set of experts used equals
+    # the set the model's selection picks from these logits; and float32 [T] (float64 for
+    # float64 logits), the log of the router's probability mass on that set (differentiable)
+    agreement: torch.Tensor | None = None
+    set_logprob: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -95,8 +101,9 @@ ROW_MASKED = 8  # replay_mask is False for the row (its recorded ids are not loo
 ROW_FLAG_NAMES = {ROW_EMPTY_SLOT: "a -1 slot", ROW_OUT_OF_RANGE: "an id outside [-1, E)",
                   ROW_REPEAT: "a repeated expert", ROW_MASKED: "replay_mask False"}
 # How the dense gate fills a padding row (`gate_dense(padding=...)`); the codes are the
-# native kernels' (csrc/include/replay_math.h: kPadEmpty, kPadSpread, kPadFallback).
-PADDING_MODES = {"empty": 0, "spread": 1, "fallback": 2}
+# native kernels' (csrc/include/replay_math.h: kPadEmpty, kPadSpread, kPadFallback,
+# kPadSelect). "empty" and "select" serve replay_ops.gate too.
+PADDING_MODES = {"empty": 0, "spread": 1, "fallback": 2, "select": 3}
 
 
 def describe_row_flags(flags: int) -> str:
@@ -128,3 +135,6 @@ class DenseRouting(NamedTuple):
     row_flags: torch.Tensor  # [T] uint8: ROW_* bits of the recorded row (before filling)
     expert_indices: torch.Tensor  # [T, K] int32: the routed experts in slot order, -1 empty
     plan: "RoutingPlan | None"  # the dispatch plan of that routing (weights=None), or None
+    # with return_agreement=True (else None): as RoutingPlan.agreement and .set_logprob
+    agreement: torch.Tensor | None = None
+    set_logprob: torch.Tensor | None = None

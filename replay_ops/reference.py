@@ -9,10 +9,13 @@ for the backward ops too. It favours clarity over speed.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
-from ._validate import check_gate_inputs, check_index_values
+from ._validate import check_gate_inputs, check_gate_padding, check_index_values, check_selection
+from .options import DEFAULT_SELECTION, Selection
 from .plan import (
     PADDING_MODES,
     ROW_EMPTY_SLOT,
@@ -53,9 +56,69 @@ def scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
     raise ValueError(f"unknown score_func {score_func!r}")
 
 
-def fallback_topk(logits: torch.Tensor, top_k: int, score_func: str) -> torch.Tensor:
-    """Native top-k of the scores, in torch.topk order (descending)."""
-    return torch.topk(scores(logits, score_func), top_k, dim=-1).indices.to(torch.int32)
+# ------------------------------------------------------------------- the model's selection
+def selection_values(logits: torch.Tensor, score_func: str,
+                     selection: Selection = DEFAULT_SELECTION) -> torch.Tensor:
+    """[T, E] compute dtype: the values v the model's selection ranks (replay_ops.Selection):
+    the scores (or the logits), rounded to the logits dtype if asked, plus the bias."""
+    cdt = compute_dtype(logits.dtype)
+    if selection.ranks_logits:
+        # every score function increases with the logit: without bias, rounding or groups
+        # the exact scores rank as the logits do (rounded scores could tie where the exact
+        # ones do not)
+        return logits.to(cdt)
+    u = logits.to(cdt) if selection.source == "logits" else scores(logits, score_func)
+    if selection.round_scores:
+        u = u.to(logits.dtype).to(cdt)
+    if selection.expert_bias is not None:
+        u = u + selection.expert_bias.to(cdt)
+    return u
+
+
+def _ranked(values: list, ids) -> list:
+    """`ids` in the selection's order: larger value first, NaN larger than every number,
+    the lower id first among equal values."""
+    def key(j):
+        v = values[j]
+        return (0, 0.0, j) if math.isnan(v) else (1, -v, j)
+
+    return sorted(ids, key=key)
+
+
+def select_row(v: torch.Tensor, top_k: int, selection: Selection = DEFAULT_SELECTION) -> list:
+    """The K experts the selection picks from one row of values `v` [E] (compute dtype), in
+    the selection's order; straight from the definition, one group at a time."""
+    E = v.shape[0]
+    vals = v.tolist()
+    candidates = range(E)
+    if selection.grouped:
+        G, size = selection.num_groups, E // selection.num_groups
+        n = selection.group_topn(top_k)
+        group_scores = []
+        for g in range(G):
+            members = _ranked(vals, range(g * size, (g + 1) * size))[:n]
+            acc = torch.zeros((), dtype=v.dtype)
+            for j in members:  # the largest first, in the compute dtype
+                acc = acc + v[j]
+            group_scores.append(float(acc))
+        kept = sorted(_ranked(group_scores, range(G))[:selection.group_topk])
+        candidates = [j for g in kept for j in range(g * size, (g + 1) * size)]
+    return _ranked(vals, candidates)[:top_k]
+
+
+def select_experts(logits: torch.Tensor, top_k: int, score_func: str,
+                   selection: Selection = DEFAULT_SELECTION) -> torch.Tensor:
+    """int32 [T, top_k]: the model's own selection of every row, row by row."""
+    v = selection_values(logits.detach(), score_func, selection)
+    rows = [select_row(v[t], top_k, selection) for t in range(v.shape[0])]
+    return torch.tensor(rows, dtype=torch.int32, device=logits.device).view(-1, top_k)
+
+
+def padding_row(row: list, num_experts: int) -> bool:
+    """A row without a usable route under padding="select": a -1 slot, an id outside
+    [0, E), or an expert twice."""
+    ids = [v for v in row if 0 <= v < num_experts]
+    return len(ids) < len(row) or len(set(ids)) < len(ids)
 
 
 def resolve_indices(
@@ -63,17 +126,65 @@ def resolve_indices(
     expert_indices: torch.Tensor,
     replay_mask: torch.Tensor | None,
     score_func: str,
+    padding: str = "empty",
+    selection: Selection = DEFAULT_SELECTION,
 ) -> torch.Tensor:
     """int32 [T, K] indices actually used: the recorded rows, with every value outside
-    [0, E) an empty slot (-1), and the top-k of the scores in each row where replay_mask
-    is False."""
+    [0, E) an empty slot (-1); the model's own selection in each row where replay_mask is
+    False, and with padding="select" in each padding row (`padding_row`)."""
     E, K = logits.shape[1], expert_indices.shape[1]
     wide = expert_indices.to(torch.int64)  # the range test sees the full value
     out = torch.where((wide >= 0) & (wide < E), wide, -1).to(torch.int32)
-    if replay_mask is not None:
-        for t in (~replay_mask).nonzero().flatten().tolist():
-            out[t] = fallback_topk(logits[t:t + 1], K, score_func)[0]
+    rows = wide.tolist()
+    mask = None if replay_mask is None else replay_mask.tolist()
+    for t in range(len(rows)):
+        flagged = (mask is not None and not mask[t]) or (
+            padding == "select" and padding_row(rows[t], E))
+        if flagged:
+            out[t] = select_experts(logits[t:t + 1], K, score_func, selection)[0]
     return out
+
+
+# --------------------------------------------------------------- agreement, set log-prob
+def agreement(logits: torch.Tensor, idx: torch.Tensor, score_func: str,
+              selection: Selection = DEFAULT_SELECTION) -> torch.Tensor:
+    """bool [T]: the experts of row t (its ids in [0, E), as a set) are the set the model's
+    selection picks from the logits (slot order ignored)."""
+    K = idx.shape[1]
+    want = select_experts(logits, K, score_func, selection).tolist()
+    used = idx.to(torch.int64).tolist()
+    E = logits.shape[1]
+    out = [len(r) == len(set(r)) and all(0 <= v < E for v in r) and set(r) == set(w)
+           for r, w in zip(used, want)]
+    return torch.tensor(out, dtype=torch.bool, device=logits.device).view(-1)
+
+
+def set_logprob(logits: torch.Tensor, idx: torch.Tensor, score_func: str) -> torch.Tensor:
+    """[T] compute dtype, differentiable: log of the router's probability mass on the set S
+    of row t's experts (its distinct ids in [0, E)). Softmax: log sum_{e in S} softmax(x)_e
+    = logsumexp(x_S) - logsumexp(x). Sigmoid and sqrt-softplus: the log of the score mass
+    on S over the score mass of all E experts, log(sum_S f(x_e) / sum_j f(x_j)). An empty
+    set, or a mass of 0, gives -inf with a gradient of 0."""
+    cdt = compute_dtype(logits.dtype)
+    x = logits.to(cdt)
+    T, E = x.shape
+    member = torch.zeros(T, E, dtype=torch.bool, device=x.device)
+    for t, row in enumerate(idx.to(torch.int64).tolist()):
+        for v in row:
+            if 0 <= v < E:
+                member[t, v] = True
+    if score_func == "softmax":
+        part = torch.where(member, x, float("-inf"))
+        top = part.amax(dim=1, keepdim=True)
+        ok = (top != float("-inf")).squeeze(1)
+        safe = torch.where(ok[:, None], part, 0.0)
+        lp = torch.logsumexp(safe, dim=1) - torch.logsumexp(x, dim=1)
+    else:
+        f = scores(x, score_func)
+        mass = torch.where(member, f, 0.0).sum(dim=1)
+        ok = mass > 0
+        lp = torch.log(torch.where(ok, mass, 1.0)) - torch.log(f.sum(dim=1))
+    return torch.where(ok, lp, float("-inf"))
 
 
 def gate_weights(
@@ -150,14 +261,30 @@ def gate(
     scaling_factor: float = 1.0,
     align: int = 1,
     replay_mask: torch.Tensor | None = None,
+    padding: str = "empty",
+    selection: Selection = DEFAULT_SELECTION,
+    return_agreement: bool = False,
     validate: bool = True,
 ) -> RoutingPlan:
     check_gate_inputs(logits, expert_indices, replay_mask, score_func, align)
+    check_gate_padding(padding)
+    _check_selection("gate", logits, expert_indices.shape[1], score_func, selection)
     if validate:
-        check_index_values(expert_indices, logits.shape[1], replay_mask)
-    idx = resolve_indices(logits.detach(), expert_indices, replay_mask, score_func)
+        check_index_values(expert_indices, logits.shape[1], replay_mask,
+                           repeats=padding != "select")
+    idx = resolve_indices(logits.detach(), expert_indices, replay_mask, score_func, padding,
+                          selection)
     weights = gate_weights(logits, idx, score_func, normalize, scaling_factor)
-    return RoutingPlan(weights, idx, *build_plan(idx, logits.shape[1], align))
+    plan = RoutingPlan(weights, idx, *build_plan(idx, logits.shape[1], align))
+    if return_agreement:
+        plan = plan._replace(agreement=agreement(logits, idx, score_func, selection),
+                             set_logprob=set_logprob(logits, idx, score_func))
+    return plan
+
+
+def _check_selection(op, logits, top_k, score_func, sel: Selection) -> None:
+    check_selection(op, logits, top_k, score_func, sel.source, sel.expert_bias,
+                    sel.round_scores, sel.num_groups, sel.group_topk, sel.group_score_topn)
 
 
 def permute_rows(
@@ -229,9 +356,11 @@ def spread_expert(t: int, k: int, top_k: int, num_experts: int, ep_size: int,
 def dense_row_experts(expert_indices: torch.Tensor, num_experts: int,
                       replay_mask: torch.Tensor | None = None,
                       fallback: torch.Tensor | None = None, padding: str = "empty",
-                      ep_size: int = 1, spread_offset: int = 0):
+                      ep_size: int = 1, spread_offset: int = 0,
+                      logits: torch.Tensor | None = None, score_func: str = "softmax",
+                      selection: Selection = DEFAULT_SELECTION):
     """(row_flags uint8 [T], int32 [T, K] experts actually routed) by the definitions of
-    `replay_ops.gate_dense`, one row at a time."""
+    `replay_ops.gate_dense`, one row at a time (padding="select" needs the `logits`)."""
     E = num_experts
     rows = expert_indices.to(torch.int64).tolist()
     mask = None if replay_mask is None else replay_mask.tolist()
@@ -263,6 +392,8 @@ def dense_row_experts(expert_indices: torch.Tensor, num_experts: int,
             row = [spread_expert(t, k, K, E, ep_size, spread_offset) for k in range(K)]
         elif padding == "fallback":
             row = in_range(fb[t])
+        elif padding == "select":
+            row = select_experts(logits[t:t + 1], K, score_func, selection)[0].tolist()
         elif f & ROW_MASKED:
             row = [-1] * K
         else:
@@ -303,6 +434,8 @@ def gate_dense(
     spread_offset: int = 0,
     underflow_guard: bool = False,
     align: int = 1,
+    selection: Selection = DEFAULT_SELECTION,
+    return_agreement: bool = False,
 ) -> DenseRouting:
     """Megatron's dense routing (probs, routing_map), the row flags and the plan: the
     experts of each row by `dense_row_experts`, their weights by `gate_weights` (compute
@@ -312,9 +445,10 @@ def gate_dense(
     check_gate_inputs(logits, expert_indices, replay_mask, score_func, align)
     if padding not in PADDING_MODES:
         raise ValueError(f"unknown padding {padding!r}")
+    _check_selection("gate_dense", logits, expert_indices.shape[1], score_func, selection)
     E = logits.shape[1]
     flags, idx = dense_row_experts(expert_indices, E, replay_mask, fallback, padding, ep_size,
-                                   spread_offset)
+                                   spread_offset, logits.detach(), score_func, selection)
     cdt = compute_dtype(logits.dtype)
     w = gate_weights(logits.to(cdt), idx, score_func, normalize, scaling_factor)
     acc, rmap = dense_probs(w, idx, E)
@@ -323,6 +457,10 @@ def gate_dense(
         tiny = torch.finfo(logits.dtype).tiny
         probs = probs + torch.where(rmap & (probs == 0), tiny, 0.0).to(logits.dtype).detach()
     plan = RoutingPlan(None, idx, *build_plan(idx, E, align))
+    if return_agreement:
+        return DenseRouting(probs, rmap, flags, idx, plan,
+                            agreement(logits, idx, score_func, selection),
+                            set_logprob(logits, idx, score_func))
     return DenseRouting(probs, rmap, flags, idx, plan)
 
 

@@ -25,7 +25,7 @@ def test_plan_past_int32_is_refused_before_allocation(dev_backend):
     logits = make_logits(3, 2, device=device)
     idx = make_indices(3, 2, 1, device=device)
     with pytest.raises(ValueError, match=r"T\*K \+ E\*\(align-1\) = 2147483651 .*int32"):
-        mod.gate_fwd(logits, idx, GateOptions(align=2**30 + 1))
+        mod.gate_fwd(logits, idx, None, GateOptions(align=2**30 + 1))
     with pytest.raises(ValueError, match="does not fit its int32 tensors"):
         replay_ops.gate(logits, idx, align=2**30 + 1, backend=backend)
 
@@ -68,9 +68,11 @@ def test_native_ops_check_dtypes_and_devices():
     with pytest.raises(ValueError, match="unpermute: weights must be float"):
         ops.unpermute_fwd(hidden, plan.row_id_map, plan.row_id_map)
     with pytest.raises(ValueError, match="gate_backward: expert_indices must be int32"):
-        ops.gate_bwd(plan.weights, make_logits(T, E), plan.expert_indices.long(), 0, True, 1.0)
+        ops.gate_bwd(plan.weights, make_logits(T, E), plan.expert_indices.long(), None, 0, True,
+                     1.0)
     with pytest.raises(ValueError, match="gate: expert_indices must be int16, int32 or int64"):
-        ops.gate_fwd(make_logits(T, E), make_indices(T, E, K).float(), 0, True, 1.0, 1)
+        ops.gate_fwd(make_logits(T, E), make_indices(T, E, K).float(), None, None, 0, True, 1.0,
+                     1, 0, 0, False, 0, 0, 0, False)
 
 
 @pytest.mark.gpu

@@ -9,6 +9,7 @@ import torch
 
 import replay_ops
 from replay_ops import reference as ref
+from replay_ops.options import DENSE_FIELDS, GateOptions, Selection
 from replay_ops.plan import (
     ROW_EMPTY_SLOT,
     ROW_MASKED,
@@ -315,7 +316,7 @@ def test_dense_bitwise_deterministic(dev_backend):
         out = replay_ops.gate_dense(logits, idx, padding="spread", align=8, validate=False,
                                     backend=backend)
         (g,) = torch.autograd.grad(out.probs, logits, torch.ones_like(out.probs))
-        runs.append((*out[:4], *out.plan[1:], g))
+        runs.append((*out[:4], *out.plan[1:6], g))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 
@@ -443,12 +444,23 @@ def test_opcheck_gate_dense(dev_backend):
     if is_interpreted(device, backend):
         variants = variants[:1]
     for m, f, padding, with_plan in variants:
+        opts = GateOptions(score_func="softmax", normalize=True, scaling_factor=1.5,
+                           padding=padding, ep_size=2, spread_offset=3, underflow_guard=True,
+                           align=4, with_plan=with_plan)
         torch.library.opcheck(torch.ops.replay.gate_dense.default,
-                              (logits, idx, m, f, "softmax", True, 1.5, padding, 2, 3, True,
-                               4, with_plan, False, backend))
-    torch.library.opcheck(torch.ops.replay.gate_dense_backward.default,
-                          (torch.randn(T, E, device=device), logits.detach(),
-                           make_indices(T, E, K, device=device), "sigmoid", True, 2.0, backend))
+                              (logits, idx, m, f, *opts.flat(DENSE_FIELDS), False, backend))
+    # the model's own selection of the padding rows (bias, groups), the agreement outputs
+    sel = Selection(expert_bias=torch.linspace(-0.2, 0.2, E, device=device), num_groups=3,
+                    group_topk=2)
+    opts = GateOptions(score_func="sigmoid", padding="select", selection=sel,
+                       return_agreement=True)
+    torch.library.opcheck(torch.ops.replay.gate_dense.default,
+                          (logits, idx, mask, None, *opts.flat(DENSE_FIELDS), False, backend))
+    for glp in (None, torch.randn(T, device=device)):
+        torch.library.opcheck(torch.ops.replay.gate_dense_backward.default,
+                              (torch.randn(T, E, device=device), logits.detach(),
+                               make_indices(T, E, K, device=device), "sigmoid", True, 2.0, glp,
+                               backend))
 
 
 @pytest.mark.parametrize("dev_backend", BACKENDS)

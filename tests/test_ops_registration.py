@@ -8,6 +8,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import replay_ops
+from replay_ops.options import GATE_FIELDS, GateOptions, Selection
 
 from _helpers import (
     PLAN_INT_FIELDS,
@@ -35,7 +36,7 @@ def test_all_ops_registered():
 
 
 def _gate_args(device, backend, *, T=6, E=5, K=2, align=4, dtype=torch.float32, mask=False,
-               score_func="softmax", normalize=True, idx=None, grad=True):
+               score_func="softmax", normalize=True, idx=None, grad=True, **options):
     logits = make_logits(T, E, dtype=dtype, device=device).requires_grad_(grad)
     if idx is None:
         idx = make_indices(T, E, K, device=device, empty=0.2)
@@ -43,7 +44,9 @@ def _gate_args(device, backend, *, T=6, E=5, K=2, align=4, dtype=torch.float32, 
     if mask:
         m = torch.ones(T, dtype=torch.bool, device=device)
         m[1] = False
-    return (logits, idx, m, score_func, normalize, 1.5, align, True, backend)
+    opts = GateOptions(score_func=score_func, normalize=normalize, scaling_factor=1.5,
+                       align=align, **options)
+    return (logits, idx, m, *opts.flat(GATE_FIELDS), True, backend)
 
 
 def _gate_variants(device, backend):
@@ -54,6 +57,13 @@ def _gate_variants(device, backend):
         _gate_args(device, backend, T=7, E=6, K=3, idx=view, score_func="sqrtsoftplus", align=1),
         _gate_args(device, backend, dtype=torch.bfloat16),
         _gate_args(device, backend, T=0, grad=False),
+        # the model's own selection of flagged rows, with bias and groups; the agreement
+        # outputs (set_logprob is differentiable)
+        _gate_args(device, backend, T=7, E=6, K=2, mask=True, score_func="sigmoid",
+                   padding="select", return_agreement=True,
+                   selection=Selection(expert_bias=torch.linspace(-0.3, 0.3, 6, device=device),
+                                       num_groups=3, group_topk=2, round_scores=True)),
+        _gate_args(device, backend, T=0, grad=False, return_agreement=True),
     ]
 
 
@@ -62,7 +72,7 @@ def test_opcheck_gate(dev_backend):
     device, backend = dev_backend
     variants = _gate_variants(device, backend)
     if is_interpreted(device, backend):
-        variants = variants[:2]
+        variants = variants[:2] + variants[-2:-1]
     for args in variants:
         torch.library.opcheck(torch.ops.replay.gate.default, args)
 
@@ -76,9 +86,9 @@ def test_opcheck_gate_backward(dev_backend):
     modes = (("softmax", False), ("softmax", True), ("sigmoid", True), ("sqrtsoftplus", False))
     for sf, norm in modes:
         gw = torch.randn(T, K, device=device)
-        torch.library.opcheck(
-            torch.ops.replay.gate_backward.default, (gw, logits, idx, sf, norm, 2.0, backend)
-        )
+        for glp in (None, torch.randn(T, device=device)):
+            torch.library.opcheck(torch.ops.replay.gate_backward.default,
+                                  (gw, logits, idx, sf, norm, 2.0, glp, backend))
 
 
 def _plan(device, backend, T=6, E=5, K=2, align=4, dtype=torch.float32):
@@ -130,11 +140,11 @@ def test_fake_kernels_match_real_outputs(dev_backend, shape):
         x = replay_ops.permute(hidden, plan, plan.max_rows, backend=backend)
         y = replay_ops.unpermute(x, plan, backend=backend)
         gl = torch.ops.replay.gate_backward(plan.weights, logits, plan.expert_indices, "softmax",
-                                            True, 1.0, backend)
+                                            True, 1.0, None, backend)
         gp = torch.ops.replay.permute_backward(x, plan.row_id_map, backend)
         gx, gw = torch.ops.replay.unpermute_backward(y, x, plan.row_id_map, plan.sorted_slots,
                                                      plan.weights, backend)
-        return (*plan, x, y, gl, gp, gx, gw)
+        return (*plan[:6], x, y, gl, gp, gx, gw)
 
     real = run(logits, idx, hidden)
     with FakeTensorMode() as mode:

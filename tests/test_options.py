@@ -81,9 +81,13 @@ def test_options_and_keywords_together_are_refused_by_name():
 
 def test_dense_only_options_are_refused_by_gate():
     lg, idx = make_logits(4, 8), make_indices(4, 8, 2)
-    with pytest.raises(ValueError, match=r"gate: options set padding, ep_size, which gate "
-                                         r"does not take"):
-        replay_ops.gate(lg, idx, options=GateOptions(padding="spread", ep_size=2))
+    with pytest.raises(ValueError, match=r"gate: options set ep_size, spread_offset, which "
+                                         r"gate does not take"):
+        replay_ops.gate(lg, idx, options=GateOptions(ep_size=2, spread_offset=1))
+    # padding is an option of both gates; gate refuses the dense gate's modes by name
+    with pytest.raises(ValueError, match=r"gate: unknown padding='spread'; expected one of "
+                                         r"\('empty', 'select'\)"):
+        replay_ops.gate(lg, idx, options=GateOptions(padding="spread"))
     with pytest.raises(TypeError, match="options must be a replay_ops.GateOptions, got dict"):
         replay_ops.gate(lg, idx, options={"align": 2})
 
@@ -111,17 +115,30 @@ def test_field_lists_match_the_registered_schemas():
         return [a.name for a in op.default._schema.arguments]
 
     fields = {f.name for f in dataclasses.fields(GateOptions)}
-    assert set(ro.DENSE_FIELDS) == fields
+    assert set(ro.DENSE_OPTIONS) == fields
+    assert ro.DENSE_FIELDS == ro.flat_fields(ro.DENSE_OPTIONS)
     assert names(torch.ops.replay.gate)[3:3 + len(ro.GATE_FIELDS)] == list(ro.GATE_FIELDS)
     assert names(torch.ops.replay.gate_dense)[4:4 + len(ro.DENSE_FIELDS)] == list(ro.DENSE_FIELDS)
     for op in (torch.ops.replay.gate_backward, torch.ops.replay.gate_dense_backward):
         assert names(op)[3:3 + len(ro.BACKWARD_FIELDS)] == list(ro.BACKWARD_FIELDS)
+    # the selection's bias is the schemas' one optional Tensor among the options
+    for op, fields_ in ((torch.ops.replay.gate, ro.GATE_FIELDS),
+                        (torch.ops.replay.gate_dense, ro.DENSE_FIELDS)):
+        arg = next(a for a in op.default._schema.arguments if a.name == "expert_bias")
+        assert str(arg.type) == "Optional[Tensor]"
+    bias = torch.zeros(8)
+    sel = ro.Selection(source="scores", expert_bias=bias, round_scores=True, num_groups=4,
+                       group_topk=2, group_score_topn=2)
     o = GateOptions(score_func="sqrtsoftplus", normalize=False, scaling_factor=3, align=8,
                     padding="fallback", ep_size=2, spread_offset=1, underflow_guard=True,
-                    with_plan=False)
+                    with_plan=False, selection=sel, return_agreement=True)
     flat = o.flat(ro.DENSE_FIELDS)
-    assert flat == ("sqrtsoftplus", False, 3.0, "fallback", 2, 1, True, 8, False)
+    assert flat == ("sqrtsoftplus", False, 3.0, "fallback", 2, 1, True, 8, False,
+                    "scores", bias, True, 4, 2, 2, True)
     assert type(flat[2]) is float
     assert GateOptions.from_flat(ro.DENSE_FIELDS, flat) == o
     assert GateOptions.from_flat(ro.GATE_FIELDS, o.flat(ro.GATE_FIELDS)) == GateOptions(
-        score_func="sqrtsoftplus", normalize=False, scaling_factor=3.0, align=8)
+        score_func="sqrtsoftplus", normalize=False, scaling_factor=3.0, align=8,
+        padding="fallback", selection=sel, return_agreement=True)
+    # a selection names its bias by identity: an equal copy is another value
+    assert ro.Selection(expert_bias=bias) != ro.Selection(expert_bias=bias.clone())

@@ -223,11 +223,11 @@ def test_combine_by_loops_in_column_order():
     assert torch.equal(got, want)
 
 
-# -------------------------------------------------------------------- fallback
-def test_fallback_topk_and_scores():
+# -------------------------------------------------------------------- selection
+def test_select_experts_and_scores():
     logits = torch.tensor([[0.1, 3.0, -1.0, 2.0], [5.0, -5.0, 0.0, 4.0]])
     for sf in SCORE_FUNCS:
-        idx = ref.fallback_topk(logits, 2, sf)
+        idx = ref.select_experts(logits, 2, sf)
         assert idx.dtype == torch.int32
         assert idx.tolist() == [[1, 3], [0, 3]]  # all three scores are monotonic
     s = ref.scores(logits.to(torch.bfloat16), "sigmoid")
@@ -235,22 +235,28 @@ def test_fallback_topk_and_scores():
     assert ref.scores(logits.double(), "softmax").dtype == torch.float64
 
 
-def test_resolve_indices_sync_free_matches():
-    """The production fallback (replay_ops.fallback), on its host-sync path and its
-    sync-free path, against the oracle's row-by-row fallback."""
-    from replay_ops import fallback
-
+def test_resolve_indices_flags_rows():
+    """The oracle's resolution: recorded rows as they are (out of range -> -1), the model's
+    selection in masked rows, and with padding="select" in rows with a -1 slot, an id out
+    of range or a repeat."""
     logits = make_logits(12, 8)
     idx = make_indices(12, 8, 3, dtype=torch.int16)
+    idx[2] = torch.tensor([1, -1, 4])
+    idx[3] = torch.tensor([5, 5, 0])
+    idx[4] = torch.tensor([9, 2, 3])
     mask = torch.rand(12, generator=torch.Generator().manual_seed(4)) > 0.5
+    mask[2:5] = True
     for sf in SCORE_FUNCS:
+        own = ref.select_experts(logits, 3, sf)
         a = ref.resolve_indices(logits, idx, mask, sf)
-        b = fallback.resolve_indices(logits, idx, mask, sf, sync_free=True)
-        c = fallback.resolve_indices(logits, idx, mask, sf, sync_free=False)
-        assert torch.equal(a, b)
-        assert torch.equal(a, c)
-        assert torch.equal(a[mask], idx[mask].int())
-        assert torch.equal(a[~mask], ref.fallback_topk(logits[~mask], 3, sf))
+        assert torch.equal(a[~mask], own[~mask])
+        assert a[2].tolist() == [1, -1, 4] and a[3].tolist() == [5, 5, 0]
+        assert a[4].tolist() == [-1, 2, 3]
+        b = ref.resolve_indices(logits, idx, mask, sf, padding="select")
+        assert torch.equal(b[2:5], own[2:5])
+        keep = mask.clone()
+        keep[2:5] = False
+        assert torch.equal(b[keep], idx[keep].int())
 
 
 # -------------------------------------------------------------------- gradients

@@ -76,10 +76,9 @@ def test_sqrt_softplus_gradient_far_below_zero(dtype):
 def test_unknown_name_is_an_error_in_every_layer():
     with pytest.raises(ValueError, match=r"unknown score_func='relu'; expected one of "):
         scores.get("relu")
-    from replay_ops import fallback
-
     with pytest.raises(ValueError, match="unknown score_func='relu'"):
-        fallback.fallback_topk(torch.zeros(2, 3), 1, "relu")
+        replay_ops.gate(torch.zeros(2, 3), torch.zeros(2, 1, dtype=torch.int32),
+                        replay_mask=torch.zeros(2, dtype=torch.bool), score_func="relu")
 
 
 @pytest.mark.parametrize("dev_backend", backend_params())
@@ -93,7 +92,7 @@ def test_every_backend_refuses_an_unknown_name(dev_backend):
     logits = make_logits(3, 4, device=device)
     idx = make_indices(3, 4, 2, device=device)
     with pytest.raises(ValueError, match="unknown score_func='relu'"):
-        mod.gate_fwd(logits, idx, GateOptions(score_func="relu"))
+        mod.gate_fwd(logits, idx, None, GateOptions(score_func="relu"))
     plan = replay_ops.gate(logits, idx, backend=backend)
     with pytest.raises(ValueError, match="unknown score_func='relu'"):
         mod.gate_bwd(torch.ones_like(plan.weights), logits, plan.expert_indices,
@@ -108,4 +107,5 @@ def test_native_kernels_refuse_an_unknown_id():
         pytest.skip("the native extension is not built")
     logits, idx = make_logits(3, 4), make_indices(3, 4, 2)
     with pytest.raises(ValueError, match="unknown score function id 7"):
-        torch.ops.replay_native.gate_fwd(logits, idx, 7, True, 1.0, 1)
+        torch.ops.replay_native.gate_fwd(logits, idx, None, None, 7, True, 1.0, 1, 0, 0, False,
+                                         0, 0, 0, False)

@@ -93,7 +93,7 @@ def cpu(t):
 
 
 def plan_cpu(plan):
-    return type(plan)(*(t.detach().cpu() for t in plan))
+    return type(plan)(*(cpu(t) for t in plan))
 
 
 def grad_of_gate(gate_fn, logits, idx, grad_w, **kw):
@@ -301,7 +301,7 @@ def check_mix_case(backend: str, path: str | None, T: int, dtype: torch.dtype,
         hm_c = buf_c[1:].view(T, H2)
         hm = buf_c.to(DEV)[1:].view(T, H2)
         assert hm.data_ptr() % 16 != 0
-        dplan = tuple(t.to(DEV) for t in plan)
+        dplan = tuple(None if t is None else t.to(DEV) for t in plan)
         dplan = type(plan)(*dplan)
         x2 = replay_ops.permute(hm, dplan, plan.max_rows, validate=False, backend=backend)
         assert torch.equal(cpu(x2), ref.permute(hm_c, plan, plan.max_rows)), \

@@ -15,6 +15,7 @@
 #include "native_ops.h"
 #include "replay_math.h"
 #include "replay_score_funcs.h"
+#include "replay_select.h"
 
 namespace replay_native {
 
@@ -154,7 +155,7 @@ inline void check_gate_dense_fwd(const at::Tensor& logits, const at::Tensor& exp
                                  const c10::Device& device) {
   check_gate_fwd(logits, expert_indices, device);
   const int64_t T = logits.size(0), E = logits.size(1), K = expert_indices.size(1);
-  TORCH_CHECK_VALUE(padding >= replay_math::kPadEmpty && padding <= replay_math::kPadFallback,
+  TORCH_CHECK_VALUE(padding >= replay_math::kPadEmpty && padding <= replay_math::kPadSelect,
                     "replay_ops native gate_dense: unknown padding mode ", padding);
   TORCH_CHECK_VALUE(ep_size >= 1 && E % ep_size == 0 && spread_offset >= 0,
                     "replay_ops native gate_dense: ep_size=", ep_size, " must divide E=", E,
@@ -218,14 +219,97 @@ inline void check_permute_probs_bwd(const at::Tensor& grad, const at::Tensor& ro
   check_plan_tensor(expert_indices, "permute_probs_backward", "expert_indices", device);
 }
 
-// ------------------------------------------------------------------ gate outputs
-// The six outputs of gate_fwd, allocated on the logits' device: weights [T, K] in the
-// logits dtype, then int32 indices [T, K], counts [E], offsets [E + 1], row_id_map [T, K]
-// and sorted_slots [plan capacity] (checked to fit int32).
-struct GateOutputs {
-  at::Tensor weights, idx32, counts, offsets, row_id_map, sorted_slots;
+// ------------------------------------------------------------------ the selection
+// The model's own selection of a gate call (replay_select.h) and the rows it routes: the
+// replay mask (contiguous), the padding mode, the selection's parameters and its bias in
+// the compute type (contiguous), or undefined tensors.
+struct GateSelection {
+  at::Tensor mask, bias;
+  int padding;
+  replay_math::SelectionParams params;
+};
 
-  GateOutputs(const at::Tensor& logits, int64_t K, int64_t align) {
+// The selection arguments of gate_fwd / gate_dense_fwd, checked against the call's sizes
+// (the Python ops check them first, with the same rules: replay_ops/_validate.py
+// check_selection). `group_topn` is resolved (group_score_topn, or K / group_topk).
+inline GateSelection checked_gate_selection(
+    const char* op, const at::Tensor& logits, int64_t K, int sf,
+    const c10::optional<at::Tensor>& replay_mask, int64_t padding,
+    const c10::optional<at::Tensor>& expert_bias, int64_t source, bool round_scores,
+    int64_t num_groups, int64_t group_topk, int64_t group_topn, bool dense,
+    const c10::Device& device) {
+  const int64_t T = logits.size(0), E = logits.size(1);
+  namespace rm = replay_math;
+  GateSelection s;
+  TORCH_CHECK_VALUE(dense || padding == rm::kPadEmpty || padding == rm::kPadSelect,
+                    "replay_ops native ", op, ": padding must be empty (", rm::kPadEmpty,
+                    ") or select (", rm::kPadSelect, "), got ", padding);
+  s.padding = static_cast<int>(padding);
+  TORCH_CHECK_VALUE(source == rm::kSelectScores || (source == rm::kSelectLogits &&
+                                                    sf == rm::kSoftmax),
+                    "replay_ops native ", op, ": selection_source=", source,
+                    " must be 0 (scores) or, with softmax, 1 (logits)");
+  const bool grouped = num_groups > 0 || group_topk > 0;
+  if (grouped) {
+    TORCH_CHECK_VALUE(num_groups > 0 && group_topk > 0 && group_topk <= num_groups &&
+                          E % num_groups == 0 && group_topn >= 1 &&
+                          group_topn <= E / num_groups && K <= group_topk * (E / num_groups),
+                      "replay_ops native ", op, ": group-limited selection needs num_groups "
+                      "> 0 dividing E=", E, ", 0 < group_topk <= num_groups, 1 <= group_topn "
+                      "<= E / num_groups and K <= group_topk * E / num_groups; got num_groups=",
+                      num_groups, ", group_topk=", group_topk, ", group_topn=", group_topn,
+                      ", K=", K);
+  }
+  s.params = rm::SelectionParams{static_cast<int>(source), round_scores,
+                                 grouped ? num_groups : 0, grouped ? group_topk : 0,
+                                 grouped ? group_topn : 0};
+  if (replay_mask) {
+    check_device(*replay_mask, op, "replay_mask", device);
+    TORCH_CHECK_VALUE(replay_mask->scalar_type() == at::kBool && replay_mask->dim() == 1 &&
+                          replay_mask->size(0) == T,
+                      "replay_ops native ", op, ": replay_mask must be bool [T]");
+    s.mask = replay_mask->contiguous();
+  }
+  if (expert_bias) {
+    check_float_tensor(*expert_bias, op, "expert_bias", device);
+    TORCH_CHECK_VALUE(expert_bias->dim() == 1 && expert_bias->size(0) == E,
+                      "replay_ops native ", op, ": expert_bias must be [E] with E=", E,
+                      ", got ", expert_bias->sizes());
+    const auto acc = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    s.bias = expert_bias->to(acc).contiguous();
+  }
+  return s;
+}
+
+// The gradient of set_logprob [T] in the compute type (contiguous), or an undefined tensor.
+inline at::Tensor checked_set_logprob_grad(const c10::optional<at::Tensor>& g,
+                                           const at::Tensor& logits, const c10::Device& device) {
+  if (!g) return at::Tensor();
+  check_float_tensor(*g, "gate_backward", "grad_set_logprob", device);
+  TORCH_CHECK_VALUE(g->dim() == 1 && g->size(0) == logits.size(0),
+                    "replay_ops native gate_backward: grad_set_logprob must be [T] with T=",
+                    logits.size(0), ", got ", g->sizes());
+  const auto acc = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  return g->to(acc).contiguous();
+}
+
+// ------------------------------------------------------------------ gate outputs
+// agreement (bool) and set_logprob (compute type): [T] when asked for, else [0].
+inline void agreement_tensors(const at::Tensor& logits, bool asked, at::Tensor& agreement,
+                              at::Tensor& set_logprob) {
+  const int64_t n = asked ? logits.size(0) : 0;
+  const auto acc = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  agreement = at::empty({n}, logits.options().dtype(at::kBool));
+  set_logprob = at::empty({n}, logits.options().dtype(acc));
+}
+
+// The eight outputs of gate_fwd, allocated on the logits' device: weights [T, K] in the
+// logits dtype, then int32 indices [T, K], counts [E], offsets [E + 1], row_id_map [T, K]
+// and sorted_slots [plan capacity] (checked to fit int32), agreement and set_logprob.
+struct GateOutputs {
+  at::Tensor weights, idx32, counts, offsets, row_id_map, sorted_slots, agreement, set_logprob;
+
+  GateOutputs(const at::Tensor& logits, int64_t K, int64_t align, bool asked) {
     const int64_t T = logits.size(0), E = logits.size(1);
     const auto i32 = logits.options().dtype(at::kInt);
     weights = at::empty({T, K}, logits.options());
@@ -234,19 +318,23 @@ struct GateOutputs {
     offsets = at::empty({E + 1}, i32);
     row_id_map = at::empty({T, K}, i32);
     sorted_slots = at::empty({checked_plan_capacity(T, K, E, align)}, i32);
+    agreement_tensors(logits, asked, agreement, set_logprob);
   }
 
   GateFwdResult tuple() const {
-    return {weights, idx32, counts, offsets, row_id_map, sorted_slots};
+    return {weights, idx32, counts, offsets, row_id_map, sorted_slots, agreement, set_logprob};
   }
 };
 
-// The eight outputs of gate_dense_fwd: probs [T, E] (logits dtype), routing_map [T, E] bool,
-// row_flags [T] uint8, int32 indices [T, K], then the plan (sizes 0 without with_plan).
+// The ten outputs of gate_dense_fwd: probs [T, E] (logits dtype), routing_map [T, E] bool,
+// row_flags [T] uint8, int32 indices [T, K], then the plan (sizes 0 without with_plan),
+// agreement and set_logprob.
 struct DenseGateOutputs {
-  at::Tensor probs, routing_map, row_flags, idx32, counts, offsets, row_id_map, sorted_slots;
+  at::Tensor probs, routing_map, row_flags, idx32, counts, offsets, row_id_map, sorted_slots,
+      agreement, set_logprob;
 
-  DenseGateOutputs(const at::Tensor& logits, int64_t K, int64_t align, bool with_plan) {
+  DenseGateOutputs(const at::Tensor& logits, int64_t K, int64_t align, bool with_plan,
+                   bool asked) {
     const int64_t T = logits.size(0), E = logits.size(1);
     const auto i32 = logits.options().dtype(at::kInt);
     probs = at::empty({T, E}, logits.options());
@@ -258,10 +346,12 @@ struct DenseGateOutputs {
     offsets = at::empty({with_plan ? E + 1 : 0}, i32);
     row_id_map = at::empty({with_plan ? T : 0, K}, i32);
     sorted_slots = at::empty({with_plan ? n : 0}, i32);
+    agreement_tensors(logits, asked, agreement, set_logprob);
   }
 
   GateDenseFwdResult tuple() const {
-    return {probs, routing_map, row_flags, idx32, counts, offsets, row_id_map, sorted_slots};
+    return {probs, routing_map, row_flags, idx32, counts, offsets, row_id_map, sorted_slots,
+            agreement, set_logprob};
   }
 };
 

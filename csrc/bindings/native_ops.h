@@ -22,13 +22,15 @@
 namespace replay_native {
 
 // The outputs of the ops that return several tensors, as native_ops.inc declares them.
-// gate_fwd: weights, int32 indices, counts, offsets, row_id_map, sorted_slots (GateOutputs).
-using GateFwdResult =
-    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-// gate_dense_fwd: probs, routing_map, row_flags, int32 indices, then the plan
-// (DenseGateOutputs).
-using GateDenseFwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                                      at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+// gate_fwd: weights, int32 indices, counts, offsets, row_id_map, sorted_slots, agreement,
+// set_logprob (GateOutputs).
+using GateFwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                 at::Tensor, at::Tensor, at::Tensor>;
+// gate_dense_fwd: probs, routing_map, row_flags, int32 indices, then the plan, agreement,
+// set_logprob (DenseGateOutputs).
+using GateDenseFwdResult =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+               at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 // unpermute_bwd: the gradients of expert_out and of the weights.
 using UnpermuteBwdResult = std::tuple<at::Tensor, at::Tensor>;
 
@@ -36,11 +38,14 @@ using UnpermuteBwdResult = std::tuple<at::Tensor, at::Tensor>;
 
 #define REPLAY_NATIVE_OPS(X)                                                                   \
   X(gate_fwd,                                                                                  \
-    "(Tensor logits, Tensor expert_indices, int score_func, bool normalize, "                 \
-    "float scaling_factor, int align) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")   \
+    "(Tensor logits, Tensor expert_indices, Tensor? replay_mask, Tensor? expert_bias, "       \
+    "int score_func, bool normalize, float scaling_factor, int align, int padding, "          \
+    "int selection_source, bool round_scores, int num_groups, int group_topk, "               \
+    "int group_topn, bool agreement) -> "                                                     \
+    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")                       \
   X(gate_bwd,                                                                                  \
-    "(Tensor grad_weights, Tensor logits, Tensor expert_indices, int score_func, "            \
-    "bool normalize, float scaling_factor) -> Tensor")                                        \
+    "(Tensor grad_weights, Tensor logits, Tensor expert_indices, Tensor? grad_set_logprob, "  \
+    "int score_func, bool normalize, float scaling_factor) -> Tensor")                        \
   X(permute_fwd,                                                                               \
     "(Tensor hidden, Tensor sorted_slots, Tensor row_id_map, int num_rows) -> Tensor")        \
   X(permute_bwd, "(Tensor grad_out, Tensor row_id_map) -> Tensor")                            \
@@ -50,12 +55,14 @@ using UnpermuteBwdResult = std::tuple<at::Tensor, at::Tensor>;
     "Tensor weights) -> (Tensor, Tensor)")                                                    \
   X(gate_dense_fwd,                                                                            \
     "(Tensor logits, Tensor expert_indices, Tensor? replay_mask, Tensor? fallback, "          \
-    "int score_func, bool normalize, float scaling_factor, int padding, int ep_size, "        \
-    "int spread_offset, bool underflow_guard, int align, bool with_plan) -> "                 \
-    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")                       \
+    "Tensor? expert_bias, int score_func, bool normalize, float scaling_factor, "             \
+    "int padding, int ep_size, int spread_offset, bool underflow_guard, int align, "          \
+    "bool with_plan, int selection_source, bool round_scores, int num_groups, "               \
+    "int group_topk, int group_topn, bool agreement) -> "                                     \
+    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")       \
   X(gate_dense_bwd,                                                                            \
-    "(Tensor grad_probs, Tensor logits, Tensor expert_indices, int score_func, "              \
-    "bool normalize, float scaling_factor) -> Tensor")                                        \
+    "(Tensor grad_probs, Tensor logits, Tensor expert_indices, Tensor? grad_set_logprob, "    \
+    "int score_func, bool normalize, float scaling_factor) -> Tensor")                        \
   X(permute_probs_fwd,                                                                         \
     "(Tensor probs, Tensor sorted_slots, Tensor expert_indices, int num_rows) -> Tensor")     \
   X(permute_probs_bwd,                                                                         \

@@ -144,16 +144,36 @@ void check_backward_topk(const at::Tensor& idx) {
                     "gate_backward supports K <= ", replay_cuda::kMaxTopK, ", got K=", idx.size(1));
 }
 
-replay_native::GateFwdResult gate_fwd(const at::Tensor& logits_in, const at::Tensor& idx,
-                                      int64_t score_func, bool normalize,
-                                      double scaling_factor, int64_t align) {
+// The features of the gate contract (replay_ops/backends/protocol.py) the CUDA kernels do not
+// implement yet: the model's own selection of flagged rows (a replay mask, or padding
+// "select"), the agreement outputs, the set log-prob gradient. The native backend's
+// supports() hands such calls to another backend; a direct call is refused here.
+void refuse_gate_features(const char* op, bool selects, bool agreement) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!selects && !agreement, "replay_ops native CUDA ", op,
+                              ": the model's own selection of flagged rows (replay_mask or "
+                              "padding select) and the agreement outputs are not implemented "
+                              "in the CUDA kernels (replay_ops/backends/protocol.py)");
+}
+
+replay_native::GateFwdResult gate_fwd(
+    const at::Tensor& logits_in, const at::Tensor& idx,
+    const c10::optional<at::Tensor>& replay_mask, const c10::optional<at::Tensor>& expert_bias,
+    int64_t score_func, bool normalize, double scaling_factor, int64_t align, int64_t padding,
+    int64_t selection_source, bool round_scores, int64_t num_groups, int64_t group_topk,
+    int64_t group_topn, bool agreement) {
   replay_native::check_gate_fwd(logits_in, idx, logits_in.device());
   const c10::cuda::CUDAGuard guard(logits_in.device());
   const int sf = replay_native::checked_score_func(score_func);
   const at::Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
+  replay_native::checked_gate_selection("gate", logits, idx.size(1), sf, replay_mask, padding,
+                                        expert_bias, selection_source, round_scores,
+                                        num_groups, group_topk, group_topn, false,
+                                        logits.device());
+  refuse_gate_features("gate", replay_mask.has_value() || padding == replay_math::kPadSelect,
+                       agreement);
   replay_cuda::GateFwdArgs a = gate_fwd_args(logits, idx, sf, normalize, scaling_factor, align);
   const int64_t T = a.T, E = a.E, K = a.K;
-  replay_native::GateOutputs o(logits, K, align);
+  replay_native::GateOutputs o(logits, K, align, false);
   const auto path = checked_gate_path(T, K);
   const size_t ws_bytes = replay_cuda::gate_fwd_workspace_bytes(T, E, K, path);
   at::Tensor ws = at::empty({static_cast<int64_t>(ws_bytes)}, logits.options().dtype(at::kByte));
@@ -170,9 +190,10 @@ replay_native::GateFwdResult gate_fwd(const at::Tensor& logits_in, const at::Ten
 }
 
 at::Tensor gate_bwd(const at::Tensor& grad_weights, const at::Tensor& logits_in,
-                    const at::Tensor& idx, int64_t score_func, bool normalize,
-                    double scaling_factor) {
+                    const at::Tensor& idx, const c10::optional<at::Tensor>& grad_set_logprob,
+                    int64_t score_func, bool normalize, double scaling_factor) {
   replay_native::check_gate_bwd(grad_weights, logits_in, idx, logits_in.device());
+  refuse_gate_features("gate_backward", false, grad_set_logprob.has_value());
   const c10::cuda::CUDAGuard guard(logits_in.device());
   const int sf = replay_native::checked_score_func(score_func);
   check_backward_topk(idx);
@@ -191,16 +212,24 @@ at::Tensor gate_bwd(const at::Tensor& grad_weights, const at::Tensor& logits_in,
 replay_native::GateDenseFwdResult gate_dense_fwd(
     const at::Tensor& logits_in, const at::Tensor& idx,
     const c10::optional<at::Tensor>& replay_mask, const c10::optional<at::Tensor>& fallback,
-    int64_t score_func, bool normalize, double scaling_factor, int64_t padding, int64_t ep_size,
-    int64_t spread_offset, bool underflow_guard, int64_t align, bool with_plan) {
+    const c10::optional<at::Tensor>& expert_bias, int64_t score_func, bool normalize,
+    double scaling_factor, int64_t padding, int64_t ep_size, int64_t spread_offset,
+    bool underflow_guard, int64_t align, bool with_plan, int64_t selection_source,
+    bool round_scores, int64_t num_groups, int64_t group_topk, int64_t group_topn,
+    bool agreement) {
   replay_native::check_gate_dense_fwd(logits_in, idx, replay_mask, fallback, padding, ep_size,
                                       spread_offset, logits_in.device());
   const c10::cuda::CUDAGuard guard(logits_in.device());
   const int sf = replay_native::checked_score_func(score_func);
   const at::Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
+  replay_native::checked_gate_selection("gate_dense", logits, idx.size(1), sf, replay_mask,
+                                        padding, expert_bias, selection_source, round_scores,
+                                        num_groups, group_topk, group_topn, true,
+                                        logits.device());
+  refuse_gate_features("gate_dense", padding == replay_math::kPadSelect, agreement);
   replay_cuda::GateFwdArgs a = gate_fwd_args(logits, idx, sf, normalize, scaling_factor, align);
   const int64_t T = a.T, E = a.E, K = a.K;
-  replay_native::DenseGateOutputs o(logits, K, align, with_plan);
+  replay_native::DenseGateOutputs o(logits, K, align, with_plan, false);
   const at::Tensor mask = replay_mask ? replay_mask->contiguous() : at::Tensor();
   const at::Tensor fb = fallback ? fallback->to(at::kLong).contiguous() : at::Tensor();
   // the weights of the dense rows, in the compute type (scratch)
@@ -235,9 +264,11 @@ replay_native::GateDenseFwdResult gate_dense_fwd(
 }
 
 at::Tensor gate_dense_bwd(const at::Tensor& grad_probs, const at::Tensor& logits_in,
-                          const at::Tensor& idx, int64_t score_func, bool normalize,
-                          double scaling_factor) {
+                          const at::Tensor& idx,
+                          const c10::optional<at::Tensor>& grad_set_logprob,
+                          int64_t score_func, bool normalize, double scaling_factor) {
   replay_native::check_gate_dense_bwd(grad_probs, logits_in, idx, logits_in.device());
+  refuse_gate_features("gate_dense_backward", false, grad_set_logprob.has_value());
   const c10::cuda::CUDAGuard guard(logits_in.device());
   const int sf = replay_native::checked_score_func(score_func);
   check_backward_topk(idx);

@@ -18,12 +18,22 @@
 // a repeated expert's weights summed in slot order, rounded once; the underflow guard). The
 // plan phases run only with with_plan. Its backward reads the dense probs gradient at the
 // routed experts (any strides) and runs the gate backward of gate_bwd.
+//
+// The model's own selection (replay_select.h) runs in phase 1, inside resolve_row, for the
+// flagged rows only (replay_mask False; with padding "select" a row with flags): their
+// selection values over the E logits, then a partial selection of K, in the same pass that
+// computes the row's weights. Unflagged rows cost nothing more. With the agreement outputs,
+// every row is selected (a flagged row agrees by construction) and its set log-probability
+// is computed from the same row; the backward adds the set log-prob gradient to the row it
+// writes.
+#include <cmath>
 #include <limits>
 #include <vector>
 
 #include "../bindings/native_checks.h"
 #include "cpu_common.h"
 #include "ops_cpu.h"
+#include "replay_select.h"
 #include "row_kernels.h"
 
 namespace replay_cpu {
@@ -54,35 +64,154 @@ struct GateFwd {
   int32_t* SS;   // sorted_slots [n_sorted]
   int64_t tok_per_chunk, nch;
   std::vector<int32_t> hist;  // [nch][E]: the chunk's count, then its first row, per expert
+  const bool* MASK = nullptr;  // replay_mask [T] or nullptr: False rows are selected
+  int padding = rm::kPadEmpty;  // kPadSelect: rows with flags are selected too
+  // the model's own selection (replay_select.h) and the agreement outputs
+  rm::SelectionParams sel{rm::kSelectScores, false, 0, 0, 0};
+  const acc_t* BIAS = nullptr;  // expert_bias [E] in the compute type, or nullptr
+  bool* AGREE = nullptr;        // agreement [T], or nullptr (not asked for)
+  acc_t* LP = nullptr;          // set_logprob [T] (with AGREE)
   // dense mode (P != nullptr)
   scalar_t* P = nullptr;      // probs [T, E]
   bool* MAP = nullptr;        // routing_map [T, E]
   uint8_t* FLAGS = nullptr;   // row_flags [T]
-  const bool* MASK = nullptr;   // replay_mask [T] or nullptr
   const int64_t* FB = nullptr;  // fallback [T, K] (contiguous int64) or nullptr
-  int padding = rm::kPadEmpty;
   int64_t ep = 1, offset_mod = 0;
   bool guard = false, with_plan = true;
 
+  // A thread's scratch for the rows it gates.
+  struct Scratch {
+    std::vector<acc_t> z, v, rvals, gvals;
+    std::vector<char> valid;
+    std::vector<int32_t> rids, gids, sel;
+    bool stats = false;  // (m, s): the row's softmax statistics over all E are computed
+    acc_t m = acc_t(0), s = acc_t(0);
+  };
+
+  Scratch scratch() const {
+    Scratch w;
+    const int64_t n = std::max<int64_t>(K, sel.group_topn);
+    w.z.resize(static_cast<size_t>(K));
+    w.valid.resize(static_cast<size_t>(K));
+    if (MASK || padding == rm::kPadSelect || AGREE) {
+      w.v.resize(static_cast<size_t>(E));
+      w.rvals.resize(static_cast<size_t>(n));
+      w.rids.resize(static_cast<size_t>(n));
+      w.gvals.resize(static_cast<size_t>(std::max<int64_t>(sel.group_topk, 1)));
+      w.gids.resize(static_cast<size_t>(std::max<int64_t>(sel.group_topk, 1)));
+      w.sel.resize(static_cast<size_t>(K));
+    }
+    return w;
+  }
+
+  // The row's softmax statistics over all E (computed once per row).
+  void row_stats(const scalar_t* x, Scratch& w) const {
+    if (!w.stats) rk.softmax_stats(x, E, w.m, w.s);
+    w.stats = true;
+  }
+
+  // The model's own selection of row t into out[0..K) (replay_select.h): the selection
+  // values v_j of the row (the scores or the logits, rounded to the logits dtype if asked,
+  // plus the bias), then a partial selection of K.
+  void select_into(int64_t t, int32_t* out, Scratch& w) const {
+    const scalar_t* x = X + t * E;
+    if (rm::ranks_logits(sel, BIAS != nullptr)) {  // v_j = x_j: no score is computed
+      rm::select_row([x](int64_t j) { return static_cast<acc_t>(x[j]); }, E, K, sel, out,
+                     w.rvals.data(), w.rids.data(), w.gvals.data(), w.gids.data());
+      return;
+    }
+    const acc_t* v = values(t, w);
+    rm::select_row([v](int64_t j) { return v[j]; }, E, K, sel, out, w.rvals.data(),
+                   w.rids.data(), w.gvals.data(), w.gids.data());
+  }
+
+  // Whether the used experts idx of row t are the selection's set (replay_select.h).
+  bool agrees(int64_t t, const int32_t* idx, Scratch& w) const {
+    if (sel.num_groups > 0) {
+      select_into(t, w.sel.data(), w);
+      return rm::same_set(idx, w.sel.data(), K);
+    }
+    const scalar_t* x = X + t * E;
+    if (rm::ranks_logits(sel, BIAS != nullptr))
+      return rm::is_top_set([x](int64_t j) { return static_cast<acc_t>(x[j]); }, E, idx, K);
+    const acc_t* v = values(t, w);
+    return rm::is_top_set([v](int64_t j) { return v[j]; }, E, idx, K);
+  }
+
+  // The selection values v_j of row t (scratch w.v).
+  const acc_t* values(int64_t t, Scratch& w) const {
+    const scalar_t* x = X + t * E;
+    acc_t* v = w.v.data();
+    const bool probs = sel.source == rm::kSelectScores && sf == rm::kSoftmax;
+    if (probs) row_stats(x, w);
+    const acc_t sd = w.s == acc_t(0) ? acc_t(1) : w.s;
+    for (int64_t j = 0; j < E; ++j) {
+      const acc_t xj = static_cast<acc_t>(x[j]);
+      acc_t u = sel.source == rm::kSelectLogits ? xj
+                : probs                         ? rm::ro_div(rm::ro_exp(xj - w.m), sd)
+                                                : rm::score(sf, xj);
+      if (sel.round_scores) u = static_cast<acc_t>(static_cast<scalar_t>(u));
+      v[j] = BIAS ? u + BIAS[j] : u;
+    }
+    return v;
+  }
+
+  // agreement[t] and set_logprob[t] of the row's used experts idx (selected: the row was
+  // selected itself, so it agrees).
+  void agreement_row(int64_t t, const int32_t* idx, bool selected, Scratch& w) const {
+    const scalar_t* x = X + t * E;
+    AGREE[t] = selected || agrees(t, idx, w);
+    acc_t* z = w.rvals.data();  // the logits at the slots (scratch of at least K)
+    for (int64_t k = 0; k < K; ++k) z[k] = idx[k] >= 0 ? static_cast<acc_t>(x[idx[k]]) : acc_t(0);
+    acc_t lp;
+    if (sf == rm::kSoftmax) {
+      row_stats(x, w);
+      const acc_t lse_s = rm::member_logsumexp(z, idx, K);
+      lp = lse_s == rm::neg_inf<acc_t>() ? lse_s : lse_s - (w.m + std::log(w.s));
+    } else if (sf == rm::kSigmoid || sf == rm::kSqrtsoftplus) {
+      acc_t mass = acc_t(0), total = acc_t(0);
+      for (int64_t k = 0; k < K; ++k)
+        if (rm::first_of_expert(idx, k)) mass += rm::score(sf, z[k]);
+      for (int64_t j = 0; j < E; ++j) total += rm::score(sf, static_cast<acc_t>(x[j]));
+      lp = mass > acc_t(0) ? std::log(mass) - std::log(total) : rm::neg_inf<acc_t>();
+    } else {
+      TORCH_CHECK(false, "replay_ops native gate: unknown score function id ", sf);
+    }
+    LP[t] = lp;
+  }
+
   // The int32 experts of row t into I32: the recorded ids (a value outside [0, E) is an
-  // empty slot; the range test sees the full-width index), or in dense mode the row's flags
-  // and its experts after the padding rule.
-  void resolve_row(int64_t t) const {
+  // empty slot; the range test sees the full-width index), or the model's own selection for
+  // a flagged row, or in dense mode the row's flags and its experts after the padding rule.
+  // Returns whether the row was selected.
+  bool resolve_row(int64_t t, Scratch& w) const {
     int32_t* out = I32 + t * K;
     const index_t* ip = I + t * st;
+    const bool masked = MASK != nullptr && !MASK[t];
     if (P == nullptr) {
+      const bool flagged =
+          masked || (padding == rm::kPadSelect && rm::row_flags(ip, sk, K, E, false) != 0);
+      if (flagged) {
+        select_into(t, out, w);
+        return true;
+      }
       for (int64_t k = 0; k < K; ++k) {
         const int64_t e = static_cast<int64_t>(ip[k * sk]);
         out[k] = rm::takes_row(e, E) ? static_cast<int32_t>(e) : -1;
       }
-      return;
+      return false;
     }
-    const uint8_t f = rm::row_flags(ip, sk, K, E, MASK != nullptr && !MASK[t]);
+    const uint8_t f = rm::row_flags(ip, sk, K, E, masked);
     FLAGS[t] = f;
+    if (f != 0 && padding == rm::kPadSelect && !(masked && FB)) {
+      select_into(t, out, w);
+      return true;
+    }
     const int64_t* fb = FB ? FB + t * K : nullptr;
     for (int64_t k = 0; k < K; ++k)
       out[k] = static_cast<int32_t>(rm::dense_slot_expert<uint64_t>(
           ip, sk, fb, 1, f, padding, t, k, K, E, ep, offset_mod));
+    return false;
   }
 
   // Dense row t: zeros, then each routed expert's weight (the slots of a repeated expert
@@ -93,10 +222,12 @@ struct GateFwd {
     std::fill(p, p + E, scalar_t(0));
     std::fill(m, m + E, false);
     const int32_t* idx = I32 + t * K;
-    // A row without flags routes K distinct recorded experts, and the spread rule gives K
-    // distinct ones: each entry is one slot's weight (0 + w: the same bits as the sum).
+    // A row without flags routes K distinct recorded experts, and the spread rule and the
+    // selection give K distinct ones: each entry is one slot's weight (0 + w: the same bits
+    // as the sum).
     const uint8_t f = FLAGS[t];
-    if (f == 0 || (padding == rm::kPadSpread && !(f & rm::kRowMasked && FB))) {
+    const bool distinct = padding == rm::kPadSpread || padding == rm::kPadSelect;
+    if (f == 0 || (distinct && !(f & rm::kRowMasked && FB))) {
       for (int64_t k = 0; k < K; ++k) {
         const int32_t e = idx[k];
         if (e < 0) continue;
@@ -122,10 +253,14 @@ struct GateFwd {
 
   // Gate weights of token row t (in dense mode also its flags and dense row); counts its
   // slots into h[E] (h == nullptr: no plan).
-  void gate_row(int64_t t, int32_t* h, acc_t* z, char* valid) const {
+  void gate_row(int64_t t, int32_t* h, Scratch& w) const {
     const scalar_t* x = X + t * E;
-    resolve_row(t);
+    w.stats = false;
+    const bool selected = resolve_row(t, w);
     const int32_t* idx = I32 + t * K;
+    if (AGREE) agreement_row(t, idx, selected, w);
+    acc_t* z = w.z.data();
+    char* valid = w.valid.data();
     int nvalid = 0;
     for (int64_t k = 0; k < K; ++k) {
       const int32_t e = idx[k];
@@ -156,7 +291,9 @@ struct GateFwd {
               s += z[k];
             }
         } else {
-          rk.softmax_stats(x, E, m, s);
+          row_stats(x, w);
+          m = w.m;
+          s = w.s;
           for (int64_t k = 0; k < K; ++k)
             if (valid[k]) z[k] = rm::ro_exp(z[k] - m);
         }
@@ -185,10 +322,10 @@ struct GateFwd {
   }
 
   // Phase 1 for chunk c: weights, indices and the chunk's slot count per expert.
-  void hist_chunk(int64_t c, acc_t* z, char* valid) {
+  void hist_chunk(int64_t c, Scratch& w) {
     int32_t* h = hist.data() + c * E;
     const int64_t t_end = std::min(T, (c + 1) * tok_per_chunk);
-    for (int64_t t = c * tok_per_chunk; t < t_end; ++t) gate_row(t, h, z, valid);
+    for (int64_t t = c * tok_per_chunk; t < t_end; ++t) gate_row(t, h, w);
   }
 
   // Phase 2: hist[c][e] becomes the first row of chunk c within expert e's segment (before
@@ -235,20 +372,17 @@ struct GateFwd {
   void run() {
     if (!with_plan) {  // dense rows only: each chunk's rows, no histograms
       at::parallel_for(0, nch, 1, [&](int64_t c0, int64_t c1) {
-        std::vector<acc_t> z(static_cast<size_t>(K));
-        std::vector<char> valid(static_cast<size_t>(K));
+        Scratch w = scratch();
         for (int64_t c = c0; c < c1; ++c) {
           const int64_t t_end = std::min(T, (c + 1) * tok_per_chunk);
-          for (int64_t t = c * tok_per_chunk; t < t_end; ++t)
-            gate_row(t, nullptr, z.data(), valid.data());
+          for (int64_t t = c * tok_per_chunk; t < t_end; ++t) gate_row(t, nullptr, w);
         }
       });
       return;
     }
     at::parallel_for(0, nch, 1, [&](int64_t c0, int64_t c1) {
-      std::vector<acc_t> z(static_cast<size_t>(K));
-      std::vector<char> valid(static_cast<size_t>(K));
-      for (int64_t c = c0; c < c1; ++c) hist_chunk(c, z.data(), valid.data());
+      Scratch w = scratch();
+      for (int64_t c = c0; c < c1; ++c) hist_chunk(c, w);
     });
     scan_chunks();
     at::parallel_for(0, nch, 1, [&](int64_t c0, int64_t c1) {
@@ -258,10 +392,13 @@ struct GateFwd {
   }
 };
 
-// The sizes, options and inputs of a gate call; the outputs are set by the caller.
+// The sizes, options and inputs of a gate call (the selection's too); the outputs are set
+// by the caller.
 template <typename scalar_t, typename index_t>
 void gate_setup(GateFwd<scalar_t, index_t>& g, const at::Tensor& logits, const at::Tensor& idx,
-                int sf, bool normalize, double scaling, int64_t align, int64_t n_sorted) {
+                int sf, bool normalize, double scaling, int64_t align, int64_t n_sorted,
+                const replay_native::GateSelection& s) {
+  using acc_t = acc_type_t<scalar_t>;
   g.X = logits.data_ptr<scalar_t>();
   g.I = idx.data_ptr<index_t>();
   g.st = idx.stride(0);
@@ -273,34 +410,45 @@ void gate_setup(GateFwd<scalar_t, index_t>& g, const at::Tensor& logits, const a
   g.n_sorted = n_sorted;
   g.sf = sf;
   g.normalize = normalize;
-  g.scale = static_cast<acc_type_t<scalar_t>>(scaling);
+  g.scale = static_cast<acc_t>(scaling);
   g.rk = row_kernels<scalar_t>();
   g.tok_per_chunk = std::max<int64_t>(1, kSlotsPerChunk / g.K);
   g.nch = num_chunks(g.T, g.tok_per_chunk);
+  g.MASK = s.mask.defined() ? s.mask.data_ptr<bool>() : nullptr;
+  g.padding = s.padding;
+  g.sel = s.params;
+  g.BIAS = s.bias.defined() ? s.bias.data_ptr<acc_t>() : nullptr;
+}
+
+// The agreement outputs of a gate call: [T] when asked for, else [0] (not written).
+template <typename scalar_t, typename index_t>
+void agreement_outputs(GateFwd<scalar_t, index_t>& g, at::Tensor& agreement,
+                       at::Tensor& set_logprob) {
+  if (agreement.numel() == 0) return;
+  g.AGREE = agreement.data_ptr<bool>();
+  g.LP = set_logprob.data_ptr<acc_type_t<scalar_t>>();
 }
 
 template <typename scalar_t, typename index_t>
 void gate_fwd_impl(const at::Tensor& logits, const at::Tensor& idx, int sf, bool normalize,
-                   double scaling, int64_t align, at::Tensor& weights, at::Tensor& idx32,
-                   at::Tensor& counts, at::Tensor& offsets, at::Tensor& row_id_map,
-                   at::Tensor& sorted_slots) {
+                   double scaling, int64_t align, const replay_native::GateSelection& sel,
+                   replay_native::GateOutputs& o) {
   GateFwd<scalar_t, index_t> g;
-  gate_setup(g, logits, idx, sf, normalize, scaling, align, sorted_slots.numel());
-  g.W = weights.data_ptr<scalar_t>();
-  g.I32 = idx32.data_ptr<int32_t>();
-  g.CNT = counts.data_ptr<int32_t>();
-  g.OFF = offsets.data_ptr<int32_t>();
-  g.RID = row_id_map.data_ptr<int32_t>();
-  g.SS = sorted_slots.data_ptr<int32_t>();
+  gate_setup(g, logits, idx, sf, normalize, scaling, align, o.sorted_slots.numel(), sel);
+  g.W = o.weights.data_ptr<scalar_t>();
+  g.I32 = o.idx32.data_ptr<int32_t>();
+  g.CNT = o.counts.data_ptr<int32_t>();
+  g.OFF = o.offsets.data_ptr<int32_t>();
+  g.RID = o.row_id_map.data_ptr<int32_t>();
+  g.SS = o.sorted_slots.data_ptr<int32_t>();
+  agreement_outputs(g, o.agreement, o.set_logprob);
   g.hist.assign(static_cast<size_t>(g.nch * g.E), 0);
   g.run();
 }
 
 // The options of the dense mode beyond those of the gate.
 struct DenseOpts {
-  const bool* mask;
   const int64_t* fallback;
-  int padding;
   int64_t ep, offset_mod;
   bool guard, with_plan;
 };
@@ -308,15 +456,14 @@ struct DenseOpts {
 template <typename scalar_t, typename index_t>
 void gate_dense_impl(const at::Tensor& logits, const at::Tensor& idx, int sf, bool normalize,
                      double scaling, int64_t align, const DenseOpts& d,
+                     const replay_native::GateSelection& sel,
                      replay_native::DenseGateOutputs& o) {
   GateFwd<scalar_t, index_t> g;
-  gate_setup(g, logits, idx, sf, normalize, scaling, align, o.sorted_slots.numel());
+  gate_setup(g, logits, idx, sf, normalize, scaling, align, o.sorted_slots.numel(), sel);
   g.P = o.probs.data_ptr<scalar_t>();
   g.MAP = o.routing_map.data_ptr<bool>();
   g.FLAGS = o.row_flags.data_ptr<uint8_t>();
-  g.MASK = d.mask;
   g.FB = d.fallback;
-  g.padding = d.padding;
   g.ep = d.ep;
   g.offset_mod = d.offset_mod;
   g.guard = d.guard;
@@ -329,7 +476,45 @@ void gate_dense_impl(const at::Tensor& logits, const at::Tensor& idx, int sf, bo
     g.SS = o.sorted_slots.data_ptr<int32_t>();
     g.hist.assign(static_cast<size_t>(g.nch * g.E), 0);
   }
+  agreement_outputs(g, o.agreement, o.set_logprob);
   g.run();
+}
+
+// Adds the gradient of g * set_logprob of row x (replay_select.h) to row[0..E): the set is
+// the row's distinct used experts `idx` (K entries, -1 empty). `member` is scratch [E].
+template <typename scalar_t, typename acc_t>
+void add_set_logprob_grad(const RowKernels<scalar_t>& rk, int sf, const scalar_t* x,
+                          const int32_t* idx, int64_t E, int64_t K, acc_t g, acc_t* row,
+                          char* member) {
+  std::vector<acc_t> z(static_cast<size_t>(K));
+  for (int64_t k = 0; k < K; ++k) z[k] = idx[k] >= 0 ? static_cast<acc_t>(x[idx[k]]) : acc_t(0);
+  if (sf == rm::kSoftmax) {
+    const acc_t lse_s = rm::member_logsumexp(z.data(), idx, K);
+    if (lse_s == rm::neg_inf<acc_t>()) return;  // an empty set: -inf, gradient 0
+    acc_t m, s;
+    rk.softmax_stats(x, E, m, s);
+    for (int64_t j = 0; j < E; ++j)
+      row[j] -= g * (rm::ro_exp(static_cast<acc_t>(x[j]) - m) / s);
+    for (int64_t k = 0; k < K; ++k)
+      if (rm::first_of_expert(idx, k)) row[idx[k]] += g * rm::ro_exp(z[k] - lse_s);
+    return;
+  }
+  if (sf != rm::kSigmoid && sf != rm::kSqrtsoftplus)
+    TORCH_CHECK(false, "replay_ops native gate_backward: unknown score function id ", sf);
+  acc_t mass = acc_t(0), total = acc_t(0);
+  for (int64_t k = 0; k < K; ++k)
+    if (rm::first_of_expert(idx, k)) mass += rm::score(sf, z[k]);
+  if (!(mass > acc_t(0))) return;  // a mass of 0: -inf, gradient 0
+  for (int64_t j = 0; j < E; ++j) total += rm::score(sf, static_cast<acc_t>(x[j]));
+  std::fill(member, member + E, 0);
+  for (int64_t k = 0; k < K; ++k)
+    if (idx[k] >= 0) member[idx[k]] = 1;
+  const acc_t inv_mass = acc_t(1) / mass, inv_total = acc_t(1) / total;
+  for (int64_t j = 0; j < E; ++j) {
+    const acc_t xj = static_cast<acc_t>(x[j]);
+    const acc_t d = rm::score_grad(sf, xj, rm::score(sf, xj));
+    row[j] += g * d * ((member[j] ? inv_mass : acc_t(0)) - inv_total);
+  }
 }
 
 // The gate backward. `grad_at(t, k, e)` is the gradient of slot k of row t (routed to
@@ -337,7 +522,7 @@ void gate_dense_impl(const at::Tensor& logits, const at::Tensor& idx, int sf, bo
 // gradient at column e.
 template <typename scalar_t, typename GradAt>
 void gate_bwd_impl(GradAt grad_at, const at::Tensor& logits, const at::Tensor& idx32, int sf,
-                   bool normalize, double scaling, at::Tensor& grad) {
+                   bool normalize, double scaling, const at::Tensor& grad_lp, at::Tensor& grad) {
   using acc_t = acc_type_t<scalar_t>;
   const int64_t T = logits.size(0), E = logits.size(1), K = idx32.size(1);
   const scalar_t* X = logits.data_ptr<scalar_t>();
@@ -346,11 +531,14 @@ void gate_bwd_impl(GradAt grad_at, const at::Tensor& logits, const at::Tensor& i
   const acc_t scale = static_cast<acc_t>(scaling);
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(E, 1));
   const RowKernels<scalar_t> rk = row_kernels<scalar_t>();
+  // the gradient of set_logprob [T] (compute type), or nullptr
+  const acc_t* GLP = grad_lp.defined() ? grad_lp.data_ptr<acc_t>() : nullptr;
 
   at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
     std::vector<acc_t> row(static_cast<size_t>(E));
     std::vector<acc_t> z(static_cast<size_t>(K)), g(static_cast<size_t>(K));
     std::vector<char> valid(static_cast<size_t>(K));
+    std::vector<char> member(GLP ? static_cast<size_t>(E) : 0);
     for (int64_t t = t0; t < t1; ++t) {
       const scalar_t* x = X + t * E;
       int nvalid = 0;
@@ -401,6 +589,8 @@ void gate_bwd_impl(GradAt grad_at, const at::Tensor& logits, const at::Tensor& i
           TORCH_CHECK(false, "replay_ops native gate_backward: unknown score function id ", sf);
         }
       }
+      if (GLP && GLP[t] != acc_t(0))
+        add_set_logprob_grad(rk, sf, x, I + t * K, E, K, GLP[t], row.data(), member.data());
       scalar_t* out = GR + t * E;
       for (int64_t j = 0; j < E; ++j) out[j] = static_cast<scalar_t>(row[j]);
     }
@@ -409,34 +599,43 @@ void gate_bwd_impl(GradAt grad_at, const at::Tensor& logits, const at::Tensor& i
 
 }  // namespace
 
-replay_native::GateFwdResult gate_fwd(const at::Tensor& logits_in,
-                                      const at::Tensor& expert_indices, int64_t score_func,
-                                      bool normalize, double scaling_factor, int64_t align) {
-  replay_native::check_gate_fwd(logits_in, expert_indices, c10::Device(c10::kCPU));
+replay_native::GateFwdResult gate_fwd(
+    const at::Tensor& logits_in, const at::Tensor& expert_indices,
+    const c10::optional<at::Tensor>& replay_mask, const c10::optional<at::Tensor>& expert_bias,
+    int64_t score_func, bool normalize, double scaling_factor, int64_t align, int64_t padding,
+    int64_t selection_source, bool round_scores, int64_t num_groups, int64_t group_topk,
+    int64_t group_topn, bool agreement) {
+  const c10::Device cpu(c10::kCPU);
+  replay_native::check_gate_fwd(logits_in, expert_indices, cpu);
   const int sf = replay_native::checked_score_func(score_func);
   const at::Tensor logits = logits_in.contiguous();
-  replay_native::GateOutputs o(logits, expert_indices.size(1), align);
+  const replay_native::GateSelection sel = replay_native::checked_gate_selection(
+      "gate", logits, expert_indices.size(1), sf, replay_mask, padding, expert_bias,
+      selection_source, round_scores, num_groups, group_topk, group_topn, false, cpu);
+  replay_native::GateOutputs o(logits, expert_indices.size(1), align, agreement);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(),
                                   "replay_native_gate_fwd", [&] {
     dispatch_index(expert_indices, "expert_indices", [&](auto index_tag) {
       using index_t = decltype(index_tag);
       gate_fwd_impl<scalar_t, index_t>(logits, expert_indices, sf, normalize, scaling_factor,
-                                       align, o.weights, o.idx32, o.counts, o.offsets,
-                                       o.row_id_map, o.sorted_slots);
+                                       align, sel, o);
     });
   });
   return o.tuple();
 }
 
 at::Tensor gate_bwd(const at::Tensor& grad_weights, const at::Tensor& logits_in,
-                    const at::Tensor& expert_indices, int64_t score_func, bool normalize,
-                    double scaling_factor) {
-  replay_native::check_gate_bwd(grad_weights, logits_in, expert_indices, c10::Device(c10::kCPU));
+                    const at::Tensor& expert_indices,
+                    const c10::optional<at::Tensor>& grad_set_logprob, int64_t score_func,
+                    bool normalize, double scaling_factor) {
+  const c10::Device cpu(c10::kCPU);
+  replay_native::check_gate_bwd(grad_weights, logits_in, expert_indices, cpu);
   const int sf = replay_native::checked_score_func(score_func);
   const at::Tensor logits = logits_in.contiguous();
   const at::Tensor idx32 = expert_indices.contiguous();
   const auto acc_dtype = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const at::Tensor g_acc = grad_weights.to(acc_dtype).contiguous();
+  const at::Tensor glp = replay_native::checked_set_logprob_grad(grad_set_logprob, logits, cpu);
   at::Tensor grad = at::empty_like(logits);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(),
                                   "replay_native_gate_bwd", [&] {
@@ -444,7 +643,7 @@ at::Tensor gate_bwd(const at::Tensor& grad_weights, const at::Tensor& logits_in,
     const acc_t* G = g_acc.data_ptr<acc_t>();
     const int64_t K = idx32.size(1);
     gate_bwd_impl<scalar_t>([G, K](int64_t t, int64_t k, int32_t) { return G[t * K + k]; },
-                            logits, idx32, sf, normalize, scaling_factor, grad);
+                            logits, idx32, sf, normalize, scaling_factor, glp, grad);
   });
   return grad;
 }
@@ -452,19 +651,22 @@ at::Tensor gate_bwd(const at::Tensor& grad_weights, const at::Tensor& logits_in,
 replay_native::GateDenseFwdResult gate_dense_fwd(
     const at::Tensor& logits_in, const at::Tensor& expert_indices,
     const c10::optional<at::Tensor>& replay_mask, const c10::optional<at::Tensor>& fallback,
-    int64_t score_func, bool normalize, double scaling_factor, int64_t padding, int64_t ep_size,
-    int64_t spread_offset, bool underflow_guard, int64_t align, bool with_plan) {
+    const c10::optional<at::Tensor>& expert_bias, int64_t score_func, bool normalize,
+    double scaling_factor, int64_t padding, int64_t ep_size, int64_t spread_offset,
+    bool underflow_guard, int64_t align, bool with_plan, int64_t selection_source,
+    bool round_scores, int64_t num_groups, int64_t group_topk, int64_t group_topn,
+    bool agreement) {
   const c10::Device cpu(c10::kCPU);
   replay_native::check_gate_dense_fwd(logits_in, expert_indices, replay_mask, fallback, padding,
                                       ep_size, spread_offset, cpu);
   const int sf = replay_native::checked_score_func(score_func);
   const at::Tensor logits = logits_in.contiguous();
-  const at::Tensor mask = replay_mask ? replay_mask->contiguous() : at::Tensor();
+  const replay_native::GateSelection sel = replay_native::checked_gate_selection(
+      "gate_dense", logits, expert_indices.size(1), sf, replay_mask, padding, expert_bias,
+      selection_source, round_scores, num_groups, group_topk, group_topn, true, cpu);
   const at::Tensor fb = fallback ? fallback->to(at::kLong).contiguous() : at::Tensor();
-  replay_native::DenseGateOutputs o(logits, expert_indices.size(1), align, with_plan);
-  const DenseOpts d{mask.defined() ? mask.data_ptr<bool>() : nullptr,
-                    fb.defined() ? fb.data_ptr<int64_t>() : nullptr,
-                    static_cast<int>(padding), ep_size,
+  replay_native::DenseGateOutputs o(logits, expert_indices.size(1), align, with_plan, agreement);
+  const DenseOpts d{fb.defined() ? fb.data_ptr<int64_t>() : nullptr, ep_size,
                     logits.size(1) ? spread_offset % logits.size(1) : 0, underflow_guard,
                     with_plan};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(),
@@ -472,20 +674,22 @@ replay_native::GateDenseFwdResult gate_dense_fwd(
     dispatch_index(expert_indices, "expert_indices", [&](auto index_tag) {
       using index_t = decltype(index_tag);
       gate_dense_impl<scalar_t, index_t>(logits, expert_indices, sf, normalize, scaling_factor,
-                                         align, d, o);
+                                         align, d, sel, o);
     });
   });
   return o.tuple();
 }
 
 at::Tensor gate_dense_bwd(const at::Tensor& grad_probs, const at::Tensor& logits_in,
-                          const at::Tensor& expert_indices, int64_t score_func, bool normalize,
-                          double scaling_factor) {
+                          const at::Tensor& expert_indices,
+                          const c10::optional<at::Tensor>& grad_set_logprob,
+                          int64_t score_func, bool normalize, double scaling_factor) {
   const c10::Device cpu(c10::kCPU);
   replay_native::check_gate_dense_bwd(grad_probs, logits_in, expert_indices, cpu);
   const int sf = replay_native::checked_score_func(score_func);
   const at::Tensor logits = logits_in.contiguous();
   const at::Tensor idx32 = expert_indices.contiguous();
+  const at::Tensor glp = replay_native::checked_set_logprob_grad(grad_set_logprob, logits, cpu);
   at::Tensor grad = at::empty_like(logits);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(),
                                   "replay_native_gate_dense_bwd", [&] {
@@ -494,7 +698,7 @@ at::Tensor gate_dense_bwd(const at::Tensor& grad_probs, const at::Tensor& logits
     const int64_t sgt = grad_probs.stride(0), sge = grad_probs.stride(1);
     gate_bwd_impl<scalar_t>(
         [G, sgt, sge](int64_t t, int64_t, int32_t e) { return G[t * sgt + e * sge]; }, logits,
-        idx32, sf, normalize, scaling_factor, grad);
+        idx32, sf, normalize, scaling_factor, glp, grad);
   });
   return grad;
 }

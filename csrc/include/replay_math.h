@@ -324,6 +324,8 @@ constexpr uint8_t kRowMasked = 8;      // replay_mask False (the recorded ids ar
 constexpr int kPadEmpty = 0;     // its ids in [0, E) (nothing for a masked row)
 constexpr int kPadSpread = 1;    // spread_expert
 constexpr int kPadFallback = 2;  // the row of the fallback indices
+constexpr int kPadSelect = 3;    // the model's own selection (replay_select.h select_row),
+                                 // resolved by the caller before dense_slot_expert
 // Multiplier of the per-cycle rotation of the spread padding (2^32 / golden ratio).
 constexpr uint32_t kSpreadHash = 2654435769u;
 
@@ -365,7 +367,9 @@ RO_HDI int64_t spread_expert(int64_t t, int64_t k, int64_t K, int64_t E, int64_t
 
 // The expert slot k of a row routes to in the dense gate (-1: empty): the recorded id when
 // the row has no flag; else by the padding mode. A masked row takes its fallback row when
-// there is one (fb != nullptr). Fallback and recorded ids outside [0, E) are empty.
+// there is one (fb != nullptr). Fallback and recorded ids outside [0, E) are empty. A
+// flagged row under kPadSelect (not masked with a fallback row) is the model's own
+// selection: the kernels route it with select_row and do not call this.
 template <typename U, typename index_t, typename fb_t>
 RO_HDI int64_t dense_slot_expert(const index_t* ip, int64_t sk, const fb_t* fb,
                                        int64_t fsk, uint8_t flags, int padding, int64_t t,

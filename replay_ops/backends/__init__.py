@@ -9,10 +9,12 @@ Three backends implement the ten kernels of the contract in `protocol.py`:
 Every op call asks `select(op, device_type, shape, dtype, requested)`. It walks an order
 of backends and returns the first one that is available for the device and `supports`
 the call (for example the CUDA gate kernels take E <= kMaxExperts; larger problems go
-to the next backend). Orders:
+to the next backend; a gate call whose features a backend lacks, `OpShape.features`, such
+as the in-kernel selection of flagged rows, goes on too). Orders:
 
     cuda: native -> triton -> torch
-    cpu:  native -> torch           (triton only when asked for, under TRITON_INTERPRET=1)
+    cpu:  native -> torch           (triton only when asked for, under TRITON_INTERPRET=1,
+                                     then torch)
 
 A backend that is present but broken (the native extension built for another torch or
 missing a CUDA library, or without a kernel image for the GPU) is passed over by automatic
@@ -116,7 +118,9 @@ def _order(device_type: str, name: str) -> tuple[str, ...]:
     order = AUTO_ORDER.get(device_type, ("torch",))
     if name == "auto":
         return order
-    return (name,) + (order[order.index(name) + 1:] if name in order else ())
+    if name not in order:  # Triton on CPU tensors: the torch backend serves what it cannot
+        return (name,) if name == "torch" else (name, "torch")
+    return (name,) + order[order.index(name) + 1:]
 
 
 def explain(op: str, device_type: str, shape: OpShape, dtype: torch.dtype,

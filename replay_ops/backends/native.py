@@ -78,6 +78,11 @@ def cuda_image_problems() -> list[str]:
 
 
 def supports(op, device_type, shape, dtype) -> Support:
+    if shape.features and not (device_type == "cpu" and CPU_FEATURES):
+        return Support(False, f"the native {device_type.upper()} gate kernels do not implement "
+                              f"{' and '.join(sorted(shape.features))} yet (the model's own "
+                              f"selection of flagged rows, the agreement outputs: "
+                              f"replay_ops/backends/protocol.py)")
     if device_type != "cuda":
         return YES
     if op in ("gate_fwd", "gate_bwd", "gate_dense_fwd", "gate_dense_bwd") and \
@@ -99,14 +104,33 @@ def describe() -> dict:
     return info
 
 
-def gate_fwd(logits, expert_indices, opts):
-    return tuple(_ops.gate_fwd(logits, expert_indices, scores.get(opts.score_func).id,
-                               bool(opts.normalize), float(opts.scaling_factor), int(opts.align)))
+# Whether the CPU kernels take the gate features (OpShape.features): the model's own
+# selection of flagged rows and the agreement outputs (csrc/include/replay_select.h).
+CPU_FEATURES = True
+# replay_ops.Selection.source, numbered as the native ops take it (replay_select.h).
+SELECTION_SOURCES = {"scores": 0, "logits": 1}
 
 
-def gate_bwd(grad_weights, logits, idx, opts):
-    return _ops.gate_bwd(grad_weights, logits, idx, scores.get(opts.score_func).id,
-                         bool(opts.normalize), float(opts.scaling_factor))
+def _selection_args(opts, top_k: int) -> tuple:
+    """The native ops' selection arguments: source id, round_scores, num_groups, group_topk,
+    the resolved group_topn."""
+    sel = opts.selection
+    return (SELECTION_SOURCES[sel.source], bool(sel.round_scores), int(sel.num_groups),
+            int(sel.group_topk), int(sel.group_topn(top_k)) if sel.grouped else 0)
+
+
+def gate_fwd(logits, expert_indices, replay_mask, opts):
+    return tuple(_ops.gate_fwd(
+        logits, expert_indices, replay_mask, opts.selection.expert_bias,
+        scores.get(opts.score_func).id, bool(opts.normalize), float(opts.scaling_factor),
+        int(opts.align), PADDING_MODES[opts.padding],
+        *_selection_args(opts, expert_indices.shape[1]), bool(opts.return_agreement)))
+
+
+def gate_bwd(grad_weights, logits, idx, opts, grad_set_logprob=None):
+    return _ops.gate_bwd(grad_weights, logits, idx, grad_set_logprob,
+                         scores.get(opts.score_func).id, bool(opts.normalize),
+                         float(opts.scaling_factor))
 
 
 def permute_fwd(hidden, sorted_slots, row_id_map, num_rows):
@@ -128,15 +152,17 @@ def unpermute_bwd(grad_out, expert_out, row_id_map, sorted_slots, weights):
 
 def gate_dense_fwd(logits, expert_indices, replay_mask, fallback, opts):
     return tuple(_ops.gate_dense_fwd(
-        logits, expert_indices, replay_mask, fallback, scores.get(opts.score_func).id,
-        bool(opts.normalize), float(opts.scaling_factor), PADDING_MODES[opts.padding],
-        int(opts.ep_size), int(opts.spread_offset), bool(opts.underflow_guard),
-        int(opts.align), bool(opts.with_plan)))
+        logits, expert_indices, replay_mask, fallback, opts.selection.expert_bias,
+        scores.get(opts.score_func).id, bool(opts.normalize), float(opts.scaling_factor),
+        PADDING_MODES[opts.padding], int(opts.ep_size), int(opts.spread_offset),
+        bool(opts.underflow_guard), int(opts.align), bool(opts.with_plan),
+        *_selection_args(opts, expert_indices.shape[1]), bool(opts.return_agreement)))
 
 
-def gate_dense_bwd(grad_probs, logits, idx, opts):
-    return _ops.gate_dense_bwd(grad_probs, logits, idx, scores.get(opts.score_func).id,
-                               bool(opts.normalize), float(opts.scaling_factor))
+def gate_dense_bwd(grad_probs, logits, idx, opts, grad_set_logprob=None):
+    return _ops.gate_dense_bwd(grad_probs, logits, idx, grad_set_logprob,
+                               scores.get(opts.score_func).id, bool(opts.normalize),
+                               float(opts.scaling_factor))
 
 
 def permute_probs_fwd(probs, sorted_slots, expert_indices, num_rows):

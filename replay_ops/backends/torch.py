@@ -5,13 +5,20 @@ It is written for speed and independence from the oracle (`replay_ops.reference`
 the tests compare it with): the weights come from per-row statistics and the score table
 (`replay_ops.scores`), the plan from one stable sort, the backward ops from the closed-form
 vector-Jacobian products of the table. Nothing here reads device memory on the host.
+
+The model's own selection (rows without a usable route, and the agreement outputs) is
+vectorised and sync-free, so it is not proportional to the flagged rows: when a call may
+select (a replay_mask, padding="select", return_agreement) it ranks every row with
+torch.topk of unique int64 keys (the value's bits made monotone, then the expert id, which
+makes the tie rule exact; a stable sort for fp64) and a `where` keeps the recorded rows.
+The native CPU kernel selects inside the gate pass, for the flagged rows only; this
+backend is the portable fallback.
 """
 from __future__ import annotations
 
 import torch
 
 from .. import scores
-from ..fallback import in_range_or_empty
 from ..plan import plan_capacity, spread_rows
 from .protocol import YES, Support
 
@@ -28,6 +35,135 @@ def supports(op, device_type, shape, dtype) -> Support:
 
 def describe() -> dict:
     return {}
+
+
+def in_range_or_empty(expert_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int32 copy of the indices with every value outside [0, E) set to -1 (an empty slot).
+    The range is tested on the full-width values, before the narrowing to int32."""
+    idx = expert_indices
+    ok = (idx >= 0) & (idx < num_experts)
+    return torch.where(ok, idx, -1).to(torch.int32)
+
+
+# -------------------------------------------------------------------- the model's selection
+def selection_values(x, logits_dtype, sf, sel) -> torch.Tensor:
+    """[T, E] compute dtype: the values the selection ranks (replay_ops.Selection), from the
+    logits `x` in the compute dtype."""
+    if sel.ranks_logits:  # increasing scores rank as the logits (replay_ops.Selection)
+        return x
+    u = x if sel.source == "logits" else sf.forward(x)
+    if sel.round_scores:
+        u = u.to(logits_dtype).to(x.dtype)
+    if sel.expert_bias is not None:
+        u = u + sel.expert_bias.to(x.dtype)
+    return u
+
+
+def _rank_keys(v: torch.Tensor) -> torch.Tensor:
+    """int64 keys of fp32 values `v` [..., n], one per element, all distinct in a row, whose
+    descending order is the selection's order: larger value first, NaN above every number,
+    equal values by ascending index. The value's float bits, made monotone as an integer
+    (-0.0 and every NaN made one value first), shifted up 32 bits, plus n-1-index."""
+    v = torch.where(torch.isnan(v), float("nan"), v + 0.0)  # one NaN; -0.0 + 0.0 is +0.0
+    b = v.view(torch.int32)
+    key = torch.where(b < 0, b ^ 0x7FFFFFFF, b).to(torch.int64)
+    n = v.shape[-1]
+    return key * (1 << 32) + (n - 1 - torch.arange(n, device=v.device))
+
+
+def _top(v: torch.Tensor, k: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [..., k]: the indices of the k first elements of `v` along the last dimension in
+    the selection's order (torch.topk of unique keys for fp32, a stable descending sort for
+    fp64), among the `allowed` ones (bool, same shape) when given."""
+    if v.dtype == torch.float32:
+        keys = _rank_keys(v)
+        if allowed is not None:  # below every key of a value (NaN and -0.0 were folded)
+            keys = torch.where(allowed, keys, torch.iinfo(torch.int64).min)
+        return torch.topk(keys, k, dim=-1).indices
+    order = torch.sort(v, dim=-1, descending=True, stable=True).indices
+    if allowed is not None:  # allowed first, each part still in the value order
+        again = torch.sort(allowed.gather(-1, order).to(torch.uint8), dim=-1,
+                           descending=True, stable=True).indices
+        order = order.gather(-1, again)
+    return order[..., :k]
+
+
+def select_topk(v: torch.Tensor, top_k: int, sel) -> torch.Tensor:
+    """int64 [T, K]: the K experts the selection picks from the values `v` [T, E], in its
+    order (every row; one torch.topk of unique keys, per group too)."""
+    T, E = v.shape
+    if not sel.grouped:
+        return _top(v, top_k)
+    G, size = sel.num_groups, E // sel.num_groups
+    vg = v.reshape(T, G, size)
+    top = vg.gather(2, _top(vg, sel.group_topn(top_k)))
+    gs = top[..., 0]
+    for i in range(1, top.shape[-1]):  # the largest first, as the kernels sum
+        gs = gs + top[..., i]
+    keep_g = torch.zeros(T, G, dtype=torch.bool, device=v.device).scatter(
+        1, _top(gs, sel.group_topk), True)
+    return _top(v, top_k, keep_g[:, :, None].expand(T, G, size).reshape(T, E))
+
+
+def padding_rows(expert_indices, E: int) -> torch.Tensor:
+    """bool [T]: rows with a -1 slot, an id outside [0, E) or a repeated expert."""
+    return row_flags(expert_indices, None, E) != 0
+
+
+def _same_set(idx, sel) -> torch.Tensor:
+    """bool [T]: the K entries of idx (-1 never matches) are the K distinct experts of sel."""
+    eq = idx.long()[:, :, None] == sel[:, None, :]
+    return eq.any(dim=2).all(dim=1) & eq.any(dim=1).all(dim=1)
+
+
+def _members(idx, E) -> torch.Tensor:
+    """bool [T, E]: the experts of each row (its ids in [0, E))."""
+    T = idx.shape[0]
+    col = torch.where(idx >= 0, idx.long(), E)
+    return torch.zeros(T, E + 1, dtype=torch.bool, device=idx.device).scatter(
+        1, col, True)[:, :E]
+
+
+def _set_logprob_parts(x, idx, sf):
+    """(lp [T], ok [T], member [T, E], the per-row values the gradient needs)."""
+    member = _members(idx, x.shape[1])
+    if sf is scores.SOFTMAX:
+        part = torch.where(member, x, float("-inf"))
+        ok = part.amax(dim=1) != float("-inf")
+        lse_s = torch.logsumexp(torch.where(ok[:, None], part, 0.0), dim=1)
+        lse = torch.logsumexp(x, dim=1)
+        return lse_s - lse, ok, member, (lse_s, lse)
+    if sf.elementwise:
+        f = sf.forward(x)
+        mass = torch.where(member, f, 0.0).sum(dim=1)
+        total = f.sum(dim=1)
+        ok = mass > 0
+        lp = torch.log(torch.where(ok, mass, 1.0)) - torch.log(total)
+        return lp, ok, member, (f, mass, total)
+    raise NotImplementedError(f"torch backend: no set log-prob for score function {sf}")
+
+
+def set_logprob(x, idx, sf) -> torch.Tensor:
+    lp, ok, _, _ = _set_logprob_parts(x, idx, sf)
+    return torch.where(ok, lp, float("-inf"))
+
+
+def set_logprob_grad(g, x, idx, sf) -> torch.Tensor:
+    """[T, E] compute dtype: the gradient of sum_t g[t] * set_logprob[t] to the logits."""
+    _, ok, member, parts = _set_logprob_parts(x, idx, sf)
+    g = torch.where(ok, g.to(x.dtype), 0.0)[:, None]
+    if sf is scores.SOFTMAX:
+        lse_s, lse = parts
+        inside = torch.where(member, torch.exp(x - lse_s[:, None]), 0.0)
+        return g * (inside - torch.exp(x - lse[:, None]))
+    f, mass, total = parts
+    inv = torch.where(member, 1.0 / torch.where(ok, mass, 1.0)[:, None], 0.0)
+    return sf.vjp(x, f, g * (inv - 1.0 / total[:, None]))
+
+
+def _selected(x, logits_dtype, sf, opts, K):
+    return select_topk(selection_values(x, logits_dtype, sf, opts.selection), K,
+                       opts.selection)
 
 
 # ------------------------------------------------------------------------------- gate
@@ -91,25 +227,54 @@ def build_plan(idx: torch.Tensor, num_experts: int, align: int):
     return counts.to(i32), offsets.to(i32), row_id_map.view(T, K).to(i32), sorted_slots.to(i32)
 
 
-def gate_fwd(logits, expert_indices, opts):
+def _agreement_outputs(x, idx, sel_idx, sf, opts):
+    """(agreement, set_logprob), or two empty tensors without return_agreement."""
+    if not opts.return_agreement:
+        return (torch.empty(0, dtype=torch.bool, device=x.device),
+                torch.empty(0, dtype=x.dtype, device=x.device))
+    return _same_set(idx, sel_idx), set_logprob(x, idx, sf)
+
+
+def gate_fwd(logits, expert_indices, replay_mask, opts):
     sf = scores.get(opts.score_func)
-    idx = in_range_or_empty(expert_indices, logits.shape[1]).contiguous()
+    T, E = logits.shape
+    K = expert_indices.shape[1]
     x = logits.to(scores.compute_dtype(logits.dtype))
+    idx = in_range_or_empty(expert_indices, E)
+    flagged = None if replay_mask is None else ~replay_mask
+    if opts.padding == "select":
+        pad = padding_rows(expert_indices, E)
+        flagged = pad if flagged is None else flagged | pad
+    sel_idx = None
+    if flagged is not None or opts.return_agreement:
+        sel_idx = _selected(x, logits.dtype, sf, opts, K)
+    if flagged is not None:
+        idx = torch.where(flagged[:, None], sel_idx.to(torch.int32), idx)
+    idx = idx.contiguous()
     weights = (_weights(x, idx, sf, opts.normalize) * opts.scaling_factor).to(logits.dtype)
-    return (weights, idx, *build_plan(idx, logits.shape[1], opts.align))
+    return (weights, idx, *build_plan(idx, E, opts.align),
+            *_agreement_outputs(x, idx, sel_idx, sf, opts))
 
 
-def gate_bwd(grad_weights, logits, idx, opts):
+def gate_bwd(grad_weights, logits, idx, opts, grad_set_logprob=None):
     sf = scores.get(opts.score_func)
     normalize, scaling_factor = opts.normalize, opts.scaling_factor
     x = logits.to(scores.compute_dtype(logits.dtype))
     idx = in_range_or_empty(idx, x.shape[1])
+    grad = _weights_grad(grad_weights, x, idx, sf, normalize, scaling_factor)
+    if grad_set_logprob is not None:
+        grad = grad + set_logprob_grad(grad_set_logprob, x, idx, sf)
+    return grad.to(logits.dtype)
+
+
+def _weights_grad(grad_weights, x, idx, sf, normalize, scaling_factor):
+    """[T, E] compute dtype: the gradient of the weights to the logits."""
     z, valid, safe = _slot_logits(x, idx)
     g = torch.where(valid, grad_weights.to(x.dtype), 0.0) * scaling_factor
     if sf is scores.SOFTMAX and not normalize:
         # w_k = p[idx_k] with p = softmax over all E: scatter dL/dp, then the softmax vjp
         dp = torch.zeros_like(x).scatter_add(1, safe, g)
-        return sf.vjp(x, sf.forward(x), dp).to(logits.dtype)
+        return sf.vjp(x, sf.forward(x), dp)
     if sf is scores.SOFTMAX:
         q = torch.where(valid, _selected_softmax(z, valid), 0.0)
         dz = sf.vjp(z, q, g)
@@ -124,7 +289,7 @@ def gate_bwd(grad_weights, logits, idx, opts):
     else:
         raise NotImplementedError(f"torch backend: no gate backward for score function {sf}")
     dz = torch.where(valid, dz, 0.0)
-    return torch.zeros_like(x).scatter_add(1, safe, dz).to(logits.dtype)
+    return torch.zeros_like(x).scatter_add(1, safe, dz)
 
 
 # ---------------------------------------------------------------- permute / unpermute
@@ -220,8 +385,10 @@ def row_flags(expert_indices, replay_mask, E: int) -> torch.Tensor:
     return flags
 
 
-def dense_experts(expert_indices, replay_mask, fallback, E, padding, ep_size, offset):
-    """(row_flags uint8 [T], int32 [T, K] experts routed: -1 or in [0, E))."""
+def dense_experts(expert_indices, replay_mask, fallback, E, padding, ep_size, offset,
+                  selected=None):
+    """(row_flags uint8 [T], int32 [T, K] experts routed: -1 or in [0, E)). `selected`: the
+    model's own selection of every row (int64 [T, K]), for padding="select"."""
     T, K = expert_indices.shape
     flags = row_flags(expert_indices, replay_mask, E)
     rec = in_range_or_empty(expert_indices, E).long()
@@ -230,6 +397,8 @@ def dense_experts(expert_indices, replay_mask, fallback, E, padding, ep_size, of
         fill = spread_rows(T, E, K, ep_size, offset, expert_indices.device)
     elif padding == "fallback":
         fill = fb
+    elif padding == "select":
+        fill = selected
     else:  # "empty": the row's ids in [0, E); nothing for a masked row
         fill = rec if replay_mask is None else torch.where(replay_mask[:, None], rec, -1)
     out = torch.where((flags != 0)[:, None], fill, rec)
@@ -262,9 +431,12 @@ def _scatter_rows(vals, idx, first, E, dtype):
 def gate_dense_fwd(logits, expert_indices, replay_mask, fallback, opts):
     sf = scores.get(opts.score_func)
     T, E = logits.shape
-    flags, idx = dense_experts(expert_indices, replay_mask, fallback, E, opts.padding,
-                               opts.ep_size, opts.spread_offset)
     x = logits.to(scores.compute_dtype(logits.dtype))
+    sel_idx = None
+    if opts.padding == "select" or opts.return_agreement:
+        sel_idx = _selected(x, logits.dtype, sf, opts, expert_indices.shape[1])
+    flags, idx = dense_experts(expert_indices, replay_mask, fallback, E, opts.padding,
+                               opts.ep_size, opts.spread_offset, sel_idx)
     w = _weights(x, idx, sf, opts.normalize) * opts.scaling_factor
     tot, first = _per_expert_sum(w, idx)
     probs = _scatter_rows(tot, idx, first, E, logits.dtype)
@@ -275,7 +447,7 @@ def gate_dense_fwd(logits, expert_indices, replay_mask, fallback, opts):
         plan = build_plan(idx, E, opts.align)
     else:
         plan = empty_plan(logits.device, idx.shape[1])
-    return (probs, rmap, flags, idx, *plan)
+    return (probs, rmap, flags, idx, *plan, *_agreement_outputs(x, idx, sel_idx, sf, opts))
 
 
 def empty_plan(device, K: int):
@@ -285,10 +457,10 @@ def empty_plan(device, K: int):
             torch.empty(0, **i32))
 
 
-def gate_dense_bwd(grad_probs, logits, idx, opts):
+def gate_dense_bwd(grad_probs, logits, idx, opts, grad_set_logprob=None):
     valid = idx >= 0
     g = grad_probs.gather(1, idx.clamp_min(0).long())
-    return gate_bwd(torch.where(valid, g, 0.0), logits, idx, opts)
+    return gate_bwd(torch.where(valid, g, 0.0), logits, idx, opts, grad_set_logprob)
 
 
 def permute_probs_fwd(probs, sorted_slots, expert_indices, num_rows):

@@ -17,6 +17,7 @@ from ..triton_kernels import gate_dense as _gate_dense
 from ..triton_kernels.gate import MAX_TOPK
 from ..triton_kernels.permute import permute_bwd, permute_fwd
 from ..triton_kernels.unpermute import unpermute_bwd, unpermute_fwd
+from ..scores import compute_dtype
 from .protocol import YES, Support
 
 NAME = "triton"
@@ -54,6 +55,11 @@ def available(device_type: str) -> Support:
 
 
 def supports(op, device_type, shape, dtype) -> Support:
+    if shape.features:
+        return Support(False, f"the Triton gate kernels do not implement "
+                              f"{' and '.join(sorted(shape.features))} yet (the model's own "
+                              f"selection of flagged rows, the agreement outputs: "
+                              f"replay_ops/backends/protocol.py)")
     if op in ("gate_fwd", "gate_bwd", "gate_dense_fwd", "gate_dense_bwd",
               "permute_probs_bwd") and shape.K > MAX_TOPK:
         return Support(False, f"K={shape.K} slots is above the Triton gate kernels' limit "
@@ -71,12 +77,20 @@ def describe() -> dict:
 
 # The gate launchers take the options flat (tools/triton_compile_check.py and the tests
 # call them so); the backend's gate kernels take the options value.
-def gate_fwd(logits, expert_indices, opts):
-    return _gate.gate_fwd(logits, expert_indices, opts.score_func, opts.normalize,
-                          opts.scaling_factor, opts.align)
+# `supports` refuses the calls with features (OpShape.features), so these kernels never
+# see a replay_mask, padding="select", return_agreement or a set log-prob gradient.
+def _no_agreement(logits):
+    return (torch.empty(0, dtype=torch.bool, device=logits.device),
+            torch.empty(0, dtype=compute_dtype(logits.dtype), device=logits.device))
 
 
-def gate_bwd(grad_weights, logits, idx, opts):
+def gate_fwd(logits, expert_indices, replay_mask, opts):
+    out = _gate.gate_fwd(logits, expert_indices, opts.score_func, opts.normalize,
+                         opts.scaling_factor, opts.align)
+    return (*out, *_no_agreement(logits))
+
+
+def gate_bwd(grad_weights, logits, idx, opts, grad_set_logprob=None):
     return _gate.gate_bwd(grad_weights, logits, idx, opts.score_func, opts.normalize,
                           opts.scaling_factor)
 
@@ -86,12 +100,13 @@ from ..triton_kernels.gate_dense import permute_probs_bwd, permute_probs_fwd  # 
 
 
 def gate_dense_fwd(logits, expert_indices, replay_mask, fallback, opts):
-    return _gate_dense.gate_dense_fwd(
+    out = _gate_dense.gate_dense_fwd(
         logits, expert_indices, replay_mask, fallback, opts.score_func, opts.normalize,
         opts.scaling_factor, opts.padding, opts.ep_size, opts.spread_offset,
         opts.underflow_guard, opts.align, opts.with_plan)
+    return (*out, *_no_agreement(logits))
 
 
-def gate_dense_bwd(grad_probs, logits, idx, opts):
+def gate_dense_bwd(grad_probs, logits, idx, opts, grad_set_logprob=None):
     return _gate_dense.gate_dense_bwd(grad_probs, logits, idx, opts.score_func,
                                       opts.normalize, opts.scaling_factor)

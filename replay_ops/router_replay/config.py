@@ -116,8 +116,9 @@ class RouterReplayConfig:
         gate then runs sync-free. Turn off only for trusted data (e.g. static buffers
         refilled for CUDA-graph replay).
     fallback: rows whose replay mask is False (padding, the final token with no route)
-        use "gate" (replay_ops.gate's torch.topk of the scores) or "topk_fn" (the layer's
-        own top-k function, e.g. with expert bias or group limits).
+        use "gate" (the model's own selection inside replay_ops.gate's kernel: the top-k of
+        the scores, or the `selection` given to `route`, with expert bias and group limits)
+        or "topk_fn" (the layer's own top-k function, run on every row).
     enable_rollout_routing_replay: the rollout flag (`actor_rollout_ref.rollout.
         enable_rollout_routing_replay`); `load_config` fills it from there.
     model_name: stored in files written by `save()`, and compared by `load()` if set.

@@ -310,11 +310,14 @@ class RouterReplay:
         scaling_factor: float = 1.0,
         align: int = 1,
         backend: str | None = None,
+        selection=None,
     ) -> RoutingPlan | None:
         """The routing plan of MoE layer `layer_id` for router `logits` [T, E], or None
         when replay is disabled or there is no action (the layer runs its own path).
         `action` overrides the object's current action for this call only (e.g. a
-        recompute served as REPLAY_BACKWARD while the object stays in REPLAY_FORWARD)."""
+        recompute served as REPLAY_BACKWARD while the object stays in REPLAY_FORWARD).
+        `selection` (a replay_ops.Selection): the layer's own top-k rule, which the gate
+        applies, inside its kernel, to the rows without a route (replay mask False)."""
         action = self._action if action is None else self._enabled_action(action, "route")
         if not self.enabled or action is None:
             return None
@@ -328,6 +331,8 @@ class RouterReplay:
         # runs sync-free (an index outside [0, E) would be an empty slot).
         opts = dict(score_func=score_func, normalize=normalize, scaling_factor=scaling_factor,
                     align=align, validate=False, backend=backend)
+        if selection is not None:
+            opts["selection"] = selection
         if action is ReplayAction.RECORD:
             plan = self._route_record(layer_id, logits, topk_fn, opts)
         elif action is ReplayAction.REPLAY_FORWARD:
