@@ -26,7 +26,7 @@ Native extension `replay_ops._C` (sources in `csrc/`, see docs/native.md):
   wheel, an editable or a plain install) pins that torch release in its metadata and
   carries it in its version's local label, e.g. 0.1.0+pt2.14.1cu130; without the library
   (REPLAY_OPS_NATIVE=0) the package asks for the declared range (pyproject.toml's
-  [tool.replay_ops]: torch>=2.11,<2.15; the `triton` extra asks for triton>=3.6).
+  [tool.replay_ops]: torch>=2.11,<2.16; the `triton` extra asks for triton>=3.6).
 """
 import os
 import re

@@ -5,7 +5,7 @@ the Hugging Face integration.
 """
 import warnings
 
-__all__ = ["enable_expert_parallel", "EPState"]
+__all__ = ["enable_expert_parallel", "EPState"]  # noqa: F822 (served by __getattr__)
 
 warnings.warn("replay_ops.distributed.hf is deprecated; import "
               "replay_ops.integrations.hf.ep instead", DeprecationWarning, stacklevel=2)

@@ -44,7 +44,6 @@ import warnings
 from typing import Callable, Protocol
 
 import torch
-import torch.nn.functional as F
 
 import replay_ops
 from replay_ops.plan import RoutingPlan
