@@ -16,9 +16,10 @@
 #      loads with every symbol bound (LD_BIND_NOW), holds code for each architecture,
 #      carries no debug info, and the wheel pins the torch it was built for;
 #   5. the ops' suite under that torch, run against the installed wheel (not the tree):
-#      the native library's and the torch backend's cases, registration, opcheck and
-#      torch.compile under that torch (CUDA_JOB_TESTS, CUDA_JOB_K; the Triton
-#      interpreter's cases run in the main suite and under the floor Triton);
+#      the cases that load the native library (parity with the reference, gradcheck,
+#      determinism, registration, opcheck and torch.compile under that torch) and the
+#      refusal of the project's own library (CUDA_JOB_TESTS, CUDA_JOB_K; the other cases of
+#      those files run in the main suite);
 #   6. the refusals: this build's library loaded under the project's torch (another
 #      release), the project's library loaded under this torch, and the wheel offered to
 #      pip beside the project's torch.
@@ -55,10 +56,13 @@ tests/test_unpermute.py tests/test_reference.py tests/test_determinism.py tests/
 tests/test_direct_calls.py tests/test_routing_dtypes.py tests/test_scores.py \
 tests/test_device_math.py tests/test_router_replay.py tests/test_replay_files.py \
 tests/test_codec.py"}
-# The Triton interpreter's cases of those files run in the main suite (and the Triton
-# kernels' tests under the floor Triton): here the native library and the torch backend.
-# CUDA_JOB_K is the -k expression (empty: every case).
-K_EXPR="${CUDA_JOB_K-not triton}"
+# Of those files, what this build adds to the main suite: the cases that load and run the
+# native library (every `[...-native...]` case and tests/test_native.py: parity with the
+# reference, gradcheck, determinism, opcheck and torch.compile through the custom ops, under
+# this torch) and the foreign library's refusal. The torch backend's and the Triton
+# interpreter's cases, and the Python-only files, do not depend on the library: the main
+# suite runs them. CUDA_JOB_K is the -k expression (empty: every case of the files).
+K_EXPR="${CUDA_JOB_K-native or foreign}"
 PYTEST_ARGS=()
 [[ -n "$K_EXPR" ]] && PYTEST_ARGS=(-k "$K_EXPR")
 
@@ -96,11 +100,13 @@ if [[ "$PHASE" == all || "$PHASE" == venv ]] || { [[ "$PHASE" == build ]] && ! v
     export PIP_CONSTRAINT=/dev/null
     if [[ -n "$LIBS_FROM" ]]; then
       # torch alone, its own requirements but the CUDA runtime libraries, and those libraries
-      # as the torch in $LIBS_FROM pins them: the same major versions (the same sonames),
-      # from pip's cache, instead of GBs of other minor versions
+      # at the versions the torch in $LIBS_FROM pins: the same major versions (the same
+      # sonames), from pip's cache, instead of GBs of other minor versions; a library only
+      # this torch loads (curand for torch 2.11) comes from the same CUDA release
       "$VPY" -m pip install "${PIP_Q[@]}" --no-deps "$CUDA_TORCH"
+      (cd / && "$ROOT/$LIBS_FROM/bin/python" "$ROOT/.ci/torch_requires.py" cuda) > "$JOB/libs-from.txt"
       mapfile -t reqs < <( (cd / && "$VPY" "$ROOT/.ci/torch_requires.py" own) \
-        && (cd / && "$ROOT/$LIBS_FROM/bin/python" "$ROOT/.ci/torch_requires.py" cuda) )
+        && (cd / && "$VPY" "$ROOT/.ci/torch_requires.py" cuda-from "$ROOT/$JOB/libs-from.txt") )
       echo "cuda-job: $CUDA_TORCH with ${reqs[*]}"
       "$VPY" -m pip install "${PIP_Q[@]}" "${reqs[@]}"
     else
@@ -197,7 +203,7 @@ elapsed "CPU suite under the CUDA torch" $t
 # 6. this build's library under the project's torch, and the wheel offered to its pip
 t=$SECONDS
 REPLAY_OPS_FOREIGN_LIB="$LIB_CUDA" REPLAY_OPS_REQUIRE_FOREIGN_LIB=1 \
-  "$PY" -m pytest -q -p no:cacheprovider tests/test_extension_load.py
+  "$PY" -m pytest -q -p no:cacheprovider tests/test_extension_load.py -k foreign
 if out=$("$PY" -m pip install --dry-run --no-index --find-links "$DIST" "$WHEEL" 2>&1); then
   echo "cuda-job: FAIL: pip would install the torch-$want wheel beside $("$PY" -c 'import torch; print(torch.__version__)'):"
   echo "$out" | tail -5; exit 1
