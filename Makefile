@@ -99,8 +99,11 @@ install-test: install
 # once: a finished one is kept), never in $(PY)'s environment. On a machine with a CUDA
 # device nothing is installed: the vllm installed beside replay_ops is used.
 VLLM_VENV ?= build/vllm-venv
+# PIP_COMPILE=0 (the engines' installs): pip writes no byte code for the GBs it unpacks;
+# Python compiles the modules a server imports when it first imports them.
+ENGINE_PIP = PIP_COMPILE=0
 install-vllm: $(call STEP,install)
-	REPLAY_OPS_VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m replay_ops.demo.vllm_engine install
+	$(ENGINE_PIP) REPLAY_OPS_VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m replay_ops.demo.vllm_engine install
 
 # SGLang for tests/test_sglang_engine.py and `python -m replay_ops demo --engine sglang` on a
 # CPU machine: sglang (pinned; it pins the CUDA build of torch 2.14.1, which its CPU engine
@@ -110,7 +113,7 @@ install-vllm: $(call STEP,install)
 # is installed: the sglang installed beside replay_ops is used.
 SGLANG_VENV ?= build/sglang-venv
 install-sglang: $(call STEP,install)
-	REPLAY_OPS_SGLANG_VENV=$(abspath $(SGLANG_VENV)) $(PY) -m replay_ops.demo.sglang_engine install
+	$(ENGINE_PIP) REPLAY_OPS_SGLANG_VENV=$(abspath $(SGLANG_VENV)) $(PY) -m replay_ops.demo.sglang_engine install
 
 # Compile every csrc/cuda/*.cu with nvcc for sm_80 and sm_90a, warnings as errors, 0 spill
 # stores (no GPU needed; prints SKIP when nvcc is missing). Cached in build/cuda_check/ by a
@@ -159,8 +162,9 @@ SGLANG_TESTS = tests/test_sglang_engine.py
 # The main suite: every test file but the engines' (TEST_FILES: some of them; `make test`
 # runs it in shards, .ci/pipeline.py).
 TEST_FILES ?= tests --ignore=$(VLLM_TESTS) --ignore=$(SGLANG_TESTS)
+JUNIT ?=
 test-main: $(call STEP,install-test)
-	REPLAY_OPS_REQUIRE_CLIENTS=1 $(PYTEST) $(TEST_FILES)
+	REPLAY_OPS_REQUIRE_CLIENTS=1 $(PYTEST) $(if $(JUNIT),--junitxml=$(JUNIT),) $(TEST_FILES)
 # The Megatron and verl tests again, with the newest megatron-core. SkyRL's and ms-swift's
 # tests run once, in the main suite, under the pinned megatron-core (the floor of
 # mcore-bridge 1.6.5's range, >=0.16,<0.20).

@@ -5,6 +5,7 @@
     python3 .ci/pipeline.py core        # `make test-core`: the installs and the main suite
     python3 .ci/pipeline.py test --list # the steps, their order and what each waits for
     python3 .ci/pipeline.py test --only main-1,main-2   # some steps (their inputs must exist)
+    python3 .ci/pipeline.py weights build/ci/main-*.xml  # SHARD_WEIGHTS from a run's times
 
 Every step is a `make` target of the Makefile, run with PIPELINE=1 (a target then leaves
 its prerequisites to this graph) and its output in build/ci/<step>.log, printed when the
@@ -91,6 +92,7 @@ class Step:
     rc: int | None = None
     cpu: float = 0.0
     status: str = "waiting"
+    cgroup: Path | None = None
 
 
 def shards(n: int) -> list[list[str]]:
@@ -109,8 +111,9 @@ def shards(n: int) -> list[list[str]]:
 def graph(profile: str, nshards: int) -> list[Step]:
     # tests/test_native.py runs .ci/check_cuda.sh (a cache hit after check-cuda's step)
     after = ("install",) if profile == "core" else ("install", "check-cuda")
-    main = [Step(f"main-{i + 1}", f"test-main TEST_FILES='{' '.join(files)}'", 1,
-                 after, est=sum(SHARD_WEIGHTS.get(f, DEFAULT_WEIGHT) for f in files))
+    main = [Step(f"main-{i + 1}", f"test-main JUNIT=build/ci/main-{i + 1}.xml "
+                 f"TEST_FILES='{' '.join(files)}'", 1, after,
+                 est=sum(SHARD_WEIGHTS.get(f, DEFAULT_WEIGHT) for f in files))
             for i, files in enumerate(shards(nshards))]
     steps = [Step("install", "install-test", 2, est=240)] + main
     if profile == "core":
@@ -138,8 +141,9 @@ def graph(profile: str, nshards: int) -> list[Step]:
         # the suites that need their own environments
         Step("triton-floor-tests", "test-triton-floor", 1, ("install", "triton-floor"), est=40),
         Step("mcore-new", "test-mcore-new", 1, ("install",), est=90),
-        Step("vllm", "test-vllm", 1, ("install", "vllm-venv"), est=100),
-        Step("sglang", "test-sglang", 1, ("install", "sglang-venv"), est=180),
+        # an engine's server and its in-process copy: two busy processes, several GB
+        Step("vllm", "test-vllm", 2, ("install", "vllm-venv"), est=100),
+        Step("sglang", "test-sglang", 2, ("install", "sglang-venv"), est=180),
     ]
     return steps
 
@@ -159,6 +163,30 @@ def fmt(sec: float) -> str:
     return f"{sec // 60}m{sec % 60:02d}s"
 
 
+# CPU time per step: the cgroup (v1 cpuacct) of the step where this machine lets the run
+# make one, which counts every process of the step, the ones its processes do not wait for
+# included (a fork server's children); else the step's reaped processes' rusage.
+CGROUP_ROOT = Path("/sys/fs/cgroup/cpuacct")
+
+
+def make_cgroup(step: Step) -> Path | None:
+    if not (CGROUP_ROOT.is_dir() and os.access(CGROUP_ROOT, os.W_OK)):
+        return None
+    d = CGROUP_ROOT / f"replay_ops_ci_{os.getpid()}_{step.name}"
+    try:
+        d.mkdir(exist_ok=True)
+        return d if (d / "cpuacct.usage").exists() else None
+    except OSError:
+        return None
+
+
+def cgroup_cpu(d: Path | None) -> float:
+    try:
+        return int((d / "cpuacct.usage").read_text()) / 1e9 if d else 0.0
+    except (OSError, ValueError):
+        return 0.0
+
+
 def start(step: Step, t0: float) -> None:
     LOGS.mkdir(parents=True, exist_ok=True)
     log = open(LOGS / f"{step.name}.log", "w")
@@ -169,8 +197,12 @@ def start(step: Step, t0: float) -> None:
     # a step that computes while others download gets no lower priority; the downloads and
     # unpacking run niced
     prefix = "nice -n 10 " if step.cores == 0 else ""
-    step.proc = subprocess.Popen(["bash", "-c", prefix + cmd], cwd=ROOT, stdout=log,
-                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    step.cgroup = make_cgroup(step)
+    enter = (f"echo $$ > {shlex.quote(str(step.cgroup / 'cgroup.procs'))} 2>/dev/null; "
+             if step.cgroup else "")
+    step.proc = subprocess.Popen(["bash", "-c", enter + "exec " + prefix + cmd], cwd=ROOT,
+                                 stdout=log, stderr=subprocess.STDOUT, env=env,
+                                 start_new_session=True)
     log.close()
     step.start = time.monotonic()
     step.status = "running"
@@ -213,7 +245,13 @@ def run(steps: list[Step], cores: int, keep_going: bool) -> int:
             s.proc.returncode = os.waitstatus_to_exitcode(status)
             s.rc = s.proc.returncode
             s.end = time.monotonic()
-            s.cpu = (usage.ru_utime + usage.ru_stime) if usage else 0.0
+            s.cpu = max((usage.ru_utime + usage.ru_stime) if usage else 0.0,
+                        cgroup_cpu(s.cgroup))
+            if s.cgroup is not None:
+                try:
+                    s.cgroup.rmdir()  # fails while a process of the step lives on
+                except OSError:
+                    pass
             s.status = "ok" if s.rc == 0 else "FAILED"
             text = (LOGS / f"{s.name}.log").read_text(errors="replace")
             print(f"== {time.strftime('%H:%M:%S')} +{fmt(s.end - t0)} {s.name} "
@@ -292,7 +330,38 @@ def report(steps: list[Step], t0: float, wall: float, cores: int) -> None:
                    "cpu_s": round(s.cpu, 1), "result": s.status} for s in rows]}, indent=1))
 
 
+def weights(paths: list[str], slowdown: float) -> None:
+    """SHARD_WEIGHTS from the main shards' JUnit files of a run (build/ci/main-*.xml): each
+    file's summed test times divided by `slowdown` (how much slower that run's machine was
+    than an idle one)."""
+    import xml.etree.ElementTree as ET
+
+    per: dict[str, float] = {}
+    for path in paths:
+        for tc in ET.parse(path).iter("testcase"):
+            name = "tests/" + tc.get("classname", "").split(".")[-1] + ".py"
+            per[name] = per.get(name, 0.0) + float(tc.get("time") or 0.0)
+    items = sorted(per.items(), key=lambda kv: -kv[1])
+    print("SHARD_WEIGHTS: dict[str, float] = {")
+    line = "   "
+    for name, sec in items:
+        part = f' "{name}": {max(1, round(sec / slowdown))},'
+        if len(line) + len(part) > 92:
+            print(line)
+            line = "   "
+        line += part
+    print(line + "\n}")
+
+
 def main(argv=None) -> int:
+    if argv is None and sys.argv[1:2] == ["weights"]:
+        ap = argparse.ArgumentParser(prog="pipeline.py weights",
+                                     description=weights.__doc__.split("\n\n")[0])
+        ap.add_argument("junit", nargs="+")
+        ap.add_argument("--slowdown", type=float, default=1.0)
+        a = ap.parse_args(sys.argv[2:])
+        weights(a.junit, a.slowdown)
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("profile", choices=("test", "core"))
     ap.add_argument("--list", action="store_true", help="print the steps, run nothing")
