@@ -83,7 +83,7 @@ class Step:
     target: str  # the make target (and its variables)
     cores: int  # 0: waits on the network or the disk; 1 or 2: computes
     after: tuple = ()
-    est: float = 60.0  # expected wall seconds, for the order only
+    est: float = 60.0  # expected wall seconds on an idle machine, for the order only
     env: dict = field(default_factory=dict)
     # run state
     proc: subprocess.Popen | None = None
@@ -115,35 +115,35 @@ def graph(profile: str, nshards: int) -> list[Step]:
                  f"TEST_FILES='{' '.join(files)}'", 1, after,
                  est=sum(SHARD_WEIGHTS.get(f, DEFAULT_WEIGHT) for f in files))
             for i, files in enumerate(shards(nshards))]
-    steps = [Step("install", "install-test", 2, est=240)] + main
+    steps = [Step("install", "install-test", 2, est=90)] + main
     if profile == "core":
         return steps
     steps += [
         # downloads and unpacking (no core), started at once
-        Step("triton-floor", "install-triton-floor", 0, est=90),
+        Step("triton-floor", "install-triton-floor", 0, est=60),
         Step("vllm-venv", "install-vllm", 0, est=240),
         Step("sglang-venv", "install-sglang", 0, est=600),
         Step("cuda-venv-ceiling", "cuda-job-venv CUDA_JOB=ceiling", 0, est=240),
         Step("cuda-venv-floor", "cuda-job-venv CUDA_JOB=floor", 0, ("cuda-venv-ceiling",),
              est=180),
         # builds and checks
-        Step("check-cuda", "check-cuda", 2, est=75),
-        Step("check-triton", "check-triton-installed", 2, ("install",), est=200),
-        Step("check-triton-floor", "check-triton-floor", 2, ("install", "triton-floor"), est=100),
+        Step("check-cuda", "check-cuda", 2, est=70),
+        Step("check-triton", "check-triton-installed", 2, ("install",), est=190),
+        Step("check-triton-floor", "check-triton-floor", 2, ("install", "triton-floor"), est=125),
         Step("cuda-wheel-ceiling", "cuda-job-build CUDA_JOB=ceiling", 2, ("cuda-venv-ceiling",),
-             est=420),
+             est=110),
         Step("cuda-wheel-floor", "cuda-job-build CUDA_JOB=floor", 2, ("cuda-venv-floor",),
-             est=200),
+             est=80),
         Step("cuda-check-ceiling", "cuda-job-check CUDA_JOB=ceiling", 1,
-             ("cuda-wheel-ceiling", "install"), est=90),
+             ("cuda-wheel-ceiling", "install"), est=100),
         Step("cuda-check-floor", "cuda-job-check CUDA_JOB=floor", 1,
-             ("cuda-wheel-floor", "install"), est=80),
+             ("cuda-wheel-floor", "install"), est=90),
         # the suites that need their own environments
-        Step("triton-floor-tests", "test-triton-floor", 1, ("install", "triton-floor"), est=40),
-        Step("mcore-new", "test-mcore-new", 1, ("install",), est=90),
+        Step("triton-floor-tests", "test-triton-floor", 1, ("install", "triton-floor"), est=30),
+        Step("mcore-new", "test-mcore-new", 1, ("install",), est=60),
         # an engine's server and its in-process copy: two busy processes, several GB
-        Step("vllm", "test-vllm", 2, ("install", "vllm-venv"), est=100),
-        Step("sglang", "test-sglang", 2, ("install", "sglang-venv"), est=180),
+        Step("vllm", "test-vllm", 2, ("install", "vllm-venv"), est=90),
+        Step("sglang", "test-sglang", 2, ("install", "sglang-venv"), est=110),
     ]
     return steps
 
@@ -279,14 +279,21 @@ def run(steps: list[Step], cores: int, keep_going: bool) -> int:
                 s.status = "not run"
         if failed and not keep_going:
             break
-        # start what is ready, longest remaining path first
+        # start what is ready, longest remaining path first; a core left free by the steps
+        # that fit goes to the first ready step that did not (a two-core build beside a
+        # one-core test: the two share three processes' work, no core waits)
         busy = sum(s.cores for s in steps if s.status == "running")
-        for s in order:
-            if s.status != "waiting" or any(by_name[a].status != "ok" for a in s.after):
-                continue
-            if s.cores == 0 or busy + s.cores <= cores or busy == 0:
+        ready = [s for s in order if s.status == "waiting"
+                 and all(by_name[a].status == "ok" for a in s.after)]
+        left = []
+        for s in ready:
+            if s.cores == 0 or busy + s.cores <= cores:
                 start(s, t0)
                 busy += s.cores
+            else:
+                left.append(s)
+        if left and busy < cores:
+            start(left[0], t0)
         if not any(s.status in ("waiting", "running") for s in steps):
             break
         now = time.monotonic()
