@@ -1,21 +1,21 @@
-# Two commands set up a fresh machine:
-#   make test   installs what the suite needs and runs it
-#   make demo   installs what the demo needs and runs it on CPU
+# The commands (README.md, "Commands"; docs/testing.md for what each verifies):
+#   make demo        installs what the demo needs, runs it on CPU
+#   make check       the edit-test loop: lint (ruff) and the fast unit tests
+#   make test-core   the suite without the engines and the CUDA builds (no nvcc needed)
+#   make test        everything CI runs (.ci/run): needs nvcc, network and about 27 GB;
+#                    about 30 minutes on 2 cores; checks its prerequisites first
+SHELL := /bin/bash
 PY ?= python3
-# A CPU build of torch is pinned for machines that have no torch yet. A torch that is
-# already installed (for example a CUDA build) is kept as long as it is supported (the
-# floor of pyproject.toml's [tool.replay_ops] torch range, 2.11; `make test` builds and
-# tests against 2.13.0, 2.11.0 and 2.14.1).
+# torch for a machine that has none (or one below the supported floor). From PyPI on Linux
+# `torch==2.13.0` is the CUDA build, several GB with its CUDA libraries; TORCH_INDEX names
+# another index, e.g. https://download.pytorch.org/whl/cpu for the CPU build (about 190 MB,
+# 750 MB installed). (Machines provisioned for this project may hold the CPU wheel on disk,
+# where pip finds it.) A torch that is already installed, CUDA or CPU, is kept as long as it
+# is supported (pyproject.toml's [tool.replay_ops] torch range). `make test` builds and
+# tests against 2.13.0 (this environment), 2.11.0 and 2.15.0 (the CUDA build jobs).
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 TORCH_MIN ?= $(shell sed -n 's/^torch *= *">=\([0-9.]*\).*/\1/p' pyproject.toml)
-# The top of the supported range, a CUDA 13 build, for the CUDA build job of `make test`
-# (.ci/cuda_build_job.sh), in its own venv under build/cuda-job/.
-CUDA_TORCH ?= torch==2.14.1
-# The floor of the range, the GPU machines' torch (2.11.0+cu130; PyPI's Linux wheel is that
-# CUDA 13 build), for the same job in build/cuda-job-2.11/: built for sm_90 only (what the
-# GPU machines run), installed, checked, and the ops' CPU suite run on it.
-FLOOR_TORCH ?= torch==2.11.0
-FLOOR_JOB_DIR = build/cuda-job-2.11
 # The oldest supported Triton (pyproject.toml's [tool.replay_ops] triton, the GPU machines'
 # Triton), in its own folder (--target, no dependencies, put first on PYTHONPATH): the
 # Triton compile check and the Triton kernel tests (interpreter) run under it as well as
@@ -25,17 +25,32 @@ TRITON_FLOOR_DIR = build/triton-$(TRITON_FLOOR)
 TRITON_FLOOR_SPILL_BUDGET ?= 160
 TRITON_FLOOR_ENV = PYTHONPATH=$(CURDIR)/$(TRITON_FLOOR_DIR)$${PYTHONPATH:+:$$PYTHONPATH}
 PIP = $(PY) -m pip install --quiet --disable-pip-version-check
+# ruff, pinned: a new release does not change what `make check` fails on
+RUFF_PIN ?= 0.17.6
+# `make test`'s steps run as a graph (.ci/pipeline.py) with PIPELINE=1 in their environment:
+# a target then leaves its prerequisites to the graph, which has already run them.
+STEP = $(if $(PIPELINE),,$(1))
 
-.PHONY: check install-torch install install-test install-vllm install-sglang test test-vllm test-sglang test-gpu gpu-check demo bench clean check-cuda score-header mutate test-cuda-build
+.PHONY: check check-tools install-torch install install-force install-test install-vllm \
+	install-sglang test test-core test-main test-mcore-new test-triton-floor test-vllm \
+	test-sglang test-gpu gpu-check demo bench clean check-cuda score-header mutate \
+	mutate-python test-cuda-build cuda-job-venv cuda-job-build cuda-job-check test-prereqs
 
 install-torch:
 	@$(PY) -c "import sys, torch; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(0 if v >= tuple(int(x) for x in '$(TORCH_MIN)'.split('.')) else 1)" 2>/dev/null \
-		&& echo "using installed torch $$($(PY) -c 'import torch; print(torch.__version__)')" \
-		|| $(PIP) "$(TORCH_SPEC)"
+		&& echo "install: torch $$($(PY) -c 'import torch; print(torch.__version__)') (installed)" \
+		|| { echo "install: $(TORCH_SPEC)$(if $(TORCH_INDEX), from $(TORCH_INDEX),) (a CPU build is about 190 MB; PyPI's Linux wheel is the CUDA build, several GB with its libraries: 1 to 10 minutes)"; \
+		$(PY) -m pip install --disable-pip-version-check $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),) "$(TORCH_SPEC)"; }
 
+# The package (editable) with its native library, built only when csrc/, setup.py,
+# CMakeLists.txt, pyproject.toml, torch or the build settings changed
+# (tools/native_install.py: a stamp in build/; it prints the compiler's progress).
 install: install-torch
+	@echo "install: Triton, transformers and the demo's packages (no-op when present; a minute or two when not)"
 	$(PIP) "triton>=$(TRITON_FLOOR)" numpy pyyaml omegaconf safetensors tqdm matplotlib "transformers>=5.0" zstandard
-	$(PIP) --no-build-isolation -e .
+	@$(PY) tools/native_install.py
+install-force: install-torch
+	@$(PY) tools/native_install.py --force
 
 # The real clients the suite runs against, pinned, without their optional extras:
 # * megatron-core 0.16.1 (tests/test_megatron*.py); its modules need only torch, numpy and
@@ -63,7 +78,8 @@ MSSWIFT_PIN ?= 4.6.0
 MCORE_BRIDGE_PIN ?= 1.6.5
 MSSWIFT_DIR = build/clients/ms-swift-$(MSSWIFT_PIN)
 install-test: install
-	$(PIP) pytest hypothesis
+	@echo "install-test: pytest, hypothesis, ruff, megatron-core, verl, SkyRL and ms-swift (pinned; no-op when present)"
+	$(PIP) pytest hypothesis "ruff==$(RUFF_PIN)"
 	$(PIP) --no-deps "megatron-core==$(MCORE_PIN)"
 	$(PIP) numpy packaging
 	$(PIP) --no-deps "verl==$(VERL_PIN)" "ray==2.60.0" "tensordict==0.10.0" "pyvers==0.2.3" \
@@ -84,8 +100,11 @@ install-test: install
 # once: a finished one is kept), never in $(PY)'s environment. On a machine with a CUDA
 # device nothing is installed: the vllm installed beside replay_ops is used.
 VLLM_VENV ?= build/vllm-venv
-install-vllm: install
-	REPLAY_OPS_VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m replay_ops.demo.vllm_engine install
+# PIP_COMPILE=0 (the engines' installs): pip writes no byte code for the GBs it unpacks;
+# Python compiles the modules a server imports when it first imports them.
+ENGINE_PIP = PIP_COMPILE=0
+install-vllm: $(call STEP,install)
+	$(ENGINE_PIP) REPLAY_OPS_VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m replay_ops.demo.vllm_engine install
 
 # SGLang for tests/test_sglang_engine.py and `python -m replay_ops demo --engine sglang` on a
 # CPU machine: sglang (pinned; it pins the CUDA build of torch 2.14.1, which its CPU engine
@@ -94,117 +113,126 @@ install-vllm: install
 # kept (a ready mark after its import check). On a machine with a CUDA device nothing
 # is installed: the sglang installed beside replay_ops is used.
 SGLANG_VENV ?= build/sglang-venv
-SGLANG_INSTALL = REPLAY_OPS_SGLANG_VENV=$(abspath $(SGLANG_VENV)) $(PY) -m replay_ops.demo.sglang_engine install
-install-sglang: install
-	$(SGLANG_INSTALL)
+install-sglang: $(call STEP,install)
+	$(ENGINE_PIP) REPLAY_OPS_SGLANG_VENV=$(abspath $(SGLANG_VENV)) $(PY) -m replay_ops.demo.sglang_engine install
 
 # Compile every csrc/cuda/*.cu with nvcc for sm_80 and sm_90a, warnings as errors, 0 spill
-# stores (no GPU needed; prints SKIP when nvcc is missing). Cached in build/cuda_check/.
+# stores (no GPU needed; prints SKIP when nvcc is missing). Cached in build/cuda_check/ by a
+# hash of the sources, the flags, nvcc and torch (a cold cache is what CI runs).
 check-cuda:
-	@echo "== $$(date -u +%T) check-cuda"
 	PY=$(PY) .ci/check_cuda.sh
 
-# Compile every Triton kernel for sm_80 and sm_90 with Triton's own ptxas (no GPU), for the
-# specialisations the launchers choose: no compile error, spill stores within the budget,
-# precise math, fp fusion set, 64-bit stride products. Nothing cached; ~2 minutes on 2 cores.
-# `make test` writes its table under build/; the committed table in bench/results/ comes
-# from `python3 tools/triton_compile_check.py` (its default output).
-#
-# The same check under the oldest supported Triton (TRITON_FLOOR, the GPU machines' 3.6.0),
-# installed once into $(TRITON_FLOOR_DIR) (about 640 MB, 90 s measured; kept while it holds
-# that version) and put first on PYTHONPATH: Triton 3.6 compiles what the launchers launch,
-# for sm_90 (the GPU machines' H100 / H200; 359 compiles). Its register allocation spills
-# more than 3.9's in 7 of them (4 to 140 bytes, the largest tiles), so its spill budget is
-# TRITON_FLOOR_SPILL_BUDGET; every other rule is the same.
-.PHONY: check-triton install-triton-floor
+# Compile every Triton kernel with Triton's own ptxas (no GPU), for the specialisations the
+# launchers choose: no compile error, spill stores within the budget, precise math, fp
+# fusion set, 64-bit stride products (tools/triton_compile_check.py). Nothing cached. Each
+# compile costs about 0.8 s of CPU (its front end, LLVM and ptxas), so `make test` compiles
+# each distinct specialisation once per architecture, the architecture with the Triton that
+# runs it:
+# * check-triton-floor: the oldest supported Triton (TRITON_FLOOR, the GPU machines' 3.6.0),
+#   installed once into $(TRITON_FLOOR_DIR) (about 640 MB, 90 s measured; kept while it holds
+#   that version) and put first on PYTHONPATH, for sm_90 (the GPU machines' H100 / H200):
+#   every specialisation, 359 compiles. Its register allocation spills more than 3.9's in 7
+#   of them (4 to 140 bytes, the largest tiles), so its spill budget is
+#   TRITON_FLOOR_SPILL_BUDGET; every other rule is the same.
+# * check-triton-installed: the installed Triton (3.9): every specialisation for sm_80 (359
+#   compiles), and for sm_90 every TRITON_SM90_EVERY-th case of each launcher (every kernel
+#   still compiled; about 90 compiles), since sm_90 has all of them under the floor Triton.
+#   576 s of CPU for both architectures in full, measured on the 2-core machine.
+# `python3 tools/triton_compile_check.py` (both architectures, every case) writes the
+# committed table in bench/results/; `make test` writes its tables under build/.
+TRITON_SM90_EVERY ?= 4
+.PHONY: check-triton check-triton-installed check-triton-floor install-triton-floor
 install-triton-floor:
 	@PYTHONPATH=$(CURDIR)/$(TRITON_FLOOR_DIR) $(PY) -c "import triton, sys; sys.exit(triton.__version__ != '$(TRITON_FLOOR)')" 2>/dev/null \
-		|| { rm -rf $(TRITON_FLOOR_DIR) && $(PIP) --no-deps --target $(TRITON_FLOOR_DIR) "triton==$(TRITON_FLOOR)"; }
+		|| { echo "install: triton $(TRITON_FLOOR) into $(TRITON_FLOOR_DIR) (about 640 MB)"; rm -rf $(TRITON_FLOOR_DIR) && $(PIP) --no-compile --no-deps --target $(TRITON_FLOOR_DIR) "triton==$(TRITON_FLOOR)"; }
 	@echo "triton $(TRITON_FLOOR) in $(TRITON_FLOOR_DIR)"
-check-triton: install-triton-floor
-	@echo "== $$(date -u +%T) check-triton"
-	$(PY) tools/triton_compile_check.py --out build/triton_compile_sm80_sm90
+check-triton: check-triton-installed check-triton-floor
+check-triton-installed:
+	$(PY) tools/triton_compile_check.py --archs 80 --out build/triton_compile_sm80
+	$(PY) tools/triton_compile_check.py --archs 90 --every $(TRITON_SM90_EVERY) \
+		--out build/triton_compile_sm90_every$(TRITON_SM90_EVERY)
+check-triton-floor: $(call STEP,install-triton-floor)
 	$(TRITON_FLOOR_ENV) $(PY) tools/triton_compile_check.py --archs 90 \
 		--budget $(TRITON_FLOOR_SPILL_BUDGET) --out build/triton$(TRITON_FLOOR)_compile_sm90
 
-# The whole suite with the pinned megatron-core, then the Megatron and verl tests again
-# with the newest megatron-core. A client that does not import fails the run (no skip).
-# SkyRL's and ms-swift's tests (about 6 minutes on 2 cores) run once, in the main suite,
-# under the pinned megatron-core (the floor of mcore-bridge 1.6.5's range, >=0.16,<0.20).
+# The suites. A client or engine that does not import fails the run (no skip), and every
+# pytest run prints its slowest tests (--durations).
+PYTEST = $(PY) -m pytest -q -p no:cacheprovider --durations=15
+VLLM_TESTS = tests/test_vllm_engine.py
+SGLANG_TESTS = tests/test_sglang_engine.py
+# The main suite: every test file but the engines' (TEST_FILES: some of them; `make test`
+# runs it in shards, .ci/pipeline.py).
+TEST_FILES ?= tests --ignore=$(VLLM_TESTS) --ignore=$(SGLANG_TESTS)
+JUNIT ?=
+test-main: $(call STEP,install-test)
+	REPLAY_OPS_REQUIRE_CLIENTS=1 $(PYTEST) $(if $(JUNIT),--junitxml=$(JUNIT),) $(TEST_FILES)
+# The Megatron and verl tests again, with the newest megatron-core. SkyRL's and ms-swift's
+# tests run once, in the main suite, under the pinned megatron-core (the floor of
+# mcore-bridge 1.6.5's range, >=0.16,<0.20).
 CLIENT_TESTS = tests/test_megatron_router.py tests/test_megatron_layers.py \
 	tests/test_megatron_data.py tests/test_megatron_dist.py tests/test_megatron_clients.py \
 	tests/test_megatron_compile.py tests/test_verl_clients.py
-VLLM_TESTS = tests/test_vllm_engine.py
-VLLM_PYTEST = REPLAY_OPS_REQUIRE_CLIENTS=1 REPLAY_OPS_VLLM_VENV=$(abspath $(VLLM_VENV)) \
-	$(PY) -m pytest -q $(VLLM_TESTS)
-SGLANG_TESTS = tests/test_sglang_engine.py
-SGLANG_PYTEST = REPLAY_OPS_REQUIRE_CLIENTS=1 REPLAY_OPS_SGLANG_VENV=$(abspath $(SGLANG_VENV)) \
-	$(PY) -m pytest -q $(SGLANG_TESTS)
-CUDA_JOB_ENV = PY=$(PY) CUDA_TORCH="$(CUDA_TORCH)"
-CUDA_JOB = $(CUDA_JOB_ENV) .ci/cuda_build_job.sh
-# The floor's job: torch 2.11.0 (CUDA 13.0), sm_90 only, the same steps.
-FLOOR_JOB_ENV = PY=$(PY) CUDA_TORCH="$(FLOOR_TORCH)" CUDA_JOB_DIR=$(FLOOR_JOB_DIR) \
-	CUDA_JOB_ARCHS="9.0" CUDA_JOB_LIBS_FROM=build/cuda-job/venv \
-	CUDA_JOB_TESTS="$(FLOOR_JOB_TESTS)"
-# Under the floor torch, the suite's part that loads and runs the native library (the
-# 2.14.1 job runs the longer list; the main suite the rest).
-FLOOR_JOB_TESTS = tests/test_extension_load.py tests/test_ops_registration.py \
-	tests/test_native.py tests/test_gate.py
-FLOOR_JOB = $(FLOOR_JOB_ENV) .ci/cuda_build_job.sh
-# The Triton kernels' tests (interpreter) under the floor Triton as well.
-TRITON_TESTS = tests/test_triton_kernels.py
-# SGLang's environment (11 GB; several minutes, mostly downloads and unpacking) is installed
-# in the background while the main suite runs, and waited for before its tests.
-SGLANG_BG = build/sglang-install
-test: install-test install-vllm check-cuda check-triton
-	@mkdir -p build && rm -f $(SGLANG_BG).rc && ( $(SGLANG_INSTALL) > $(SGLANG_BG).log 2>&1; \
-		echo $$? > $(SGLANG_BG).rc ) & \
-		echo "sglang: installing in the background ($(SGLANG_BG).log)"
-	@mkdir -p build/cuda-job $(FLOOR_JOB_DIR) && rm -f build/cuda-job/build-phase.rc \
-		build/cuda-job/build-phase.log $(FLOOR_JOB_DIR)/build-phase.rc $(FLOOR_JOB_DIR)/build-phase.log
-	@( $(CUDA_JOB_ENV) nice -n 10 .ci/cuda_build_job.sh build > build/cuda-job/build-phase.log 2>&1; echo $$? > build/cuda-job/build-phase.rc; \
-	   $(FLOOR_JOB_ENV) nice -n 10 .ci/cuda_build_job.sh build > $(FLOOR_JOB_DIR)/build-phase.log 2>&1; echo $$? > $(FLOOR_JOB_DIR)/build-phase.rc ) & \
-		echo "cuda-job: building the CUDA wheels (torch 2.14.1, then 2.11.0) in the background (build/cuda-job*/build-phase.log)"
-	@echo "== $$(date -u +%T) main suite"
-	REPLAY_OPS_REQUIRE_CLIENTS=1 $(PY) -m pytest -q tests --ignore=$(VLLM_TESTS) \
-		--ignore=$(SGLANG_TESTS)
-	@echo "== $$(date -u +%T) Triton kernel tests under Triton $(TRITON_FLOOR)"
-	$(TRITON_FLOOR_ENV) $(PY) -m pytest -q $(TRITON_TESTS)
-	@echo "== $$(date -u +%T) vLLM"
-	$(VLLM_PYTEST)
-	@echo "== $$(date -u +%T) SGLang (waiting for its install)"
-	@while [ ! -f $(SGLANG_BG).rc ]; do sleep 5; done; cat $(SGLANG_BG).log; \
-		[ "$$(cat $(SGLANG_BG).rc)" = 0 ] || { echo "sglang: the install failed"; exit 1; }
-	$(SGLANG_PYTEST)
-	@echo "== $$(date -u +%T) clients under megatron-core $(MCORE_NEW)"
+test-mcore-new: $(call STEP,install-test)
 	REPLAY_OPS_REQUIRE_CLIENTS=1 REPLAY_OPS_EXPECT_MCORE=$(MCORE_NEW) \
 		PYTHONPATH=$(CURDIR)/$(MCORE_NEW_DIR)$${PYTHONPATH:+:$$PYTHONPATH} \
-		$(PY) -m pytest -q $(CLIENT_TESTS)
-	@echo "== $$(date -u +%T) CUDA build jobs (torch 2.14.1, then $(FLOOR_TORCH))"
-	$(CUDA_JOB) wait
-	$(FLOOR_JOB) wait
-	@echo "== $$(date -u +%T) make test: done"
-
-# The CUDA build job (no GPU needed): under $(CUDA_TORCH), a CUDA build of torch in
-# build/cuda-job/venv, a wheel with the CUDA kernels for sm_80 and sm_90 is built, installed
-# and checked (a CUDA kernel for every native op, every symbol bound at load, no debug
-# info, the torch pin), the CPU suite runs on it, and libraries built for the other torch
-# are refused with both versions named. Needs `make install` first (the project's own build
-# is the foreign library on the other side). `make test` starts its build steps in the
-# background before the main suite and runs the checks at the end.
-test-cuda-build:
-	$(CUDA_JOB)
-	$(FLOOR_JOB)
-
+		$(PYTEST) $(CLIENT_TESTS)
+# The Triton kernels' tests (interpreter) under the floor Triton as well.
+TRITON_TESTS = tests/test_triton_kernels.py
+test-triton-floor: $(call STEP,install-test install-triton-floor)
+	REPLAY_OPS_REQUIRE_CLIENTS=1 $(TRITON_FLOOR_ENV) $(PYTEST) $(TRITON_TESTS)
 # R3 against a real vLLM: two small checkpoints, one behind vLLM's server, one through vLLM in
 # process, started at once (about 2 minutes on 2 cores).
-test-vllm: install-test install-vllm
-	$(VLLM_PYTEST)
-
+test-vllm: $(call STEP,install-test install-vllm)
+	REPLAY_OPS_REQUIRE_CLIENTS=1 REPLAY_OPS_VLLM_VENV=$(abspath $(VLLM_VENV)) $(PYTEST) $(VLLM_TESTS)
 # R3 against a real SGLang: one small checkpoint behind SGLang's server, every test against it
 # (350 s measured on the loaded shared 2-core machine, 252 s of it the server's start).
-test-sglang: install-test install-sglang
-	$(SGLANG_PYTEST)
+test-sglang: $(call STEP,install-test install-sglang)
+	REPLAY_OPS_REQUIRE_CLIENTS=1 REPLAY_OPS_SGLANG_VENV=$(abspath $(SGLANG_VENV)) $(PYTEST) $(SGLANG_TESTS)
+
+# The CUDA build jobs (no GPU needed; .ci/cuda_build_job.sh lists the steps): a wheel with
+# the CUDA kernels built against a CUDA build of torch in its own venv, installed, checked
+# (a CUDA kernel for every native op, every symbol bound at load, no debug info, the torch
+# pin), the ops' suite on it (native and torch backends), and the libraries built for the
+# other torch refused with both versions named. Two jobs, the ends of the supported range:
+# * ceiling: torch 2.15.0 (CUDA 13.2, from PyPI: about 2.6 GB of downloads, 5.5 GB
+#   installed), C++20, sm_80 and sm_90, in build/cuda-job/;
+# * floor: torch 2.11.0 (CUDA 13.0; the GPU machines' torch), C++17, sm_90 (what the GPU
+#   machines run), in build/cuda-job-2.11/, with the ceiling venv's CUDA libraries (the same
+#   sonames; pip's cache holds them).
+# The middle of the range: torch 2.13.0 is this environment's (the whole suite); 2.14.1
+# (vLLM 0.33's and SGLang 0.5.23's torch) runs replay_ops in the SGLang engine tests' venv.
+CUDA_JOB ?= ceiling
+CEILING_TORCH ?= torch==2.15.0
+FLOOR_TORCH ?= torch==2.11.0
+CUDA_JOB_ENV_ceiling = CUDA_TORCH="$(CEILING_TORCH)" CUDA_JOB_DIR=build/cuda-job \
+	CUDA_JOB_ARCHS="8.0;9.0"
+CUDA_JOB_ENV_floor = CUDA_TORCH="$(FLOOR_TORCH)" CUDA_JOB_DIR=build/cuda-job-2.11 \
+	CUDA_JOB_ARCHS="9.0" CUDA_JOB_LIBS_FROM=build/cuda-job/venv
+CUDA_JOB_RUN = PY=$(PY) $(CUDA_JOB_ENV_$(CUDA_JOB)) .ci/cuda_build_job.sh
+cuda-job-venv:
+	$(CUDA_JOB_RUN) venv
+cuda-job-build:
+	$(CUDA_JOB_RUN) build
+cuda-job-check: $(call STEP,install)
+	$(CUDA_JOB_RUN) check
+test-cuda-build: install
+	PY=$(PY) $(CUDA_JOB_ENV_ceiling) .ci/cuda_build_job.sh
+	PY=$(PY) $(CUDA_JOB_ENV_floor) .ci/cuda_build_job.sh
+
+# Everything CI runs (.ci/run), as a graph of the steps above on every core
+# (.ci/pipeline.py: each step's log under build/ci/, a table of the steps' wall and CPU
+# times at the end). Its prerequisites are checked first, in seconds.
+test-prereqs:
+	@PY=$(PY) .ci/prereqs.sh test
+test: test-prereqs
+	@echo "make test: about 30 minutes on a 2-core machine (less with more cores), about 27 GB under build/ (SGLang 11 GB, vLLM 3.4 GB, two CUDA torch venvs 5.5 GB each, Triton $(TRITON_FLOOR) 0.6 GB); steps and logs: build/ci/"
+	PY=$(PY) MAKE=$(MAKE) $(PY) .ci/pipeline.py test
+# The suite without the engines (vLLM, SGLang) and the CUDA and Triton builds: installs the
+# clients (megatron-core, verl, SkyRL, ms-swift) and runs every other test file.
+test-core:
+	@PY=$(PY) .ci/prereqs.sh core
+	@echo "make test-core: the installs, then the main suite in shards"
+	PY=$(PY) MAKE=$(MAKE) $(PY) .ci/pipeline.py core
 
 # On a GPU machine: the CUDA-only tests, and the rest of the suite on CUDA tensors. Nothing
 # is installed or downloaded (GPU machines may have no network): build the extension first
@@ -244,23 +272,30 @@ gpu-wheels:
 		$(GPU_WHEEL_PINS)
 	@ls -l $(GPU_WHEELS)
 
-# The edit-test loop: no installs (needs `make install` once), under two minutes on 2 cores.
-# Every Python file compiles, the package and its subpackages import, and the fast unit
-# tests run (the ops on the torch and native backends, validation, the reference, the
-# score table, the codec's golden bytes, the rollout adapters, the config, the docs' links,
-# the package's import direction;
-# the Triton interpreter's cases are left to `make test`). `make test` stays the full suite.
+# The edit-test loop, under two minutes on 2 cores: needs the package installed (`make
+# install` or `make demo` did it); installs pytest, hypothesis and ruff once when they are
+# missing, and says so. Lint (ruff, the rules in pyproject.toml), every Python file
+# compiles, the package and its subpackages import, and the fast unit tests run (the ops on
+# the torch and native backends, validation, the reference, the score table, the codec's
+# golden bytes, the rollout adapters, the config, the docs' links and the README's examples,
+# the package's import direction; the Triton interpreter's cases are left to `make test`).
 CHECK_TESTS = tests/test_gate.py tests/test_gate_dense.py tests/test_permute.py \
 	tests/test_unpermute.py tests/test_validation.py tests/test_reference.py tests/test_scores.py \
 	tests/test_codec_golden.py tests/test_adapters.py tests/test_config.py tests/test_doc_links.py \
 	tests/test_layering.py
-check:
+check-tools:
+	@$(PY) -c "import pytest, hypothesis" 2>/dev/null && [[ "$$($(PY) -m ruff --version 2>/dev/null)" == "ruff $(RUFF_PIN)" ]] \
+		|| { echo "check: installing pytest, hypothesis and ruff==$(RUFF_PIN) into $(PY)'s environment (what make check needs; once)"; \
+		$(PIP) pytest hypothesis "ruff==$(RUFF_PIN)"; }
+check: check-tools
+	$(PY) -m ruff check .
 	$(PY) -m compileall -q replay_ops triton_kernels tests tools bench examples
 	$(PY) -c "import importlib, pkgutil, replay_ops; [importlib.import_module(m.name) for m in \
 		pkgutil.walk_packages(replay_ops.__path__, 'replay_ops.') if m.ispkg]"
-	$(PY) -m pytest -q -x -p no:cacheprovider $(CHECK_TESTS) -k "not triton"
+	$(PY) -m pytest -q -x -p no:cacheprovider --durations=5 $(CHECK_TESTS) -k "not triton"
 
 demo: install
+	@echo "demo: python -m replay_ops demo (about a minute on 2 cores)"
 	$(PY) -m replay_ops demo
 
 bench: install
@@ -274,6 +309,9 @@ score-header:
 	$(PY) -c "import replay_ops.scores as s; print(s.c_header(), end='')" > csrc/include/replay_score_funcs.h
 
 # Mutation testing (not part of `make test`): deliberate bugs, one at a time, each must make
-# its tests fail. Writes tools/mutation_results.md.
+# its tests fail. Writes tools/mutation_results.md. `make mutate-python`: the mutants outside
+# csrc/ only (no C++ rebuild; minutes instead of an hour).
 mutate: install-test
 	$(PY) tools/mutate.py
+mutate-python: install-test
+	$(PY) tools/mutate.py --python-only

@@ -26,7 +26,7 @@ Native extension `replay_ops._C` (sources in `csrc/`, see docs/native.md):
   wheel, an editable or a plain install) pins that torch release in its metadata and
   carries it in its version's local label, e.g. 0.1.0+pt2.14.1cu130; without the library
   (REPLAY_OPS_NATIVE=0) the package asks for the declared range (pyproject.toml's
-  [tool.replay_ops]: torch>=2.11,<2.15; the `triton` extra asks for triton>=3.6).
+  [tool.replay_ops]: torch>=2.11,<2.16; the `triton` extra asks for triton>=3.6).
 """
 import os
 import re
@@ -54,7 +54,18 @@ CUDA_SOURCES = [
     "csrc/cuda/permute_kernels.cu",
 ]
 DEFAULT_CUDA_ARCH_LIST = "8.0;9.0+PTX"
-VERSION = "0.1.0"
+
+
+def _package_version():
+    """The version, declared once: `__version__` in replay_ops/__init__.py."""
+    text = open(os.path.join(ROOT, "replay_ops", "__init__.py"), encoding="utf-8").read()
+    m = re.search(r'^__version__ = "([^"]+)"$', text, re.M)
+    if not m:
+        raise SystemExit("setup.py: replay_ops/__init__.py has no __version__ = \"...\"")
+    return m.group(1)
+
+
+VERSION = _package_version()
 
 
 def _declared(name):
@@ -225,6 +236,42 @@ def wheel_pins(info):
     return f"torch=={public}", f"{VERSION}+{label}"
 
 
+NO_NATIVE_HINT = (
+    "The native library is optional: the ops run on the Triton or PyTorch backends without "
+    "it. To install without it: REPLAY_OPS_NATIVE=0 pip install --no-build-isolation -e . "
+    "(or REPLAY_OPS_NATIVE=0 make demo). To build it, install a C++ compiler (g++ 10 or "
+    "newer; C++20 for torch 2.14 and newer) and set CXX if it is not on PATH as c++/g++. "
+    "docs/native.md lists the build's settings.")
+
+
+def find_cxx():
+    """(the C++ compiler command the build will call: $CXX, else Python's configured one,
+    else c++; its path, or None when it is not found)."""
+    import shlex
+    import sysconfig
+
+    cmd = os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++"
+    try:
+        first = shlex.split(cmd)[0]
+    except (ValueError, IndexError):
+        return cmd, None
+    return first, shutil.which(first)
+
+
+def _with_hint(base):
+    """`base` (torch's BuildExtension) whose failure ends with what to do instead, not
+    with a compiler's traceback alone."""
+    class BuildExtensionWithHint(base):
+        def run(self):
+            try:
+                super().run()
+            except Exception as e:  # a compile or link error, a missing compiler or ninja
+                raise SystemExit(f"setup.py: the native library did not build "
+                                 f"({type(e).__name__}: {e}). {NO_NATIVE_HINT}") from e
+
+    return BuildExtensionWithHint
+
+
 def native_extensions():
     if _env_flag("REPLAY_OPS_NATIVE") is False:
         print("replay_ops: REPLAY_OPS_NATIVE=0, not building the native extension")
@@ -240,6 +287,10 @@ def native_extensions():
             "against the torch you have: install torch first, then this package with "
             "`pip install --no-build-isolation .` (or REPLAY_OPS_NATIVE=0 for no extension)")
 
+    cxx_cmd, cxx_path = find_cxx()
+    if cxx_path is None:
+        raise SystemExit(f"setup.py: no C++ compiler: {cxx_cmd!r} is not found "
+                         f"({'$CXX' if os.environ.get('CXX') else 'PATH'}). {NO_NATIVE_HINT}")
     if not _in_range(torch.__version__, TORCH_RANGE):
         print(f"replay_ops: WARNING: torch {torch.__version__} is outside the supported range "
               f"torch{TORCH_RANGE} (pyproject.toml); building against it anyway")
@@ -293,7 +344,7 @@ def native_extensions():
         )
     info = build_info(torch, cuda, std)
     write_build_info(info)
-    return [ext], {"build_ext": BuildExtension}, info
+    return [ext], {"build_ext": _with_hint(BuildExtension)}, info
 
 
 pkgs = find_subpackages()
@@ -314,17 +365,23 @@ setup(
     description="Fused replayed top-k gating ops for Mixture-of-Experts router replay",
     packages=sorted(pkgs),
     package_dir=pkgs,
-    # the start-up hook put on the PYTHONPATH of vLLM processes on a CPU (not a subpackage)
-    package_data={"replay_ops.demo": ["vllm_cpu/*.py"]},
+    # Files that are not modules of a package: the start-up hooks put on the PYTHONPATH of
+    # vLLM's and SGLang's processes on a CPU (`--engine vllm|sglang` from any install), and
+    # the PEP 561 marker. tests/test_packaging.py builds a wheel and checks that it holds
+    # every file of replay_ops/ and triton_kernels/ that git tracks.
+    package_data={"replay_ops": ["py.typed"],
+                  "replay_ops.demo": ["vllm_cpu/*.py", "sglang_cpu/*.py"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     python_requires=">=3.10",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
     install_requires=requires,
     extras_require={
         "triton": [f"triton{TRITON_RANGE}"],
         "replay": ["omegaconf", "pyyaml", "safetensors"],
         "demo": ["tqdm", "matplotlib"],
-        "test": ["pytest", "hypothesis"],
+        "test": ["pytest", "hypothesis", "ruff==0.17.6"],
     },
     # vLLM and SGLang load these in their processes; they do nothing unless
     # REPLAY_OPS_VLLM_INJECT=1 / REPLAY_OPS_SGLANG_INJECT=1 (route injection,

@@ -450,9 +450,14 @@ def test_gate_integer_outputs_have_no_grad(dev_backend):
         assert not getattr(plan, f).requires_grad, f
 
 
-def test_backends_cover_the_registry():
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_backends_cover_the_registry(where):
     """Guard: a backend that is present in the checkout must be usable where it claims to
-    be, or its parity tests would silently not run (they are generated from the registry)."""
+    be, or its parity tests would silently not run (they are generated from the registry).
+    The `cuda` copy is gpu-marked, so the GPU run (`pytest -m gpu`) runs it too: there the
+    Triton backend must serve CUDA, and the native library, where one is built, must have
+    its CUDA kernels (otherwise hundreds of CUDA parity cases would not exist and the GPU
+    run would pass without them)."""
     import glob
     import importlib.util
     import os
@@ -461,17 +466,29 @@ def test_backends_cover_the_registry():
     from replay_ops import backends as rb
 
     info = rb.backends()["backends"]
+    pkg = os.path.dirname(replay_ops.__file__)
+    has_lib = bool(glob.glob(os.path.join(pkg, "_C*.so"))
+                   or glob.glob(os.path.join(pkg, "_C*.pyd")))
+    has_triton = importlib.util.find_spec("replay_ops.backends.triton") is not None
+    if where == "cuda":
+        assert HAS_CUDA, "the gpu-marked copy runs on a machine with a CUDA device only"
+        assert "torch" in usable_backends("cuda")
+        assert has_triton and "triton" in usable_backends("cuda"), info.get("triton")
+        if has_lib:
+            assert "native" in usable_backends("cuda"), (
+                f"the native library is built but serves no CUDA call ({info['native']}): a "
+                "CPU-only build on a GPU machine (rebuild with REPLAY_OPS_CUDA=1)")
+        return
     assert "torch" in usable_backends("cpu")
     checked = []
-    if importlib.util.find_spec("replay_ops.backends.triton") is not None:
+    if has_triton:
         if os.environ.get("TRITON_INTERPRET") == "1":
             assert "triton" in usable_backends("cpu"), info["triton"]
             checked.append("triton/cpu")
         if HAS_CUDA:
             assert "triton" in usable_backends("cuda"), info["triton"]
             checked.append("triton/cuda")
-    pkg = os.path.dirname(replay_ops.__file__)
-    if glob.glob(os.path.join(pkg, "_C*.so")) or glob.glob(os.path.join(pkg, "_C*.pyd")):
+    if has_lib:
         assert "native" in usable_backends("cpu"), info["native"]
         checked.append("native/cpu")
     if not checked:

@@ -205,6 +205,7 @@ def test_underflow_guard(dev_backend):
     logits = torch.zeros(4, E, dtype=torch.float16, device=device)
     logits[:, 7] = -30.0
     idx = torch.tensor([[0, 7]] * 4, device=device)
+    g0 = None  # the gradient without the guard (the first pass)
     for guard in (False, True):
         lg = logits.clone().requires_grad_(True)
         out = replay_ops.gate_dense(lg, idx, normalize=False, underflow_guard=guard,

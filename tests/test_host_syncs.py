@@ -11,8 +11,7 @@ import warnings
 import pytest
 import torch
 
-import replay_ops
-from _helpers import HostSyncCounter, make_indices, make_logits
+from _helpers import HostSyncCounter
 
 pytest.importorskip("transformers")
 

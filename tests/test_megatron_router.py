@@ -20,7 +20,7 @@ env.install_cpu_shims()
 env.set_torch_cuda_shims(False)  # on only while this module runs (fixture below)
 
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
-from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction  # noqa: E402
+from megatron.core.transformer.moe.router_replay import RouterReplayAction  # noqa: E402
 
 from replay_ops.integrations import megatron as rom  # noqa: E402
 
@@ -329,6 +329,42 @@ def test_unsupported_combinations_raise_at_construction():
     layer = env.build_moe_layer(env.moe_config(moe_token_dispatcher_type="allgather"), replay=True)
     with pytest.raises(rom.UnsupportedConfigError, match="moe_token_dispatcher_type='allgather'"):
         rom.enable_plan_dispatch(layer)
+
+
+# Each setting under which the plan dispatcher does not apply: the routing map is changed
+# after the gate, or another component permutes. (The dispatcher type and token dropping
+# are checked in the test above.) Megatron builds its own dispatcher on the CPU under the
+# last two; moe_pad_expert_input_to_capacity needs a capacity factor (refused above) and
+# moe_permute_fusion CUDA, to build a layer.
+PLAN_DISPATCH_REFUSALS = {"moe_pad_expert_input_to_capacity": False, "moe_permute_fusion": False,
+                          "moe_router_padding_for_quantization": True,
+                          "moe_shared_expert_overlap": True}
+
+
+@pytest.mark.parametrize("flag", sorted(PLAN_DISPATCH_REFUSALS))
+def test_plan_dispatcher_refuses_each_setting(flag):
+    """With the flag on: `plan_dispatch_problems` names it (and only it),
+    `enable_plan_dispatch` raises naming it, and a replay layer built with it keeps
+    Megatron's dispatcher. The flag is set on a validated config (moe_permute_fusion and
+    the FP8 padding need TransformerEngine to pass Megatron's validation, and this CPU
+    machine has none); the dispatcher's checks read the attribute either way."""
+    import re
+
+    cfg = env.moe_config()
+    assert rom.plan_dispatch_problems(cfg) == []
+    layer = env.build_moe_layer(cfg, replay=True)
+    assert isinstance(layer.token_dispatcher, rom.PlanAlltoAllTokenDispatcher)
+    setattr(cfg, flag, True)  # the layer's config: the same object
+    assert layer.config is cfg
+    assert [f for f, _ in rom.plan_dispatch_problems(cfg)] == [flag]
+    with pytest.raises(rom.UnsupportedConfigError,
+                       match=re.escape(f"enable_plan_dispatch(): {flag}=True is not supported "
+                                       "by the plan dispatcher")):
+        rom.enable_plan_dispatch(layer)
+    if PLAN_DISPATCH_REFUSALS[flag]:
+        other = env.build_moe_layer(cfg, replay=True)
+        assert type(other).__name__ == "ReplayMoELayer"
+        assert not isinstance(other.token_dispatcher, rom.PlanAlltoAllTokenDispatcher), flag
 
 
 def test_install_converts_built_model():

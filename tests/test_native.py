@@ -22,7 +22,6 @@ from replay_ops import backends as _backend
 from replay_ops import reference as ref
 
 from _helpers import (
-    FLOOR,
     SCORE_FUNCS,
     assert_fa_close,
     assert_plan_ints_equal,

@@ -4,6 +4,7 @@
     python tools/mutate.py --only M07 M21   # some of them
     python tools/mutate.py --list           # the list, without running it
     python tools/mutate.py --only M07 --show  # and the test output of killed mutants
+    python tools/mutate.py --python-only    # every mutant outside csrc/ (no C++ rebuilds)
 
 Each mutant is one small, deliberate bug: a text replacement in one file of the package
 (Python, Triton or C++). The script copies the tree into a sandbox (the Triton kernels at
@@ -15,8 +16,12 @@ Before anything runs, every chosen mutant is checked against the checkout: one w
 original text does not occur exactly once in its file (the code moved) is refused, and
 the script exits with status 2 naming it.
 
-The results table is printed and written to tools/mutation_results.md. This is not part of
-`make test` (it rebuilds C++ several times); run it after changing the code or the tests.
+The results table is printed and written to tools/mutation_results.md: a whole run rewrites
+it; a run of some mutants (`--only`, `--python-only`) replaces their rows, each row naming
+the run (date and git commit) it comes from. The sandbox uses the checkout's built library
+and builds its own only when a chosen mutant is in C++ (or no library is built). This is
+not part of `make test` (the C++ mutants rebuild the extension several times); run it
+after changing the code or the tests.
 """
 from __future__ import annotations
 
@@ -168,9 +173,10 @@ MUTANTS = [
     M("M28", "triton_kernels/gate.py",
       "    padded = (counts + align - 1) // align * align", "    padded = counts",
       ("tests/test_gate.py", "-k", "triton and align"), "Triton plan: no align padding"),
-    M("M29", "triton_kernels/permute.py",
-      "    has = (slot >= 0) & (tok < T)", "    has = tok < T",
-      ("tests/test_permute.py", "-k", "triton"), "Triton permute: padding rows copy token 0"),
+    M("M29", "triton_kernels/_common.py",
+      "    return slot, tok, (slot >= 0) & (tok < T)", "    return slot, tok, tok < T",
+      ("tests/test_permute.py", "-k", "triton"),
+      "Triton permute (sorted_row_tokens): padding rows copy token 0"),
     M("M30", "triton_kernels/unpermute.py",
       "    has = (slot >= 0) & (tok < T)", "    has = tok < T",
       ("tests/test_unpermute.py", "-k", "triton"),
@@ -391,6 +397,21 @@ MUTANTS = [
       "      row[j] -= acc_t(0) * (rm::ro_exp(static_cast<acc_t>(x[j]) - m) / s);",
       ("tests/test_selection.py", "-k", "native and gradcheck"),
       "C++ set_logprob gradient: the softmax normaliser's term dropped"),
+    M("M56", "replay_ops/integrations/megatron/dispatcher.py",
+      "         bool(getattr(config, \"moe_router_padding_for_quantization\", False)),",
+      "         False,",
+      ("tests/test_megatron_router.py", "-k", "refuses_each"),
+      "plan dispatcher: FP8/FP4 routing-map padding not refused"),
+    M("M57", "replay_ops/integrations/megatron/dispatcher.py",
+      "        (\"moe_permute_fusion\", bool(config.moe_permute_fusion),",
+      "        (\"moe_permute_fusion\", False,",
+      ("tests/test_megatron_router.py", "-k", "refuses_each"),
+      "plan dispatcher: TransformerEngine's fused permute not refused"),
+    M("M58", "replay_ops/integrations/megatron/dispatcher.py",
+      "        (\"moe_shared_expert_overlap\", bool(config.moe_shared_expert_overlap),",
+      "        (\"moe_shared_expert_overlap\", False,",
+      ("tests/test_megatron_router.py", "-k", "refuses_each"),
+      "plan dispatcher: the overlapped shared expert not refused"),
     # ----------------------------------------------------- untrusted routing input
     M("U01", "replay_ops/router_replay/adapters/batch.py",
       "    if not isinstance(head, dict) or set(head) != _BATCH_KEYS:",
@@ -857,6 +878,8 @@ def run_mutant(box: Path, m: Mutant, timeout: int) -> tuple[str, float, str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="*", help="mutant ids to run")
+    ap.add_argument("--python-only", action="store_true",
+                    help="every mutant outside csrc/ (no C++ rebuild)")
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per mutant's tests")
     ap.add_argument("--show", action="store_true",
@@ -865,7 +888,9 @@ def main(argv=None) -> int:
     unknown = sorted(set(args.only or ()) - {m.id for m in MUTANTS})
     if unknown:
         ap.error(f"unknown mutant ids: {' '.join(unknown)}")
-    chosen = [m for m in MUTANTS if not args.only or m.id in args.only]
+    chosen = [m for m in MUTANTS if (not args.only or m.id in args.only)
+              and not (args.python_only and m.file.startswith("csrc/"))]
+    partial = bool(args.only) or args.python_only
     problems = check_mutants(chosen)
     if problems:
         print("mutate: refusing to run; these mutants do not apply to the code as it is "
@@ -880,7 +905,9 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="replay_ops_mutate_") as work:
         box = _sandbox(Path(work))
-        _build(box)
+        if any(m.file.startswith("csrc/") for m in chosen) or \
+                not list((box / "replay_ops").glob("_C*.so")):
+            _build(box)
         rc, out = _run([sys.executable, "-c", "import replay_ops, replay_ops.triton_kernels as t;"
                         " print(replay_ops.__file__, t.__file__)"], box, 120,
                        dict(os.environ, PYTHONPATH=str(box), TRITON_INTERPRET="1"))
@@ -893,19 +920,58 @@ def main(argv=None) -> int:
             if args.show or verdict in ("SURVIVED", "stale", "no tests ran"):
                 print(out, flush=True)
     survived = [m.id for m, v, _ in rows if v != "killed" and not v.startswith("killed")]
-    if not args.only:
-        lines = ["# Mutation testing results", "",
-                 f"`python tools/mutate.py` (`make mutate`), "
-                 f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC, "
-                 f"git {_git_sha()}: {len(rows)} mutants, {len(rows) - len(survived)} killed, "
-                 f"{len(survived)} not killed{': ' + ', '.join(survived) if survived else ''}.",
-                 "", "| id | file | mutant | result | seconds | tests |", "|---|---|---|---|---|---|"]
-        for m, v, dt in rows:
-            lines.append(f"| {m.id} | `{m.file}` | {m.what} | {v} | {dt:.0f} | "
-                         f"`{' '.join(m.tests)}` |")
-        RESULTS.write_text("\n".join(lines) + "\n")
-        print("wrote", RESULTS)
+    write_results(rows, partial)
+    print("wrote", RESULTS)
     return 1 if survived else 0
+
+
+ROW_HEAD = "| id | file | mutant | result | seconds | tests | run |"
+
+
+def write_results(rows, partial: bool) -> None:
+    """tools/mutation_results.md: one row per mutant of MUTANTS, in its order. A whole run
+    writes every row; a partial run replaces the rows of its mutants and keeps the others'
+    (a row of a mutant that no run has recorded says so). Text after the table is kept."""
+    run = f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC, git {_git_sha()}"
+    old_rows, tail = {}, ""
+    if partial and RESULTS.exists():
+        text = RESULTS.read_text()
+        body, sep, tail = text.partition("\n## ")
+        tail = sep.lstrip("\n") + tail if sep else ""
+        for line in body.splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if line.startswith("| ") and cells and cells[0] in {m.id for m in MUTANTS}:
+                old_rows[cells[0]] = line
+    new_rows = {}
+    for m, v, dt in rows:
+        new_rows[m.id] = (f"| {m.id} | `{m.file}` | {m.what} | {v} | {dt:.0f} | "
+                          f"`{' '.join(m.tests)}` | {run} |")
+    lines, counts = [], {"killed": 0, "other": [], "none": []}
+    for m in MUTANTS:
+        line = new_rows.get(m.id) or old_rows.get(m.id)
+        if line is None:
+            line = f"| {m.id} | `{m.file}` | {m.what} | no result recorded | | `{' '.join(m.tests)}` | |"
+        if "| no result recorded |" in line:
+            counts["none"].append(m.id)
+        elif "| killed" in line:
+            counts["killed"] += 1
+        else:
+            counts["other"].append(m.id)
+        lines.append(line)
+    head = ["# Mutation testing results", "",
+            f"`python tools/mutate.py` (`make mutate`). Last run: {run}, "
+            + (f"{len(rows)} mutants (`--only` / `--python-only`; the other rows are from "
+               "the runs they name)" if partial else f"all {len(rows)} mutants") + ". "
+            f"{len(MUTANTS)} mutants: {counts['killed']} killed"
+            + (f", not killed: {', '.join(counts['other'])}" if counts["other"] else "")
+            + (f", no result: {', '.join(counts['none'])}" if counts["none"] else "") + ".",
+            "", ROW_HEAD, "|---|---|---|---|---|---|---|"]
+    out = "\n".join(head + lines) + "\n"
+    if tail:
+        out += "\n" + tail.rstrip("\n") + "\n"
+    tmp = RESULTS.with_name(RESULTS.name + ".tmp")
+    tmp.write_text(out)
+    tmp.replace(RESULTS)
 
 
 def _git_sha() -> str:

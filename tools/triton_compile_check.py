@@ -683,7 +683,7 @@ def write_report(rows: list[dict], n_cases: int, wall: float, args, failures: li
                    + "\n ]\n}\n")
     tmp.replace(out.with_name(out.name + ".json"))
 
-    L = [f"# Triton kernels compiled for sm_80 and sm_90 (no GPU)", "",
+    L = ["# Triton kernels compiled for sm_80 and sm_90 (no GPU)", "",
          f"Command: `{data['command']}` (also `make check-triton`, part of `make test`)", "",
          "Versions: " + "; ".join(f"{k} {v}" for k, v in info.items()), "",
          f"{n_cases} launcher cases (all-pairs over each op's factors, see the tool's "

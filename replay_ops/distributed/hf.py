@@ -5,7 +5,7 @@ the Hugging Face integration.
 """
 from .._deprecated import deprecated_module
 
-__all__ = ["enable_expert_parallel", "EPState"]
+__all__ = ["enable_expert_parallel", "EPState"]  # noqa: F822 (served by __getattr__)
 
 deprecated_module("replay_ops.distributed.hf", "replay_ops.integrations.hf.ep")
 

@@ -22,8 +22,8 @@ calling process only:
 * The CUDA RNG tracker's `fork()` (dropout regions of full transformer layers): a no-op
   context.
 
-`spawn(fn, world_size, timeout)` runs `fn(rank, world_size, port, *args)` in fresh
-processes over gloo on 127.0.0.1 and fails the calling test if any rank raises or the
+`spawn(fn, world_size, timeout)` runs `fn(rank, world_size, port, *args)` in new
+processes (forked from a server that imported torch and Megatron once) over gloo on 127.0.0.1 and fails the calling test if any rank raises or the
 whole group does not finish within `timeout` seconds (the processes are then killed).
 """
 from __future__ import annotations
@@ -200,16 +200,31 @@ def _entry(fn, rank, world_size, port, args, queue):
             pass
 
 
+# What every rank imports before it runs anything: imported once, in multiprocessing's fork
+# server (one per calling process, started on the first `spawn`), and each rank is forked
+# from it. A rank is still a new process that never ran a test, with Megatron untouched
+# (the clients that patch Megatron, verl and the others, are imported by the ranks
+# themselves); it just does not pay these imports again (about 8 s of CPU per rank on the
+# 2-core machine, with megatron.core the largest). The server runs nothing but imports: no
+# threads are started and no CUDA is touched before a rank is forked.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "numpy", "megatron.core",
+                      "megatron.core.parallel_state", "megatron.core.models.gpt",
+                      "megatron.core.transformer.moe.moe_layer", "replay_ops",
+                      "replay_ops.testing.megatron_cpu"]
+
+
 def spawn(fn, world_size: int, *args, timeout: float = 120.0) -> dict:
-    """Run `fn(rank, world_size, *args)` on `world_size` fresh processes (gloo over
-    127.0.0.1). Returns {rank: result}. Raises AssertionError with every failing rank's
-    traceback, or when the group has not finished after `timeout` seconds (all processes
-    are killed first)."""
+    """Run `fn(rank, world_size, *args)` on `world_size` new processes (gloo over
+    127.0.0.1), forked from a server that imported FORKSERVER_PRELOAD (their environment is
+    the calling process's when its first `spawn` started that server). Returns {rank:
+    result}. Raises AssertionError with every failing rank's traceback, or when the group
+    has not finished after `timeout` seconds (all processes are killed first)."""
     import multiprocessing as mp
     import queue as _queue
     import time
 
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
     q = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, q), daemon=True)

@@ -59,7 +59,6 @@ import functools
 from typing import Callable, Protocol
 
 import torch
-import torch.nn.functional as F
 
 import replay_ops
 from replay_ops._deprecated import deprecated_property
