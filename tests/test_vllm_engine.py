@@ -44,7 +44,7 @@ from replay_ops.router_replay.adapters import (  # noqa: E402
     vllm_batch,
     vllm_sequences,
 )
-from replay_ops.router_replay import ModelShape, inject  # noqa: E402
+from replay_ops.router_replay import inject  # noqa: E402
 from replay_ops.testing import tiny  # noqa: E402
 
 import _engine_helpers as h  # noqa: E402
