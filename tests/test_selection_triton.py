@@ -194,3 +194,12 @@ def test_triton_selection_multi_chunk_and_deterministic(dev_backend):
     want = ref.gate(logits, idx, replay_mask=mask, selection=sel, validate=False)
     assert_plan_ints_equal(runs[0], want)
     assert torch.equal(runs[0].weights, runs[1].weights)
+
+
+@pytest.mark.parametrize("dev_backend", TRITON)
+def test_triton_tie_rule_lower_id_first(dev_backend):
+    """tests/test_selection.py's tie rule (equal values: lower id first, for experts and
+    groups; NaN above every number; the rounding of the scores) on the Triton kernels."""
+    import test_selection
+
+    test_selection.test_tie_rule_lower_id_first(dev_backend)
