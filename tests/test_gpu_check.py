@@ -828,12 +828,12 @@ def test_the_plugin_logs_modules_that_do_not_collect(tmp_path):
 
 def test_bench_cases_runs_with_a_flagged_fraction():
     """bench/bench_cases.py at its small shapes on the CPU: the permute against a copy of
-    the same bytes, the gate against softmax + topk; the pending flagged-row case is the
-    one-line addition of a fraction (here on the command line), labelled as the replay_mask
-    path it runs today."""
+    the same bytes, the gate against softmax + topk, unflagged and with 1% of the rows
+    flagged (the model's own selection in the gate kernel), labelled with the backend that
+    serves them."""
     import bench_cases
 
-    assert bench_cases.FLAGGED_FRACTIONS == (0.0,)
+    assert bench_cases.FLAGGED_FRACTIONS == (0.0, 0.01)
     assert bench_cases.PERMUTE_CASE == {"T": 4096, "K": 8, "E": 128, "H": 7168}
     assert bench_cases.GATE_CASES == ((16384, 128, 8), (8192, 256, 8))
     a = bench_cases.parser().parse_args(["--device", "cpu", "--quick", "--runs", "1",
@@ -846,9 +846,12 @@ def test_bench_cases_runs_with_a_flagged_fraction():
     gate = {r["provider"]: r for r in rows if r["op"] == "gate"}
     assert gate["softmax+topk"]["speedup_vs_softmax_topk"] == 1.0
     assert gate["torch replay"]["flagged"] == 0.0
-    assert gate["torch replay, 1% flagged (replay_mask: top-k on every row)"]["flagged"] == 0.01
+    assert gate["torch replay, 1% flagged (selection of every row)"]["flagged"] == 0.01
+    assert gate["torch replay, 1% flagged (selection of every row)"]["ms_median"] > 0
+    assert any("selection in the gate kernel" in p for p in gate) == \
+        any(p.startswith("native") for p in gate)
     assert summary[0].startswith("permute T=64 K=4 E=16 H=256 bf16 (R=256): ")
     assert "a copy of the same" in summary[0]
-    assert summary[-1].startswith("flagged rows run through replay_mask")
+    assert summary[-1].startswith("flagged rows: replay_mask False; the model's own selection")
     mask = bench_cases.flagged_mask(1000, 0.01, "cpu")
     assert int((~mask).sum()) == 10

@@ -43,6 +43,7 @@ import triton.language as tl
 from replay_ops import scores
 from replay_ops.plan import plan_capacity
 
+from . import select as _sel
 from ._common import (LAUNCH_OPTIONS, ROW_SUM_MAX_WIDTH, cast_rne, chunk_rows, compute_type,
                       device_ctx, fdiv, fsqrt, precise_exp, row_sum, row_tile)
 
@@ -255,13 +256,38 @@ def _load_slots(Idx_ptr, rows, cols, m2, stride_it, stride_ik, E):
 
 @triton.jit
 def _gate_weights_block(
-    Logits_ptr, Idx_ptr, W_ptr, IdxOut_ptr,
+    Logits_ptr, Idx_ptr, Mask_ptr, Bias_ptr, W_ptr, IdxOut_ptr, Agree_ptr, Lp_ptr,
     r0, T, E, K, stride_lt, stride_le, stride_it, stride_ik, scale_hi, scale_lo,
+    num_groups, group_topk, group_topn,
     SCORE: tl.constexpr, NORMALIZE: tl.constexpr, CDT: tl.constexpr,
+    HAS_MASK: tl.constexpr, PAD_SELECT: tl.constexpr, AGREE: tl.constexpr,
+    SRC_LOGITS: tl.constexpr, ROUND: tl.constexpr, HAS_BIAS: tl.constexpr,
+    RANKS_LOGITS: tl.constexpr, GROUPED: tl.constexpr,
     BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, E_BLOCK: tl.constexpr,
+    E_HIST: tl.constexpr, G_PAD: tl.constexpr,
 ):
     rows, cols, rmask, m2 = row_tile(r0, T, K, BLOCK_T, K_PAD)
     idx, valid = _load_slots(Idx_ptr, rows, cols, m2, stride_it, stride_ik, E)
+    if HAS_MASK or PAD_SELECT or AGREE:
+        # the rows without a usable route take the model's own selection (select.py)
+        need = rows < 0
+        if HAS_MASK:
+            need = need | (tl.load(Mask_ptr + rows, mask=rmask, other=1).to(tl.int32) == 0)
+        if PAD_SELECT:
+            need = need | (_sel.row_flags(Idx_ptr, rows, rmask, cols, E, K, stride_it,
+                                          stride_ik) != 0)
+        idx, agree = _sel.select_rows(idx, need, rows, rmask, Logits_ptr, Bias_ptr, E, K,
+                                      stride_lt, stride_le, num_groups, group_topk,
+                                      group_topn, SCORE, SRC_LOGITS, ROUND, HAS_BIAS,
+                                      RANKS_LOGITS, GROUPED, AGREE, CDT, BLOCK_T, K_PAD,
+                                      E_HIST, G_PAD)
+        idx = tl.where(m2, idx, -1)
+        valid = m2 & (idx >= 0)
+        if AGREE:
+            tl.store(Agree_ptr + rows, agree.to(tl.uint8), mask=rmask)
+            lp = _set_logprob(idx, Logits_ptr, rows, rmask, cols, E, K, stride_lt, stride_le,
+                              SCORE, CDT, BLOCK_T, K_PAD, E_BLOCK)
+            tl.store(Lp_ptr + rows, lp, mask=rmask)
     w = _slot_weights(idx, valid, Logits_ptr, rows, rmask, E, stride_lt, stride_le, scale_hi,
                       scale_lo, SCORE, NORMALIZE, CDT, BLOCK_T, K_PAD, E_BLOCK)
     out = rows[:, None] * K + cols[None, :]
@@ -371,26 +397,43 @@ def _plan_of_slots(
 @triton.jit
 def _gate_fwd_kernel(
     # inputs
-    Logits_ptr, Idx_ptr,
+    Logits_ptr, Idx_ptr, Mask_ptr, Bias_ptr,
     # outputs
     W_ptr, IdxOut_ptr, RowMap_ptr, ChunkCounts_ptr, Tpe_ptr, Offsets_ptr, Sorted_ptr,
+    Agree_ptr, Lp_ptr,
     # sizes and strides
     T, E, K, stride_lt, stride_le, stride_it, stride_ik, scale_hi, scale_lo, align, n_sorted,
+    num_groups, group_topk, group_topn,
     # constexprs
     SCORE: tl.constexpr, NORMALIZE: tl.constexpr, CDT: tl.constexpr, SINGLE: tl.constexpr,
     BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, E_BLOCK: tl.constexpr, E_HIST: tl.constexpr,
     SLOT_BLOCK: tl.constexpr, PAD_J: tl.constexpr, TAIL_BLOCK: tl.constexpr,
+    HAS_MASK: tl.constexpr, PAD_SELECT: tl.constexpr, AGREE: tl.constexpr,
+    SRC_LOGITS: tl.constexpr, ROUND: tl.constexpr, HAS_BIAS: tl.constexpr,
+    RANKS_LOGITS: tl.constexpr, GROUPED: tl.constexpr, G_PAD: tl.constexpr,
 ):
-    """Weights for this program's rows, then either the whole plan (SINGLE) or this
-    chunk's slot ranks (kept in row_id_map) and expert histogram (multi-chunk)."""
+    """Weights for this program's rows (the flagged rows first take the model's own
+    selection, select.py), then either the whole plan (SINGLE) or this chunk's slot ranks
+    (kept in row_id_map) and expert histogram (multi-chunk). With a selection the plan
+    reads the experts this program wrote."""
     pid, row_begin, row_end = chunk_rows(T, SINGLE, BLOCK_T)
     for r0 in range(row_begin, row_end, BLOCK_T):
-        _gate_weights_block(Logits_ptr, Idx_ptr, W_ptr, IdxOut_ptr, r0, T, E, K,
+        _gate_weights_block(Logits_ptr, Idx_ptr, Mask_ptr, Bias_ptr, W_ptr, IdxOut_ptr,
+                            Agree_ptr, Lp_ptr, r0, T, E, K,
                             stride_lt, stride_le, stride_it, stride_ik, scale_hi, scale_lo,
-                            SCORE, NORMALIZE, CDT, BLOCK_T, K_PAD, E_BLOCK)
-    _plan_of_slots(Idx_ptr, stride_it, stride_ik, RowMap_ptr, ChunkCounts_ptr, Tpe_ptr,
-                   Offsets_ptr, Sorted_ptr, pid, row_begin * K, row_end * K, E, K, align,
-                   n_sorted, SINGLE, E_HIST, SLOT_BLOCK, PAD_J, TAIL_BLOCK)
+                            num_groups, group_topk, group_topn,
+                            SCORE, NORMALIZE, CDT, HAS_MASK, PAD_SELECT, AGREE, SRC_LOGITS,
+                            ROUND, HAS_BIAS, RANKS_LOGITS, GROUPED, BLOCK_T, K_PAD, E_BLOCK,
+                            E_HIST, G_PAD)
+    if HAS_MASK or PAD_SELECT:
+        tl.debug_barrier()  # the experts this program wrote are read back below
+        _plan_of_slots(IdxOut_ptr, K, 1, RowMap_ptr, ChunkCounts_ptr, Tpe_ptr,
+                       Offsets_ptr, Sorted_ptr, pid, row_begin * K, row_end * K, E, K, align,
+                       n_sorted, SINGLE, E_HIST, SLOT_BLOCK, PAD_J, TAIL_BLOCK)
+    else:
+        _plan_of_slots(Idx_ptr, stride_it, stride_ik, RowMap_ptr, ChunkCounts_ptr, Tpe_ptr,
+                       Offsets_ptr, Sorted_ptr, pid, row_begin * K, row_end * K, E, K, align,
+                       n_sorted, SINGLE, E_HIST, SLOT_BLOCK, PAD_J, TAIL_BLOCK)
 
 
 @triton.jit
@@ -469,6 +512,65 @@ def _slot_weights(idx, valid, Logits_ptr, rows, rmask, E, stride_lt, stride_le, 
 
 
 @triton.jit
+def _elementwise_total(Logits_ptr, rows, rmask, E, stride_lt, stride_le, SCORE: tl.constexpr,
+                       CDT: tl.constexpr, BLOCK_T: tl.constexpr, E_BLOCK: tl.constexpr):
+    """sum over all E of f(x_j) [BLOCK_T]: blocks of E_BLOCK in order, each a pairwise
+    row_sum."""
+    tot = tl.zeros([BLOCK_T], CDT)
+    for e0 in range(0, E, E_BLOCK):
+        ecols = e0 + tl.arange(0, E_BLOCK)
+        lmask = rmask[:, None] & (ecols < E)[None, :]
+        x = tl.load(Logits_ptr + rows[:, None] * stride_lt
+                    + ecols.to(tl.int64)[None, :] * stride_le, mask=lmask, other=0.0).to(CDT)
+        tot += row_sum(tl.where(lmask, _score(x, SCORE), 0.0), BLOCK_T, E_BLOCK)
+    return tot
+
+
+@triton.jit
+def _set_parts(idx, Logits_ptr, rows, rmask, cols, E, K, stride_lt, stride_le,
+               SCORE: tl.constexpr, CDT: tl.constexpr, BLOCK_T: tl.constexpr,
+               K_PAD: tl.constexpr, E_BLOCK: tl.constexpr):
+    """The parts of the set log-prob of the rows' distinct used experts S (docs/ops.md):
+    (members [BLOCK_T, K_PAD], the members' logits, a, b, ok [BLOCK_T]) with, for softmax,
+    a = lse_S and b = lse over all E; element-wise, a = sum_S f(x_e) and b = sum_E f(x_j);
+    ok False where S is empty, max x_S is -inf or the mass is 0."""
+    mem = _sel.members(idx, cols, K)
+    x = tl.load(Logits_ptr + rows[:, None] * stride_lt + tl.where(mem, idx, 0).to(tl.int64)
+                * stride_le, mask=mem, other=0.0).to(CDT)
+    if SCORE == _SOFTMAX:
+        z = tl.where(mem, x, float("-inf"))
+        ms = tl.max(z, axis=1)
+        ok = ms != float("-inf")
+        sh = tl.where(ok, ms, 0.0)
+        ss = row_sum(tl.where(mem, precise_exp(z - sh[:, None]), 0.0), BLOCK_T, K_PAD)
+        a = sh + tl.log(tl.where(ok, ss, 1.0))
+        m, s = _row_softmax_stats(Logits_ptr, rows, rmask, stride_lt, stride_le, E, CDT,
+                                  BLOCK_T, E_BLOCK)
+        b = m + tl.log(s)
+    else:
+        a = row_sum(tl.where(mem, _score(x, SCORE), 0.0), BLOCK_T, K_PAD)
+        ok = a > 0.0
+        b = _elementwise_total(Logits_ptr, rows, rmask, E, stride_lt, stride_le, SCORE, CDT,
+                               BLOCK_T, E_BLOCK)
+    return mem, x, a, b, ok
+
+
+@triton.jit
+def _set_logprob(idx, Logits_ptr, rows, rmask, cols, E, K, stride_lt, stride_le,
+                 SCORE: tl.constexpr, CDT: tl.constexpr, BLOCK_T: tl.constexpr,
+                 K_PAD: tl.constexpr, E_BLOCK: tl.constexpr):
+    """set_logprob [BLOCK_T] of the rows' used experts: softmax lse_S - lse, element-wise
+    log(mass_S) - log(mass_E); -inf where `ok` is False."""
+    mem, x, a, b, ok = _set_parts(idx, Logits_ptr, rows, rmask, cols, E, K, stride_lt,
+                                  stride_le, SCORE, CDT, BLOCK_T, K_PAD, E_BLOCK)
+    if SCORE == _SOFTMAX:
+        lp = a - b
+    else:
+        lp = tl.log(tl.where(ok, a, 1.0)) - tl.log(b)
+    return tl.where(ok, lp, float("-inf"))
+
+
+@triton.jit
 def _col(x, cols, k):
     """Column k of a [R, K_PAD] tile (a masked sum with one term is exact)."""
     return tl.sum(tl.where(cols[None, :] == k, x, 0), axis=1)
@@ -487,13 +589,17 @@ def _slot_sums(idx, v, cols, ecols, K, R: tl.constexpr, E_BLOCK: tl.constexpr,
 
 
 @triton.jit
-def _store_logit_grad(g, idx, valid, Logits_ptr, DLogits_ptr, rows, cols, rmask, E, K,
-                      stride_lt, stride_le, SCORE: tl.constexpr, NORMALIZE: tl.constexpr,
-                      DENSE: tl.constexpr, CDT: tl.constexpr, BLOCK_T: tl.constexpr,
-                      K_PAD: tl.constexpr, E_BLOCK: tl.constexpr):
+def _store_logit_grad(g, idx, valid, Logits_ptr, DLogits_ptr, GLp_ptr, rows, cols, rmask, E,
+                      K, stride_lt, stride_le, SCORE: tl.constexpr, NORMALIZE: tl.constexpr,
+                      DENSE: tl.constexpr, HAS_GLP: tl.constexpr, CDT: tl.constexpr,
+                      BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, E_BLOCK: tl.constexpr):
     """The rows' dense [T, E] logits gradient from the scaled slot gradients g
-    [BLOCK_T, K_PAD] (the math of `_gate_bwd_kernel`'s docstring), written once per
-    element; shared by the gate's and the dense gate's backward kernels."""
+    [BLOCK_T, K_PAD] (the math of `_gate_bwd_kernel`'s docstring), plus (HAS_GLP) the
+    gradient of set_logprob for the upstream gradient at GLp_ptr [T]:
+        softmax:      gl * ([j in S] exp(x_j - lse_S) - exp(x_j - lse))
+        element-wise: gl * f'(x_j) * ([j in S] / mass_S - 1 / mass_E)
+    (0 for a row whose set_logprob is -inf), written once per element; shared by the
+    gate's and the dense gate's backward kernels."""
     x = tl.load(Logits_ptr + rows[:, None] * stride_lt + idx.to(tl.int64) * stride_le,
                 mask=valid, other=0.0).to(CDT)
     if DENSE:
@@ -517,10 +623,32 @@ def _store_logit_grad(g, idx, valid, Logits_ptr, DLogits_ptr, rows, cols, rmask,
                 g = tl.where((nvalid > 1)[:, None], gn, g)
             dz = g * dc
         dz = tl.where(valid, dz, 0.0)
+    if HAS_GLP:
+        # the members' part of the set log-prob gradient joins the slot sums
+        mem, xs, a, b, ok = _set_parts(idx, Logits_ptr, rows, rmask, cols, E, K, stride_lt,
+                                       stride_le, SCORE, CDT, BLOCK_T, K_PAD, E_BLOCK)
+        gl = tl.load(GLp_ptr + rows, mask=rmask, other=0.0).to(CDT)
+        gl = tl.where(ok, gl, 0.0)
+        if SCORE == _SOFTMAX:
+            inside = gl[:, None] * precise_exp(xs - a[:, None])
+        else:
+            inside = fdiv(gl[:, None] * _score_grad(xs, _score(xs, SCORE), SCORE),
+                          tl.where(ok, a, 1.0)[:, None])
+        dz = dz + tl.where(mem & ok[:, None], inside, 0.0)
     for e0 in range(0, E, E_BLOCK):
         ecols = e0 + tl.arange(0, E_BLOCK)
         emask = rmask[:, None] & (ecols < E)[None, :]
         acc = _slot_sums(idx, dz, cols, ecols, K, BLOCK_T, E_BLOCK, CDT)
+        if HAS_GLP:
+            xa = tl.load(Logits_ptr + rows[:, None] * stride_lt
+                         + ecols.to(tl.int64)[None, :] * stride_le,
+                         mask=emask, other=0.0).to(CDT)
+            if SCORE == _SOFTMAX:
+                out = gl[:, None] * precise_exp(xa - b[:, None])
+            else:
+                out = fdiv(gl[:, None] * _score_grad(xa, _score(xa, SCORE), SCORE),
+                           tl.where(ok, b, 1.0)[:, None])
+            acc = acc - tl.where(ok[:, None] & emask, out, 0.0)
         if DENSE:
             xl = tl.load(Logits_ptr + rows[:, None] * stride_lt
                          + ecols.to(tl.int64)[None, :] * stride_le,
@@ -533,14 +661,14 @@ def _store_logit_grad(g, idx, valid, Logits_ptr, DLogits_ptr, rows, cols, rmask,
 @triton.jit
 def _gate_bwd_kernel(
     # inputs
-    G_ptr, Logits_ptr, Idx_ptr,
+    G_ptr, Logits_ptr, Idx_ptr, GLp_ptr,
     # outputs
     DLogits_ptr,
     # sizes and strides
     T, E, K, stride_lt, stride_le, scale_hi, scale_lo,
     # constexprs
-    SCORE: tl.constexpr, NORMALIZE: tl.constexpr, DENSE: tl.constexpr, CDT: tl.constexpr,
-    BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, E_BLOCK: tl.constexpr,
+    SCORE: tl.constexpr, NORMALIZE: tl.constexpr, DENSE: tl.constexpr, HAS_GLP: tl.constexpr,
+    CDT: tl.constexpr, BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, E_BLOCK: tl.constexpr,
 ):
     """Dense [T, E] logits gradient from the [T, K] weight gradient g (s = scaling):
 
@@ -557,19 +685,65 @@ def _gate_bwd_kernel(
     kk = rows[:, None] * K + cols[None, :]
     idx, valid = _load_slots(Idx_ptr, rows, cols, m2, K, 1, E)
     g = tl.load(G_ptr + kk, mask=valid, other=0.0).to(CDT) * _scale(scale_hi, scale_lo, CDT)
-    _store_logit_grad(g, idx, valid, Logits_ptr, DLogits_ptr, rows, cols, rmask, E, K,
-                      stride_lt, stride_le, SCORE, NORMALIZE, DENSE, CDT, BLOCK_T, K_PAD,
-                      E_BLOCK)
+    _store_logit_grad(g, idx, valid, Logits_ptr, DLogits_ptr, GLp_ptr, rows, cols, rmask, E,
+                      K, stride_lt, stride_le, SCORE, NORMALIZE, DENSE, HAS_GLP, CDT, BLOCK_T,
+                      K_PAD, E_BLOCK)
 
 
 # -------------------------------------------------------------------------- launchers
+@dataclasses.dataclass(frozen=True)
+class SelectArgs:
+    """The kernels' arguments of a replay_ops.Selection for K slots (`select_args`)."""
+
+    bias: torch.Tensor | None
+    src_logits: bool
+    round_scores: bool
+    ranks_logits: bool
+    num_groups: int
+    group_topk: int
+    group_topn: int
+
+    def kernel_args(self, logits):
+        """(Bias pointer, num_groups, group_topk, group_topn) and the constexprs."""
+        bias = self.bias.contiguous() if self.bias is not None else logits
+        return ((bias, self.num_groups, self.group_topk, self.group_topn),
+                dict(SRC_LOGITS=self.src_logits, ROUND=self.round_scores,
+                     HAS_BIAS=self.bias is not None, RANKS_LOGITS=self.ranks_logits,
+                     GROUPED=self.num_groups > 0,
+                     G_PAD=triton.next_power_of_2(max(self.num_groups, 1))))
+
+
+def select_args(selection, K: int) -> SelectArgs:
+    """The kernel arguments of a replay_ops.Selection (None: the default selection)."""
+    if selection is None:
+        return SelectArgs(None, False, False, True, 0, 0, 0)
+    grouped = selection.grouped
+    return SelectArgs(selection.expert_bias, selection.source == "logits",
+                      bool(selection.round_scores), bool(selection.ranks_logits),
+                      int(selection.num_groups) if grouped else 0,
+                      int(selection.group_topk) if grouped else 0,
+                      int(selection.group_topn(K)) if grouped else 0)
+
+
+def agreement_outputs(logits, T: int, on: bool):
+    """(agreement bool [T], set_logprob [T] in the compute dtype), or two empty tensors."""
+    n = T if on else 0
+    return (torch.empty(n, dtype=torch.bool, device=logits.device),
+            torch.empty(n, dtype=torch.float64 if logits.dtype == torch.float64
+                        else torch.float32, device=logits.device))
+
+
 def gate_fwd(logits, expert_indices, score_func, normalize, scaling_factor, align,
-             config: GateConfig | None = None):
-    """Gate weights + dispatch plan (the backend contract's gate_fwd); `config` overrides
-    the block sizes."""
+             config: GateConfig | None = None, *, replay_mask=None, pad_select: bool = False,
+             selection=None, return_agreement: bool = False):
+    """Gate weights + dispatch plan + (agreement, set_logprob) (the backend contract's
+    gate_fwd); `config` overrides the block sizes. Rows with replay_mask False, and with
+    pad_select the rows with a -1 slot, an id out of range or a repeated expert, take the
+    model's own `selection` (replay_ops.Selection) inside the kernel."""
     T, E = logits.shape
     K = expert_indices.shape[1]
     dev = logits.device
+    agree, lp = agreement_outputs(logits, T, return_agreement)
     i32 = dict(dtype=torch.int32, device=dev)
     n_sorted = plan_capacity(T, K, E, align)
     weights = torch.empty(T, K, dtype=logits.dtype, device=dev)
@@ -580,25 +754,30 @@ def gate_fwd(logits, expert_indices, score_func, normalize, scaling_factor, alig
     sorted_slots = torch.empty(n_sorted, **i32)
     if T == 0:
         return (weights, idx_out, tpe.zero_(), offsets.zero_(), row_id_map,
-                sorted_slots.fill_(-1))
+                sorted_slots.fill_(-1), agree, lp)
     cfg = config or gate_config(T, K, E, align)
     chunk_counts = torch.empty(1 if cfg.single else cfg.num_chunks, E, **i32)
+    sel_ptrs, sel_const = select_args(selection, K).kernel_args(logits)
+    mask = replay_mask if replay_mask is not None else idx_out  # a placeholder pointer
     with device_ctx(logits):
         _gate_fwd_kernel[(cfg.num_chunks,)](
-            logits, expert_indices,
+            logits, expert_indices, mask, sel_ptrs[0],
             weights, idx_out, row_id_map, chunk_counts, tpe, offsets, sorted_slots,
+            agree.view(torch.uint8), lp,
             T, E, K, logits.stride(0), logits.stride(1),
             expert_indices.stride(0), expert_indices.stride(1),
-            *split_scale(scaling_factor), align, n_sorted,
+            *split_scale(scaling_factor), align, n_sorted, *sel_ptrs[1:],
             SCORE=scores.get(score_func).id, NORMALIZE=bool(normalize),
             CDT=compute_type(logits.dtype), SINGLE=cfg.single, BLOCK_T=cfg.BLOCK_T,
             K_PAD=cfg.K_PAD, E_BLOCK=cfg.E_BLOCK, E_HIST=cfg.E_HIST, SLOT_BLOCK=cfg.SLOT_BLOCK,
-            PAD_J=cfg.PAD_J, TAIL_BLOCK=cfg.TAIL_BLOCK, **LAUNCH_OPTIONS,
+            PAD_J=cfg.PAD_J, TAIL_BLOCK=cfg.TAIL_BLOCK, HAS_MASK=replay_mask is not None,
+            PAD_SELECT=bool(pad_select), AGREE=bool(return_agreement), **sel_const,
+            **LAUNCH_OPTIONS,
         )
         if not cfg.single:
             launch_plan_scan_scatter(cfg, idx_out, row_id_map, chunk_counts, tpe, offsets,
                                      sorted_slots, T, E, K, align, n_sorted)
-    return weights, idx_out, tpe, offsets, row_id_map, sorted_slots
+    return weights, idx_out, tpe, offsets, row_id_map, sorted_slots, agree, lp
 
 
 def launch_plan_scan_scatter(cfg: GateConfig, idx_out, row_id_map, chunk_counts, tpe, offsets,
@@ -616,17 +795,21 @@ def launch_plan_scan_scatter(cfg: GateConfig, idx_out, row_id_map, chunk_counts,
     )
 
 
-def gate_bwd(grad_weights, logits, expert_indices, score_func, normalize, scaling_factor):
-    """Dense [T, E] logits gradient (the backend contract's gate_bwd)."""
+def gate_bwd(grad_weights, logits, expert_indices, score_func, normalize, scaling_factor,
+             grad_set_logprob=None):
+    """Dense [T, E] logits gradient (the backend contract's gate_bwd), plus the set
+    log-prob's for its upstream gradient `grad_set_logprob` [T] when given."""
     return launch_logit_grad(_gate_bwd_kernel, "gate_backward", grad_weights.contiguous(), (),
-                             logits, expert_indices, score_func, normalize, scaling_factor)
+                             logits, expert_indices, score_func, normalize, scaling_factor,
+                             grad_set_logprob)
 
 
 def launch_logit_grad(kernel, op, grad, grad_strides, logits, expert_indices, score_func,
-                      normalize, scaling_factor):
+                      normalize, scaling_factor, grad_set_logprob=None):
     """Both gates' backward launch: `kernel` (this module's or gate_dense's) writes the dense
     [T, E] logits gradient from `grad` (its strides `grad_strides` passed after T, E, K
-    where the kernel reads them), one program per BLOCK_T rows."""
+    where the kernel reads them), one program per BLOCK_T rows; with `grad_set_logprob`
+    [T] the set log-prob's gradient is added in the same pass."""
     T, E = logits.shape
     K = expert_indices.shape[1]
     check_top_k(K, op)
@@ -636,11 +819,13 @@ def launch_logit_grad(kernel, op, grad, grad_strides, logits, expert_indices, sc
     sf = scores.get(score_func)
     cfg = gate_bwd_config(T, K, E)
     with device_ctx(logits):
+        glp = grad_set_logprob.contiguous() if grad_set_logprob is not None else logits
         kernel[(triton.cdiv(T, cfg.BLOCK_T),)](
-            grad, logits, expert_indices.contiguous(), out,
+            grad, logits, expert_indices.contiguous(), glp, out,
             T, E, K, *grad_strides, logits.stride(0), logits.stride(1),
             *split_scale(scaling_factor), SCORE=sf.id, NORMALIZE=bool(normalize),
-            DENSE=(sf is scores.SOFTMAX and not normalize), CDT=compute_type(logits.dtype),
+            DENSE=(sf is scores.SOFTMAX and not normalize),
+            HAS_GLP=grad_set_logprob is not None, CDT=compute_type(logits.dtype),
             BLOCK_T=cfg.BLOCK_T, K_PAD=cfg.K_PAD, E_BLOCK=cfg.E_BLOCK, **LAUNCH_OPTIONS,
         )
     return out

@@ -37,25 +37,30 @@ from replay_ops import scores
 from replay_ops.plan import PADDING_MODES, plan_capacity
 
 from . import gate as _gate  # its plan launches: the kernels are looked up there (tools patch them)
+from . import select as _sel
 from ._common import (LAUNCH_OPTIONS, cast_rne, chunk_rows, compute_type, device_ctx,
                       row_tile, sorted_row_tokens)
 from .gate import (
     _load_slots,
     _plan_of_slots,
+    _set_logprob,
     _slot_weights,
     _col,
     _store_logit_grad,
     _scale,
     _slot_sums,
+    agreement_outputs,
     check_top_k,
     gate_bwd_config,
     gate_config,
     launch_logit_grad,
+    select_args,
     split_scale,
 )
 
 _PAD_SPREAD: tl.constexpr = tl.constexpr(PADDING_MODES["spread"])
 _PAD_FALLBACK: tl.constexpr = tl.constexpr(PADDING_MODES["fallback"])
+_PAD_SELECT: tl.constexpr = tl.constexpr(PADDING_MODES["select"])
 _SPREAD_HASH: tl.constexpr = tl.constexpr(2654435769)
 
 # NOTE: the row pass holds [ROW_BLOCK, K_PAD] slot tiles beside gate.py's
@@ -142,17 +147,40 @@ def _resolve_rows(Idx_ptr, Mask_ptr, Fb_ptr, rows, rmask, cols, T, E, K,
 
 @triton.jit
 def _dense_rows(
-    Logits_ptr, Idx_ptr, Mask_ptr, Fb_ptr, Probs_ptr, Map_ptr, Flags_ptr, IdxOut_ptr,
+    Logits_ptr, Idx_ptr, Mask_ptr, Fb_ptr, Bias_ptr, Probs_ptr, Map_ptr, Flags_ptr,
+    IdxOut_ptr, Agree_ptr, Lp_ptr,
     r0, T, E, K, stride_lt, stride_le, stride_it, stride_ik, stride_ft, stride_fk,
-    scale_hi, scale_lo, ep_size, offset_mod,
+    scale_hi, scale_lo, ep_size, offset_mod, num_groups, group_topk, group_topn,
     SCORE: tl.constexpr, NORMALIZE: tl.constexpr, CDT: tl.constexpr, PADDING: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_FB: tl.constexpr, GUARD: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_FB: tl.constexpr, GUARD: tl.constexpr, AGREE: tl.constexpr,
+    SRC_LOGITS: tl.constexpr, ROUND: tl.constexpr, HAS_BIAS: tl.constexpr,
+    RANKS_LOGITS: tl.constexpr, GROUPED: tl.constexpr,
     ROW_BLOCK: tl.constexpr, K_PAD: tl.constexpr, E_BLOCK: tl.constexpr,
+    E_HIST: tl.constexpr, G_PAD: tl.constexpr,
 ):
     rows, cols, rmask, m2 = row_tile(r0, T, K, ROW_BLOCK, K_PAD)
     idx, flags = _resolve_rows(Idx_ptr, Mask_ptr, Fb_ptr, rows, rmask, cols, T, E, K,
                                stride_it, stride_ik, stride_ft, stride_fk, ep_size,
                                offset_mod, HAS_MASK, HAS_FB, PADDING)
+    if PADDING == _PAD_SELECT or AGREE:
+        # padding="select": a flagged row takes the model's own selection (select.py),
+        # except a masked row with a fallback row
+        need = flags < 0
+        if PADDING == _PAD_SELECT:
+            need = flags != 0
+            if HAS_FB:
+                need = need & (flags != 8)
+        idx, agree = _sel.select_rows(idx, need, rows, rmask, Logits_ptr, Bias_ptr, E, K,
+                                      stride_lt, stride_le, num_groups, group_topk,
+                                      group_topn, SCORE, SRC_LOGITS, ROUND, HAS_BIAS,
+                                      RANKS_LOGITS, GROUPED, AGREE, CDT, ROW_BLOCK, K_PAD,
+                                      E_HIST, G_PAD)
+        idx = tl.where(m2, idx, -1)
+        if AGREE:
+            tl.store(Agree_ptr + rows, agree.to(tl.uint8), mask=rmask)
+            lp = _set_logprob(idx, Logits_ptr, rows, rmask, cols, E, K, stride_lt, stride_le,
+                              SCORE, CDT, ROW_BLOCK, K_PAD, E_BLOCK)
+            tl.store(Lp_ptr + rows, lp, mask=rmask)
     valid = idx >= 0
     w = _slot_weights(idx, valid, Logits_ptr, rows, rmask, E, stride_lt, stride_le, scale_hi,
                       scale_lo, SCORE, NORMALIZE, CDT, ROW_BLOCK, K_PAD, E_BLOCK)
@@ -179,30 +207,36 @@ def _dense_rows(
 @triton.jit
 def _gate_dense_fwd_kernel(
     # inputs
-    Logits_ptr, Idx_ptr, Mask_ptr, Fb_ptr,
+    Logits_ptr, Idx_ptr, Mask_ptr, Fb_ptr, Bias_ptr,
     # outputs
     Probs_ptr, Map_ptr, Flags_ptr, IdxOut_ptr, RowMap_ptr, ChunkCounts_ptr, Tpe_ptr,
-    Offsets_ptr, Sorted_ptr,
+    Offsets_ptr, Sorted_ptr, Agree_ptr, Lp_ptr,
     # sizes, strides and options
     T, E, K, stride_lt, stride_le, stride_it, stride_ik, stride_ft, stride_fk,
     scale_hi, scale_lo, ep_size, offset_mod, align, n_sorted,
+    num_groups, group_topk, group_topn,
     # constexprs
     SCORE: tl.constexpr, NORMALIZE: tl.constexpr, CDT: tl.constexpr, PADDING: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_FB: tl.constexpr, GUARD: tl.constexpr, PLAN: tl.constexpr,
     SINGLE: tl.constexpr, BLOCK_T: tl.constexpr, ROW_BLOCK: tl.constexpr,
     K_PAD: tl.constexpr, E_BLOCK: tl.constexpr, E_HIST: tl.constexpr,
     SLOT_BLOCK: tl.constexpr, PAD_J: tl.constexpr, TAIL_BLOCK: tl.constexpr,
+    AGREE: tl.constexpr, SRC_LOGITS: tl.constexpr, ROUND: tl.constexpr,
+    HAS_BIAS: tl.constexpr, RANKS_LOGITS: tl.constexpr, GROUPED: tl.constexpr,
+    G_PAD: tl.constexpr,
 ):
     """The dense rows of this program's chunk (every row with SINGLE), then the plan over
     the int32 experts it wrote: the whole plan (SINGLE), or the chunk's ranks (kept in
     row_id_map) and expert histogram for gate.py's scan and scatter kernels."""
     pid, row_begin, row_end = chunk_rows(T, SINGLE, BLOCK_T)
     for r0 in range(row_begin, row_end, ROW_BLOCK):
-        _dense_rows(Logits_ptr, Idx_ptr, Mask_ptr, Fb_ptr, Probs_ptr, Map_ptr, Flags_ptr,
-                    IdxOut_ptr, r0, row_end, E, K, stride_lt, stride_le, stride_it,
-                    stride_ik, stride_ft, stride_fk, scale_hi, scale_lo, ep_size, offset_mod,
-                    SCORE, NORMALIZE, CDT, PADDING, HAS_MASK, HAS_FB, GUARD,
-                    ROW_BLOCK, K_PAD, E_BLOCK)
+        _dense_rows(Logits_ptr, Idx_ptr, Mask_ptr, Fb_ptr, Bias_ptr, Probs_ptr, Map_ptr,
+                    Flags_ptr, IdxOut_ptr, Agree_ptr, Lp_ptr, r0, row_end, E, K, stride_lt,
+                    stride_le, stride_it, stride_ik, stride_ft, stride_fk, scale_hi, scale_lo,
+                    ep_size, offset_mod, num_groups, group_topk, group_topn,
+                    SCORE, NORMALIZE, CDT, PADDING, HAS_MASK, HAS_FB, GUARD, AGREE,
+                    SRC_LOGITS, ROUND, HAS_BIAS, RANKS_LOGITS, GROUPED,
+                    ROW_BLOCK, K_PAD, E_BLOCK, E_HIST, G_PAD)
     if PLAN:
         tl.debug_barrier()  # the experts this program wrote are read back below
         _plan_of_slots(IdxOut_ptr, K, 1, RowMap_ptr, ChunkCounts_ptr, Tpe_ptr, Offsets_ptr,
@@ -213,14 +247,14 @@ def _gate_dense_fwd_kernel(
 @triton.jit
 def _gate_dense_bwd_kernel(
     # inputs
-    G_ptr, Logits_ptr, Idx_ptr,
+    G_ptr, Logits_ptr, Idx_ptr, GLp_ptr,
     # outputs
     DLogits_ptr,
     # sizes and strides
     T, E, K, stride_gt, stride_ge, stride_lt, stride_le, scale_hi, scale_lo,
     # constexprs
-    SCORE: tl.constexpr, NORMALIZE: tl.constexpr, DENSE: tl.constexpr, CDT: tl.constexpr,
-    BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, E_BLOCK: tl.constexpr,
+    SCORE: tl.constexpr, NORMALIZE: tl.constexpr, DENSE: tl.constexpr, HAS_GLP: tl.constexpr,
+    CDT: tl.constexpr, BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, E_BLOCK: tl.constexpr,
 ):
     """gate.py's _gate_bwd_kernel with g[t, k] = s * grad_probs[t, idx[t, k]]: the slot
     gradients of a column added in column order; each output element written once."""
@@ -229,9 +263,9 @@ def _gate_dense_bwd_kernel(
     idx, valid = _load_slots(Idx_ptr, rows, cols, m2, K, 1, E)
     g = tl.load(G_ptr + rows[:, None] * stride_gt + idx.to(tl.int64) * stride_ge, mask=valid,
                 other=0.0).to(CDT) * _scale(scale_hi, scale_lo, CDT)
-    _store_logit_grad(g, idx, valid, Logits_ptr, DLogits_ptr, rows, cols, rmask, E, K,
-                      stride_lt, stride_le, SCORE, NORMALIZE, DENSE, CDT, BLOCK_T, K_PAD,
-                      E_BLOCK)
+    _store_logit_grad(g, idx, valid, Logits_ptr, DLogits_ptr, GLp_ptr, rows, cols, rmask, E,
+                      K, stride_lt, stride_le, SCORE, NORMALIZE, DENSE, HAS_GLP, CDT, BLOCK_T,
+                      K_PAD, E_BLOCK)
 
 
 @triton.jit
@@ -285,8 +319,12 @@ def _permute_probs_bwd_kernel(
 # -------------------------------------------------------------------------- launchers
 def gate_dense_fwd(logits, expert_indices, replay_mask, fallback, score_func, normalize,
                    scaling_factor, padding, ep_size, spread_offset, underflow_guard, align,
-                   with_plan, config: DenseConfig | None = None):
-    """The backend contract's gate_dense_fwd; `config` overrides the block sizes."""
+                   with_plan, config: DenseConfig | None = None, *, selection=None,
+                   return_agreement: bool = False):
+    """The backend contract's gate_dense_fwd (with padding="select" the flagged rows take
+    the model's own `selection`; with return_agreement the last two outputs hold the
+    agreement and the set log-prob, else they are empty); `config` overrides the block
+    sizes."""
     T, E = logits.shape
     K = expert_indices.shape[1]
     check_top_k(K, "gate_dense")
@@ -303,42 +341,48 @@ def gate_dense_fwd(logits, expert_indices, replay_mask, fallback, score_func, no
     else:
         tpe, offsets = torch.empty(0, **i32), torch.empty(0, **i32)
         row_id_map, sorted_slots = torch.empty(0, K, **i32), torch.empty(0, **i32)
+    agree, lp = agreement_outputs(logits, T, return_agreement)
     if T == 0:
         if with_plan:
             tpe.zero_(), offsets.zero_(), sorted_slots.fill_(-1)
-        return probs, rmap, flags, idx_out, tpe, offsets, row_id_map, sorted_slots
+        return probs, rmap, flags, idx_out, tpe, offsets, row_id_map, sorted_slots, agree, lp
     cfg = config or gate_dense_config(T, K, E, align)
     pc = cfg.plan
     chunk_counts = torch.empty(1 if pc.single or not with_plan else pc.num_chunks, E, **i32)
     mask = replay_mask if replay_mask is not None else flags  # a placeholder pointer
     fb = fallback if fallback is not None else expert_indices
+    sel_ptrs, sel_const = select_args(selection, K).kernel_args(logits)
     with device_ctx(logits):
         _gate_dense_fwd_kernel[(pc.num_chunks,)](
-            logits, expert_indices, mask, fb,
+            logits, expert_indices, mask, fb, sel_ptrs[0],
             probs, rmap.view(torch.uint8), flags, idx_out, row_id_map, chunk_counts, tpe,
-            offsets, sorted_slots,
+            offsets, sorted_slots, agree.view(torch.uint8), lp,
             T, E, K, logits.stride(0), logits.stride(1),
             expert_indices.stride(0), expert_indices.stride(1), fb.stride(0), fb.stride(1),
             *split_scale(scaling_factor), ep_size, spread_offset, align, n_sorted,
+            *sel_ptrs[1:],
             SCORE=scores.get(score_func).id, NORMALIZE=bool(normalize),
             CDT=compute_type(logits.dtype), PADDING=PADDING_MODES[padding],
             HAS_MASK=replay_mask is not None, HAS_FB=fallback is not None,
             GUARD=bool(underflow_guard), PLAN=bool(with_plan), SINGLE=pc.single,
             BLOCK_T=pc.BLOCK_T, ROW_BLOCK=cfg.ROW_BLOCK, K_PAD=pc.K_PAD, E_BLOCK=pc.E_BLOCK,
             E_HIST=pc.E_HIST, SLOT_BLOCK=pc.SLOT_BLOCK, PAD_J=pc.PAD_J,
-            TAIL_BLOCK=pc.TAIL_BLOCK, **LAUNCH_OPTIONS,
+            TAIL_BLOCK=pc.TAIL_BLOCK, AGREE=bool(return_agreement), **sel_const,
+            **LAUNCH_OPTIONS,
         )
         if with_plan and not pc.single:
             _gate.launch_plan_scan_scatter(pc, idx_out, row_id_map, chunk_counts, tpe, offsets,
                                            sorted_slots, T, E, K, align, n_sorted)
-    return probs, rmap, flags, idx_out, tpe, offsets, row_id_map, sorted_slots
+    return probs, rmap, flags, idx_out, tpe, offsets, row_id_map, sorted_slots, agree, lp
 
 
-def gate_dense_bwd(grad_probs, logits, expert_indices, score_func, normalize, scaling_factor):
+def gate_dense_bwd(grad_probs, logits, expert_indices, score_func, normalize, scaling_factor,
+                   grad_set_logprob=None):
     # the probs gradient is read in place, any strides
     return launch_logit_grad(_gate_dense_bwd_kernel, "gate_dense_backward", grad_probs,
                              (grad_probs.stride(0), grad_probs.stride(1)), logits,
-                             expert_indices, score_func, normalize, scaling_factor)
+                             expert_indices, score_func, normalize, scaling_factor,
+                             grad_set_logprob)
 
 
 PROBS_BLOCK_R = 1024

@@ -17,7 +17,6 @@ from ..triton_kernels import gate_dense as _gate_dense
 from ..triton_kernels.gate import MAX_TOPK
 from ..triton_kernels.permute import permute_bwd, permute_fwd
 from ..triton_kernels.unpermute import unpermute_bwd, unpermute_fwd
-from ..scores import compute_dtype
 from .protocol import YES, Support
 
 NAME = "triton"
@@ -55,11 +54,8 @@ def available(device_type: str) -> Support:
 
 
 def supports(op, device_type, shape, dtype) -> Support:
-    if shape.features:
-        return Support(False, f"the Triton gate kernels do not implement "
-                              f"{' and '.join(sorted(shape.features))} yet (the model's own "
-                              f"selection of flagged rows, the agreement outputs: "
-                              f"replay_ops/backends/protocol.py)")
+    # the gate features (OpShape.features: the model's own selection of flagged rows, the
+    # agreement outputs) are implemented in the gate kernels (triton_kernels/select.py)
     if op in ("gate_fwd", "gate_bwd", "gate_dense_fwd", "gate_dense_bwd",
               "permute_probs_bwd") and shape.K > MAX_TOPK:
         return Support(False, f"K={shape.K} slots is above the Triton gate kernels' limit "
@@ -77,22 +73,16 @@ def describe() -> dict:
 
 # The gate launchers take the options flat (tools/triton_compile_check.py and the tests
 # call them so); the backend's gate kernels take the options value.
-# `supports` refuses the calls with features (OpShape.features), so these kernels never
-# see a replay_mask, padding="select", return_agreement or a set log-prob gradient.
-def _no_agreement(logits):
-    return (torch.empty(0, dtype=torch.bool, device=logits.device),
-            torch.empty(0, dtype=compute_dtype(logits.dtype), device=logits.device))
-
-
 def gate_fwd(logits, expert_indices, replay_mask, opts):
-    out = _gate.gate_fwd(logits, expert_indices, opts.score_func, opts.normalize,
-                         opts.scaling_factor, opts.align)
-    return (*out, *_no_agreement(logits))
+    return _gate.gate_fwd(logits, expert_indices, opts.score_func, opts.normalize,
+                          opts.scaling_factor, opts.align, replay_mask=replay_mask,
+                          pad_select=opts.padding == "select", selection=opts.selection,
+                          return_agreement=bool(opts.return_agreement))
 
 
 def gate_bwd(grad_weights, logits, idx, opts, grad_set_logprob=None):
     return _gate.gate_bwd(grad_weights, logits, idx, opts.score_func, opts.normalize,
-                          opts.scaling_factor)
+                          opts.scaling_factor, grad_set_logprob)
 
 
 # Dense mode (triton_kernels/gate_dense.py).
@@ -100,13 +90,13 @@ from ..triton_kernels.gate_dense import permute_probs_bwd, permute_probs_fwd  # 
 
 
 def gate_dense_fwd(logits, expert_indices, replay_mask, fallback, opts):
-    out = _gate_dense.gate_dense_fwd(
+    return _gate_dense.gate_dense_fwd(
         logits, expert_indices, replay_mask, fallback, opts.score_func, opts.normalize,
         opts.scaling_factor, opts.padding, opts.ep_size, opts.spread_offset,
-        opts.underflow_guard, opts.align, opts.with_plan)
-    return (*out, *_no_agreement(logits))
+        opts.underflow_guard, opts.align, opts.with_plan, selection=opts.selection,
+        return_agreement=bool(opts.return_agreement))
 
 
 def gate_dense_bwd(grad_probs, logits, idx, opts, grad_set_logprob=None):
     return _gate_dense.gate_dense_bwd(grad_probs, logits, idx, opts.score_func,
-                                      opts.normalize, opts.scaling_factor)
+                                      opts.normalize, opts.scaling_factor, grad_set_logprob)
