@@ -187,8 +187,10 @@ def test_register_family_replace_and_unregister(flex_olmo):
     (dict(block_class="Not A Name"), "block_class"),
     (dict(block_class=int), "block_class"),
     (dict(score_func="tanh"), "score_func"),
-    (dict(score_func="sigmoid"), "topk"),  # no default selection for sigmoid scores
+    (dict(score_func="sigmoid"), "selection"),  # no default selection for sigmoid scores
     (dict(topk="softmax"), "topk"),
+    (dict(selection="top-k"), "selection"),
+    (dict(logits="linear"), "logits"),
     (dict(normalize="yes"), "normalize"),
     (dict(normalize=1), "normalize"),
     (dict(scaling_factor=0.0), "scaling_factor"),

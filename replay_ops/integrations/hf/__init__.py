@@ -12,8 +12,9 @@
 The package, one module per part:
 
 * `families`: the architectures it knows (`SUPPORTED`: Mixtral, Qwen2-MoE, Qwen3-MoE,
-  OLMoE, DeepSeek-V3), how each one's router scores and selects (`own_topk`, the model's
-  own routing), and `register_family` to add one without editing the package;
+  OLMoE, DeepSeek-V3), how each one's router computes its logits (`linear_logits`) and
+  selects (a `replay_ops.Selection`, which the gate applies under replay; `own_topk`, the
+  router's own top-k), and `register_family` to add one without editing the package;
 * `patch`: `patch_model` / `unpatch_model`, the MoE blocks of a model (`find_moe_blocks`) and
   the `ReplayPatch` handle; its docstring covers recompute, host syncs, torch.compile and
   CUDA graphs;
@@ -31,16 +32,19 @@ in, still import for one release and warn.
 """
 from __future__ import annotations
 
-from .block import BlockRouting, route_block
+from .block import BlockRouting, LayerAgreement, route_block
 from .families import (
     SUPPORTED,
     ArchSpec,
+    SelectionTopK,
     UnsupportedModelError,
+    linear_logits,
     native_topk,
     own_topk,
     register_family,
     softmax_topk,
     supported_architectures,
+    top_k_of_scores,
     unregister_family,
 )
 from ..._deprecated import deprecated_names
@@ -59,11 +63,14 @@ __all__ = [
     "ArchSpec",
     "BlockRouting",
     "EPState",
+    "LayerAgreement",
     "MoEBlocks",
     "ReplayPatch",
+    "SelectionTopK",
     "UnsupportedModelError",
     "enable_expert_parallel",
     "find_moe_blocks",
+    "linear_logits",
     "make_router_replay",
     "native_topk",
     "own_topk",
@@ -72,6 +79,7 @@ __all__ = [
     "route_block",
     "softmax_topk",
     "supported_architectures",
+    "top_k_of_scores",
     "unpatch_model",
     "unregister_family",
 ]

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 
@@ -71,6 +71,8 @@ __all__ = [
     "BlockRouting",
     "ExpertsRunner",
     "GROUPED_MM",
+    "LOGITS_KWARG",
+    "LayerAgreement",
     "PLAN_KWARG",
     "block_forward",
     "call_experts",
@@ -81,11 +83,14 @@ __all__ = [
     "patched_forward",
     "plan_experts",
     "route_block",
+    "router_forward",
+    "routing_agreement",
     "rows_experts",
 ]
 
 GROUPED_MM = "grouped_mm"
 PLAN_KWARG = "replay_ops_plan"  # experts_forward's keyword: (plan, run_experts)
+LOGITS_KWARG = "replay_ops_logits"  # router_forward's keyword: the family's logits function
 
 
 # ----------------------------------------------------------------------------- routing
@@ -105,14 +110,27 @@ class BlockRouting:
     hidden_states: torch.Tensor  # the block's input (after Mixtral's router jitter)
     x: torch.Tensor  # [T, H]
     logits: torch.Tensor  # [T, E], fp32 where the architecture keeps gate weights in fp32
-    own_weights: torch.Tensor  # the model's own routing: the router's gate weights and indices
-    own_indices: torch.Tensor
+    # the model's own routing: the router's gate weights and indices (None where replay
+    # computed the logits only)
+    own_weights: torch.Tensor | None
+    own_indices: torch.Tensor | None
     plan: RoutingPlan | None  # None: the replay object chose the model's own routing
     recompute: bool  # an activation recompute (its routing is not reported again)
+    # with ReplayPatch.return_agreement, in a replayed forward (else None)
+    agreement: "LayerAgreement | None" = None
 
     # deprecated names of own_weights / own_indices ("native" names the C++/CUDA backend)
     native_weights = deprecated_property("own_weights", "BlockRouting.native_weights")
     native_indices = deprecated_property("own_indices", "BlockRouting.native_indices")
+
+
+def _needs_own_routing(patch, action, spec) -> bool:
+    """Whether the router module's whole forward (its own top-k) runs: RECORD, no action
+    (the model's own routing), the own-routing comparison (`patch.own_routing`), and a
+    family that declares no logits function and selection rule. Replay (REPLAY_FORWARD
+    and its recompute) otherwise computes the logits only."""
+    return (action is None or action is ReplayAction.RECORD or patch.own_routing
+            or not spec.logits_only)
 
 
 def route_block(patch, lid: int, block: torch.nn.Module,
@@ -120,7 +138,13 @@ def route_block(patch, lid: int, block: torch.nn.Module,
     """Run the block's router and ask the replay object for the plan: RECORD, REPLAY_FORWARD,
     and (inside a backward pass, with auto_recompute) the recompute of either. `patch` is a
     `replay_ops.integrations.hf.ReplayPatch` (its `.replay`, `.moe.spec`,
-    `.auto_recompute`)."""
+    `.auto_recompute`, `.own_routing`, `.return_agreement`).
+
+    Under replay the router module is called for its logits only (`LOGITS_KWARG`: the
+    family's `logits` function, inside the module's own call so that its hooks run and
+    transformers' `router_logits` output still collects them), and the family's selection
+    rule goes to the gate, which selects the rows without a route itself. The router's
+    whole forward runs where its own choice is needed (`_needs_own_routing`)."""
     replay = patch.replay
     spec = patch.moe.spec
     if spec.jitter and block.training and block.jitter_noise > 0:
@@ -129,19 +153,25 @@ def route_block(patch, lid: int, block: torch.nn.Module,
         )
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
     gate = block.gate
-    logits, own_w, own_idx = gate(x)
+    action = replay.action if replay.enabled else None
+    if _needs_own_routing(patch, action, spec):
+        logits, own_w, own_idx = gate(x)
+    else:
+        logits, own_w, own_idx = gate(x, **{LOGITS_KWARG: spec.logits})
     router_logits = logits  # the tensor transformers' `router_logits` output collects
     if spec.weights_fp32:
         logits = logits.float()
 
     def topk_fn(lg: torch.Tensor) -> torch.Tensor:
-        if lg.shape == logits.shape and lg.data_ptr() == logits.data_ptr():
+        if own_idx is not None and lg.shape == logits.shape and \
+                lg.data_ptr() == logits.data_ptr():
             return own_idx  # the router's own output for these very logits
         return spec.topk(gate, lg)
 
-    action = replay.action if replay.enabled else None
     opts = dict(score_func=spec.score_func, normalize=spec.normalize(gate),
                 scaling_factor=spec.scaling_factor(gate))
+    if spec.selection is not None:
+        opts["selection"] = spec.selection(gate)
     # DeepSeek-V3 normalizes its sigmoid weights even for top-1: w = s / (s + 1e-20), then
     # the scaling. replay_ops.gate, as Megatron-Core, leaves a row with one slot as it is;
     # gate unnormalized and unscaled, then apply the model's own formula (below).
@@ -151,6 +181,7 @@ def route_block(patch, lid: int, block: torch.nn.Module,
         opts.update(normalize=False, scaling_factor=1.0)
     recompute = patch.auto_recompute and action in (
         ReplayAction.REPLAY_FORWARD, ReplayAction.RECORD) and _in_backward()
+    agreement = None
     if action is None:
         plan = None
     elif recompute and action is ReplayAction.RECORD:
@@ -166,12 +197,37 @@ def route_block(patch, lid: int, block: torch.nn.Module,
                             **opts)
     else:
         plan = replay.route(lid, logits, action=action, topk_fn=topk_fn, **opts)
+        if patch.return_agreement:
+            agreement = routing_agreement(logits, plan, opts)
     if top1_norm and plan is not None:
         w = plan.weights
         plan = plan._replace(weights=(w / (w + 1e-20)) * scaling)
     if plan is not None:  # the auxiliary loss counts the experts the tokens are sent to
         mark_routed(router_logits, plan.expert_indices)
-    return BlockRouting(hidden_states, x, logits, own_w, own_idx, plan, recompute)
+    return BlockRouting(hidden_states, x, logits, own_w, own_idx, plan, recompute, agreement)
+
+
+class LayerAgreement(NamedTuple):
+    """One MoE layer's routing agreement in a patched forward (`ReplayPatch.agreement`).
+
+    `agreement`: bool [T], the set of experts the row was routed to equals the set the
+    model's own selection rule picks from the current logits (slot order ignored; a row
+    the gate selected itself agrees). `set_logprob`: float32 [T], the log of the router's
+    probability mass on that set, differentiable to the router (see docs/ops.md,
+    "Agreement and the replayed set's log-probability")."""
+
+    agreement: torch.Tensor
+    set_logprob: torch.Tensor
+
+
+def routing_agreement(logits: torch.Tensor, plan: RoutingPlan, opts: dict) -> LayerAgreement:
+    """The agreement of the routing `plan` used with the model's own selection
+    (`opts["selection"]`), from the gate: the plan's own outputs when the gate that made it
+    gave them, else one more gate call over the indices used, with `return_agreement`."""
+    if plan.agreement is None:
+        plan = replay_ops.gate(logits, plan.expert_indices, validate=False,
+                               return_agreement=True, **opts)
+    return LayerAgreement(plan.agreement, plan.set_logprob)
 
 
 def own_routing_plan(r: BlockRouting, block: torch.nn.Module, spec) -> RoutingPlan:
@@ -223,6 +279,10 @@ def patched_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> torc
         raise
     if r.plan is not None and not r.recompute:
         patch._last[lid] = plan.expert_indices
+        if r.agreement is not None:
+            patch._agreement[lid] = r.agreement
+        if r.own_indices is not None and patch.own_routing:
+            patch._own[lid] = r.own_indices
     if plan is not r.plan:
         r = dataclasses.replace(r, plan=plan)
     return block_forward(block, r, spec, None if runner is None else runner.run_experts)
@@ -315,6 +375,19 @@ def experts_forward(experts: torch.nn.Module, hidden_states: torch.Tensor,
         idx, weights = _dense_routing(top_k_index, top_k_weights)
         return type(experts).forward(experts, hidden_states, idx, weights, *args, **kwargs)
     return run_experts(experts, hidden_states, plan)
+
+
+def router_forward(gate: torch.nn.Module, hidden_states: torch.Tensor, *args,
+                   **kwargs):
+    """The forward `patch_model` installs on each MoE block's router module (`block.gate`).
+    Without `LOGITS_KWARG` it is the class's own forward (logits, gate weights, indices).
+    With `LOGITS_KWARG=logits_fn` (a replayed block) it returns `(logits_fn(gate,
+    hidden_states), None, None)`: the router's logits only, no top-k; its hooks still run
+    around it (transformers' `router_logits` output records index 0)."""
+    logits_fn = kwargs.pop(LOGITS_KWARG, None)
+    if logits_fn is None:
+        return type(gate).forward(gate, hidden_states, *args, **kwargs)
+    return logits_fn(gate, hidden_states), None, None
 
 
 # ----------------------------------------------------------------------------- experts

@@ -1,7 +1,8 @@
 """The MoE families the Hugging Face integration knows, and `register_family` to add one.
 
 A family is one `transformers` architecture (a `config.model_type`): the class name of its
-MoE block, how its router scores and selects, and the shared experts it adds. `SUPPORTED`
+MoE block, how its router computes its logits (`logits`) and selects (`selection`, a
+`replay_ops.Selection`), how it scores, and the shared experts it adds. `SUPPORTED`
 maps each model type to its `ArchSpec`; `register_family` adds to it (or replaces an
 entry with `replace=True`), the way transformers' `ExpertsInterface.register` adds an
 experts function, so a model type this package does not ship is patched without editing
@@ -10,8 +11,17 @@ it:
     from replay_ops.integrations import hf
 
     hf.register_family("flex_olmo", block_class="FlexOlmoSparseMoeBlock",
-                       score_func="softmax", normalize=lambda gate: gate.norm_topk_prob)
+                       score_func="softmax", normalize=lambda gate: gate.norm_topk_prob,
+                       logits=hf.linear_logits, selection=hf.top_k_of_scores)
     patch = hf.patch_model(flex_olmo_model, "R3")
+
+Under replay (REPLAY_FORWARD, R3 and R2) a patched block computes the router's logits only
+(`logits(gate, x)`: the router's linear, and its bias where it has one, as the router module
+computes them) and hands the family's selection rule (`selection(gate)`) to
+`replay_ops.gate`: the rows without a route get the model's own choice inside the gate
+kernel, so no top-k, sort or softmax of every row runs. The router module's whole forward
+(its own top-k) runs in RECORD, with replay disabled, and when the caller asks for the
+own-routing comparison (`ReplayPatch.own_routing`).
 
 The block must look like the shipped ones: `block.gate(x)` returns `(logits, weights,
 indices)` and `block.experts` holds fused `gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]`
@@ -32,9 +42,9 @@ Per architecture (transformers 5.x module code):
 DeepSeek-V3 selects with `sigmoid(logits) + e_score_correction_bias` restricted to the
 `topk_group` best of `n_group` groups; the gate weights are the *unbiased* sigmoid scores.
 Under replay the recorded indices are used as they are, so the bias and the groups affect
-nothing; they only matter for RECORD and for fallback rows, whose replay object is built
-with `fallback="topk_fn"` (the family's `fallback`) so that rows with no route take the
-model's own biased, group-limited selection rather than a plain top-k.
+nothing; they only matter for RECORD and for rows with no route, which the gate selects
+with the family's `selection` (`replay_ops.Selection.deepseek_v3`: the bias, the groups,
+the sum of a group's top 2), as the router does.
 
 Mixtral and DeepSeek-V3 keep their gate weights in fp32 (the unpatched models do the
 same), the others cast them to the model dtype, as the unpatched models do.
@@ -49,18 +59,22 @@ import torch
 import torch.nn.functional as F
 
 from replay_ops import scores
-from replay_ops._deprecated import deprecated_function
+from replay_ops._deprecated import deprecated_function, warn
+from replay_ops.options import Selection
 from replay_ops.router_replay.config import FALLBACKS
 
 __all__ = [
     "SUPPORTED",
     "ArchSpec",
+    "SelectionTopK",
     "UnsupportedModelError",
     "native_topk",
     "own_topk",
+    "linear_logits",
     "register_family",
     "softmax_topk",
     "supported_architectures",
+    "top_k_of_scores",
     "unregister_family",
 ]
 
@@ -97,6 +111,37 @@ def _deepseek_v3_topk(gate: torch.nn.Module, logits: torch.Tensor) -> torch.Tens
     return torch.topk(scores_for_choice, k=gate.top_k, dim=-1, sorted=False)[1]
 
 
+# ----------------------------------------------------------------------------- logits only
+# What a patched block computes of the router under replay: the logits exactly as the router
+# module computes them (the same call on the same tensors, so bitwise the same), and the
+# router's selection rule as a value for the gate.
+
+
+def linear_logits(gate: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, gate.weight, gate.bias)` (no bias where the router has none): the router
+    logits of Mixtral, Qwen2/3-MoE, OLMoE (and the default of `register_family`)."""
+    return F.linear(x, gate.weight, getattr(gate, "bias", None))
+
+
+def _deepseek_v3_logits(gate: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # DeepseekV3TopkRouter.forward: the linear in fp32, whatever the model dtype
+    return F.linear(x.type(torch.float32), gate.weight.type(torch.float32))
+
+
+def top_k_of_scores(gate: torch.nn.Module) -> Selection:
+    """`replay_ops.Selection()`: the top-k of the scores (the selection of Mixtral, Qwen2/3-MoE,
+    OLMoE; the default of `register_family` for softmax families)."""
+    return _TOP_K
+
+
+_TOP_K = Selection()
+
+
+def _deepseek_v3_selection(gate: torch.nn.Module) -> Selection:
+    return Selection.deepseek_v3(expert_bias=gate.e_score_correction_bias,
+                                 n_group=int(gate.num_group), topk_group=int(gate.topk_group))
+
+
 # ----------------------------------------------------------------------------- shared experts
 
 
@@ -125,6 +170,17 @@ class ArchSpec:
     add_shared: Callable | None = None
     jitter: bool = False  # Mixtral's router_jitter_noise in training mode
     fallback: str = "gate"  # RouterReplayConfig.fallback that matches the model's own selection
+    # logits(gate, x [T, H]) -> [T, E]: the router's logits alone, as its module computes them
+    logits: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None
+    # selection(gate) -> replay_ops.Selection: the router's own top-k rule, for the gate.
+    # None (a family registered without it): replay runs the router module whole, as before
+    selection: Callable[[torch.nn.Module], Selection] | None = None
+
+    @property
+    def logits_only(self) -> bool:
+        """Whether replay computes the router's logits only (the family declares both its
+        logits function and its selection rule)."""
+        return self.logits is not None and self.selection is not None
 
 
 # The per-gate values are module-level functions or `_Constant`s, never lambdas, so that a
@@ -153,27 +209,51 @@ _ALWAYS = _Constant(True)
 _ONE = _Constant(1.0)
 
 
+@dataclasses.dataclass(frozen=True)
+class SelectionTopK:
+    """`topk(gate, logits) -> [T, K]` of a family registered with a selection rule and no
+    top-k function: the gate's own selection of every row (`padding="select"` on empty
+    slots), which equals the router's on tie-free inputs."""
+
+    selection: Callable[[torch.nn.Module], Selection]
+    score_func: str
+
+    def __call__(self, gate: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
+        import replay_ops
+
+        empty = torch.full((logits.shape[0], int(gate.top_k)), -1, dtype=torch.int32,
+                           device=logits.device)
+        plan = replay_ops.gate(logits.detach(), empty, score_func=self.score_func,
+                               padding="select", selection=self.selection(gate),
+                               validate=False)
+        return plan.expert_indices.long()
+
+
 SUPPORTED: dict[str, ArchSpec] = {
     "mixtral": ArchSpec(
         "mixtral", "MixtralSparseMoeBlock", "softmax", _ALWAYS, _ONE,
         weights_fp32=True, topk=softmax_topk, jitter=True,
+        logits=linear_logits, selection=top_k_of_scores,
     ),
     "qwen2_moe": ArchSpec(
         "qwen2_moe", "Qwen2MoeSparseMoeBlock", "softmax", _norm_attr, _ONE,
         weights_fp32=False, topk=softmax_topk, add_shared=_qwen2_moe_shared,
+        logits=linear_logits, selection=top_k_of_scores,
     ),
     "qwen3_moe": ArchSpec(
         "qwen3_moe", "Qwen3MoeSparseMoeBlock", "softmax", _norm_attr, _ONE,
         weights_fp32=False, topk=softmax_topk,
+        logits=linear_logits, selection=top_k_of_scores,
     ),
     "olmoe": ArchSpec(
         "olmoe", "OlmoeSparseMoeBlock", "softmax", _norm_attr, _ONE,
         weights_fp32=False, topk=softmax_topk,
+        logits=linear_logits, selection=top_k_of_scores,
     ),
     "deepseek_v3": ArchSpec(
         "deepseek_v3", "DeepseekV3MoE", "sigmoid", _norm_attr, _routed_scaling,
         weights_fp32=True, topk=_deepseek_v3_topk, add_shared=_deepseek_v3_shared,
-        fallback="topk_fn",
+        logits=_deepseek_v3_logits, selection=_deepseek_v3_selection,
     ),
 }
 _SHIPPED = frozenset(SUPPORTED)
@@ -242,6 +322,8 @@ def register_family(
     jitter: bool = False,
     fallback: str = "gate",
     replace: bool = False,
+    logits: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None,
+    selection: Selection | Callable[[torch.nn.Module], Selection] | None = None,
 ) -> ArchSpec:
     """Teach the integration a `transformers` MoE architecture (`config.model_type`).
 
@@ -255,8 +337,20 @@ def register_family(
     hidden_states, routed) -> out`: shared experts added to the routed output. `jitter`:
     Mixtral-style `block.jitter_noise` in training mode. `fallback`: the
     `RouterReplayConfig.fallback` that reproduces the model's own selection on rows with no
-    route ("topk_fn" where it is not a plain top-k of the scores). `replace=True` replaces
-    a registered family (a shipped one included). Returns the `ArchSpec` registered."""
+    route ("topk_fn" where it is not a plain top-k of the scores; with `selection` the gate
+    selects those rows itself, so "gate" is right). `replace=True` replaces a registered
+    family (a shipped one included). Returns the `ArchSpec` registered.
+
+    What replay computes of the router: `logits(gate, x) -> [T, E]`, the router's logits
+    exactly as its module computes them (default `linear_logits`: `F.linear(x, gate.weight,
+    gate.bias)`), and `selection`, the router's own top-k rule as a `replay_ops.Selection`
+    (or a function of the router module returning one, e.g. for a bias buffer; default for
+    "softmax" without `topk`: `top_k_of_scores`, the plain top-k). With both, a replayed
+    block runs no top-k of its own: the gate selects the rows without a route. A family
+    registered with `topk` and no `selection` (the old form) still works, with a
+    DeprecationWarning: its replayed blocks run the router module whole, as before. With
+    `selection` and no `topk`, the own top-k (RECORD's recompute, `fallback="topk_fn"`) is
+    the gate's selection (`SelectionTopK`)."""
     if not isinstance(model_type, str) or not model_type:
         raise _bad("model_type", model_type, "expected a non-empty str (a config.model_type)")
     if model_type in SUPPORTED and not replace:
@@ -274,13 +368,32 @@ def register_family(
                                                "class name")
     if score_func not in scores.NAMES:
         raise _bad("score_func", score_func, f"expected one of {scores.NAMES}")
-    if topk is None:
-        if score_func != "softmax":
-            raise _bad("topk", topk, f"score_func={score_func!r} needs topk(gate, logits) -> "
-                                     f"indices [T, K], the router's own selection")
-        topk = softmax_topk
-    elif not callable(topk):
+    if topk is not None and not callable(topk):
         raise _bad("topk", topk, "expected a callable topk(gate, logits) -> indices [T, K]")
+    if logits is None:
+        logits = linear_logits
+    elif not callable(logits):
+        raise _bad("logits", logits, "expected a callable logits(gate, x) -> router logits "
+                                     "[T, E]")
+    if isinstance(selection, Selection):
+        selection = _Constant(selection)
+    elif selection is not None and not callable(selection):
+        raise _bad("selection", selection, "expected a replay_ops.Selection or a callable "
+                                           "selection(gate) -> Selection")
+    if selection is None and topk is None:
+        if score_func != "softmax":
+            raise _bad("selection", selection,
+                       f"score_func={score_func!r} needs the router's own selection rule: "
+                       f"selection=replay_ops.Selection(...) (or selection(gate) -> Selection)")
+        selection = top_k_of_scores
+    if topk is None:
+        topk = softmax_topk if selection is top_k_of_scores else SelectionTopK(selection,
+                                                                                score_func)
+    elif selection is None:
+        warn(f"replay_ops.integrations.hf.register_family({model_type!r}, topk=...) without "
+             f"selection= is deprecated: its replayed blocks run the router module whole (a "
+             f"top-k of every row, every forward); pass selection=replay_ops.Selection(...), "
+             f"the router's rule, and the gate selects the rows without a route itself")
     norm = _of_gate("normalize", normalize, bool, None)
     scale = _of_gate("scaling_factor", scaling_factor, float,
                      lambda v: math.isfinite(v) and v > 0)
@@ -294,7 +407,8 @@ def register_family(
     if fallback not in FALLBACKS:
         raise _bad("fallback", fallback, f"expected one of {FALLBACKS}")
     spec = ArchSpec(model_type, block_class, score_func, norm, scale, weights_fp32=weights_fp32,
-                    topk=topk, add_shared=add_shared, jitter=jitter, fallback=fallback)
+                    topk=topk, add_shared=add_shared, jitter=jitter, fallback=fallback,
+                    logits=logits, selection=selection)
     SUPPORTED[model_type] = spec
     return spec
 

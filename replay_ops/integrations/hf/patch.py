@@ -12,10 +12,15 @@ patched forward (`block.patched_forward`) on each, and undo it.
 
 Each supported MoE block (see `SUPPORTED`) gets an instance-level `forward` that
 
-1. runs the block's own router module (`block.gate`), which gives the router logits exactly
-   as the unpatched model computes them (and keeps `output_router_logits` working);
+1. calls the block's router module (`block.gate`), which gives the router logits exactly
+   as the unpatched model computes them (and keeps `output_router_logits` working). Under
+   replay (REPLAY_FORWARD) the router computes its logits only (the family's `logits`,
+   through `block.router_forward`): no top-k, sort or softmax of every row; its whole
+   forward (its own top-k) runs in RECORD, with no action, and with `own_routing=True`;
 2. asks the replay object for a plan: `replay.route(layer_id, logits, topk_fn=<the block's
-   own selection>, score_func=..., normalize=..., scaling_factor=...)`;
+   own selection>, selection=<the family's rule>, score_func=..., normalize=...,
+   scaling_factor=...)`: the gate selects the rows without a route (replay mask False)
+   itself, from the logits row it reads, with the family's rule;
 3. runs the experts, through the experts module's own call (so its hooks run), with the
    implementation the model's config names (`config._experts_implementation`,
    transformers' `ExpertsInterface`) and the replayed routing: for "grouped_mm",
@@ -25,7 +30,15 @@ Each supported MoE block (see `SUPPORTED`) gets an instance-level `forward` that
    `replay_ops.integrations.hf.block`);
 4. adds the shared experts where the architecture has them.
 
-The experts module gets an instance-level forward too (`block.experts_forward`): called
+Routing agreement: with `patch_model(..., return_agreement=True)` (or `patch.return_agreement
+= True`) each replayed forward also keeps, per MoE layer, whether the routing used is the
+set the model's own rule picks from the current logits and the log-probability of that set
+(`patch.agreement()`: layer id -> `LayerAgreement(agreement, set_logprob)`, from the gate).
+The own-routing comparison: with `own_routing=True` a replayed block also runs the router
+module whole and keeps its choice (`patch.last_own_routing()`).
+
+The router module and the experts module get an instance-level forward too
+(`block.router_forward`, `block.experts_forward`): called
 as the unpatched block calls it, it is the class's own; the replayed block hands it the
 plan. Both forwards go inside accelerate's hooks when the module has them already
 (`from_pretrained(..., device_map=...)`: the hooks call `module._old_forward`, which the
@@ -101,7 +114,14 @@ from replay_ops.router_replay import (
 
 from ..._deprecated import deprecated_names, deprecated_property
 from . import aux_loss
-from .block import experts_forward, installed_forward, is_installed, patched_forward
+from .block import (
+    LayerAgreement,
+    experts_forward,
+    installed_forward,
+    is_installed,
+    patched_forward,
+    router_forward,
+)
 from .families import (
     SUPPORTED,
     ArchSpec,
@@ -259,7 +279,8 @@ def _check_patchable(lid: int, block: torch.nn.Module) -> None:
             f"{ep_state.local_experts.stop - 1} of {int(block.gate.num_experts)}); a patch "
             f"without them would run the wrong experts. Load the model again to patch it "
             f"differently")
-    for what, module in (("MoE block", block), ("experts module", block.experts)):
+    for what, module in (("MoE block", block), ("experts module", block.experts),
+                         ("router module", block.gate)):
         if "forward" in module.__dict__ and not _accelerate_wrapped(module):
             raise UnsupportedModelError(
                 f"replay_ops.integrations.hf.patch_model: layer {lid}'s {what} already has a "
@@ -316,14 +337,21 @@ class ReplayPatch:
     model's MoE blocks, `MoEBlocks`), `.last_routing()`, `.remove()`; also a context
     manager that removes the patch."""
 
-    def __init__(self, model, moe: MoEBlocks, replay: RouterReplay, auto_recompute: bool):
+    def __init__(self, model, moe: MoEBlocks, replay: RouterReplay, auto_recompute: bool,
+                 return_agreement: bool = False, own_routing: bool = False):
         self.model = model
         self.moe = moe
         self.replay = replay
         self.auto_recompute = auto_recompute
+        # per replayed forward: each layer's agreement with the model's own rule (gate)
+        self.return_agreement = bool(return_agreement)
+        # the own-routing comparison: replayed blocks also run the router module whole
+        self.own_routing = bool(own_routing)
         # every key present from the start: a compiled forward then only replaces values
         # (a new key would change the dict's keys, which torch.compile guards on)
         self._last: dict[int, torch.Tensor | None] = dict.fromkeys(moe.moe_layer_ids)
+        self._agreement: dict[int, LayerAgreement | None] = dict.fromkeys(moe.moe_layer_ids)
+        self._own: dict[int, torch.Tensor | None] = dict.fromkeys(moe.moe_layer_ids)
         self.active = False
         self._aux_release = None  # undoes aux_loss.acquire (also when collected unremoved)
 
@@ -341,12 +369,14 @@ class ReplayPatch:
                     f"(layer {lid} runs its experts over a process group, which does not "
                     f"pickle); save the model's state_dict instead")
         return {"model": self.model, "moe": self.moe, "config": self.replay.config,
-                "auto_recompute": self.auto_recompute, "active": self.active}
+                "auto_recompute": self.auto_recompute, "active": self.active,
+                "return_agreement": self.return_agreement, "own_routing": self.own_routing}
 
     def __setstate__(self, state):
         self.__init__(state["model"], state["moe"],
                       RouterReplay(state["config"], shape=state["moe"].shape),
-                      state["auto_recompute"])
+                      state["auto_recompute"], state.get("return_agreement", False),
+                      state.get("own_routing", False))
         self.active = state["active"]
         if self.active:
             self._acquire_aux_loss()
@@ -382,6 +412,33 @@ class ReplayPatch:
             )
         return torch.stack(per, dim=1)
 
+    def agreement(self) -> dict[int, LayerAgreement]:
+        """Layer id -> `LayerAgreement(agreement bool [T], set_logprob float32 [T])` of
+        every MoE layer's latest replayed forward (REPLAY_FORWARD with `return_agreement`;
+        recomputes are not counted): whether the routing used is the set of experts the
+        model's own selection rule picks from the current logits, and the log of the
+        router's probability mass on it (differentiable). Computed by the gate from the
+        logits row it reads; no top-k runs."""
+        missing = [lid for lid in self.moe.moe_layer_ids if self._agreement[lid] is None]
+        if missing:
+            raise RuntimeError(
+                f"ReplayPatch.agreement: MoE layers {missing} have no agreement yet (set "
+                f"patch.return_agreement = True, or patch_model(..., return_agreement=True), "
+                f"and run a REPLAY_FORWARD forward)")
+        return {lid: self._agreement[lid] for lid in self.moe.moe_layer_ids}
+
+    def last_own_routing(self) -> torch.Tensor:
+        """int64 [T, L_moe, K]: what every MoE layer's router module chose itself in its
+        latest replayed forward with `own_routing=True` (the own-routing comparison; compare
+        with `last_routing()`)."""
+        missing = [lid for lid in self.moe.moe_layer_ids if self._own[lid] is None]
+        if missing:
+            raise RuntimeError(
+                f"ReplayPatch.last_own_routing: MoE layers {missing} have not run their own "
+                f"routing under replay (set patch.own_routing = True, or patch_model(..., "
+                f"own_routing=True))")
+        return torch.stack([self._own[lid] for lid in self.moe.moe_layer_ids], dim=1)
+
     def remove(self) -> None:
         """Restore every block's and experts module's original forward (inside accelerate's
         hooks where they were added, before or after patching)."""
@@ -403,6 +460,7 @@ class ReplayPatch:
             # own forward when called without a plan, so one wrapped later can stay
             if not block.experts.__dict__.get("_replay_ops_sharded", False):
                 _uninstall(block.experts, experts_forward)
+            _uninstall(block.gate, router_forward)
         if self._aux_release is not None:
             self._aux_release()
             self._aux_release = None
@@ -431,12 +489,17 @@ def patch_model(
     *,
     auto_recompute: bool = True,
     ep_group=None,
+    return_agreement: bool = False,
+    own_routing: bool = False,
 ) -> ReplayPatch:
     """Route every MoE block of `model` through replay_ops under `replay` (a RouterReplay
     built for this model, a RouterReplayConfig, a mode string "disabled"/"R2"/"R3", or None
     for disabled). Returns a `ReplayPatch`; undo with `.remove()` or `unpatch_model`.
     With `ep_group` (a torch.distributed group) the experts are sharded over the group:
-    see `replay_ops.integrations.hf.ep.enable_expert_parallel`."""
+    see `replay_ops.integrations.hf.ep.enable_expert_parallel`. `return_agreement=True`:
+    each replayed forward keeps every layer's agreement with the model's own selection
+    (`ReplayPatch.agreement()`). `own_routing=True`: replayed blocks also run the router
+    module whole, for the own-routing comparison (`ReplayPatch.last_own_routing()`)."""
     if getattr(model, "_replay_ops_patch", None) is not None:
         raise RuntimeError(
             "replay_ops.integrations.hf.patch_model: the model is already patched; call "
@@ -456,11 +519,12 @@ def patch_model(
                 f"(num_experts, top_k, moe_layer_ids, num_hidden_layers)="
                 f"{fields(replay.shape)}, but the model has {fields(lay.shape)}"
             )
-    patch = ReplayPatch(model, lay, replay, auto_recompute)
+    patch = ReplayPatch(model, lay, replay, auto_recompute, return_agreement, own_routing)
     for lid, block in lay.blocks.items():
         block._replay_ops_layer = (patch, lid)
         _install(block, patched_forward)
         _install(block.experts, experts_forward)
+        _install(block.gate, router_forward)
     model._replay_ops_patch = patch
     patch.active = True
     patch._acquire_aux_loss()
