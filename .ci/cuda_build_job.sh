@@ -164,7 +164,9 @@ if [[ "$PHASE" == all || "$PHASE" == build ]]; then
   t=$SECONDS
   "$VPY" -m pip uninstall "${PIP_Q[@]}" -y replay_ops >/dev/null 2>&1 || true
   # (with $LIBS_FROM, --no-deps: torch's own CUDA pins are not the libraries installed)
-  "$VPY" -m pip install "${PIP_Q[@]}" --no-index ${LIBS_FROM:+--no-deps} --find-links "$DIST" "$WHEEL"
+  # (no machine-wide constraint: one that caps torch below this job's pin refuses the wheel)
+  PIP_CONSTRAINT=/dev/null "$VPY" -m pip install "${PIP_Q[@]}" --no-index ${LIBS_FROM:+--no-deps} \
+      --find-links "$DIST" "$WHEEL"
   elapsed "wheel install" $t
 fi
 if [[ "$PHASE" == build ]]; then

@@ -210,7 +210,7 @@ def test_gpu_native_e1024_on_the_single_cta_path(T, K):
                         ref_gate64(logits, idx, **kw).weights, f"E=1024 {sf} weights")
         for path in W.NATIVE_PATHS[1:]:
             for name, a, b in zip(ref_same._fields, outs["single_cta"], outs[path]):
-                assert torch.equal(a, b), f"{path} differs from single_cta in {name}"
+                assert a is b is None or torch.equal(a, b), f"{path} differs from single_cta in {name}"
         kw.pop("align")
         with W.gate_path("single_cta"):
             grad = grad_of(lambda x, i, **k: replay_ops.gate(x, i, backend="native", **k),
@@ -256,7 +256,7 @@ def test_gpu_e1025_is_handed_from_native_to_the_next_backend(T):
         for requested in (None, "native"):
             out = replay_ops.gate(logits, idx, backend=requested, **kw)
             for name, a, b in zip(ref_same._fields, direct, out):
-                assert torch.equal(a, b), f"backend={requested!r} E=1025: {name}"
+                assert a is b is None or torch.equal(a, b), f"backend={requested!r} E=1025: {name}"
         kw.pop("align")
         grad = grad_of(lambda x, i, **k: replay_ops.gate(x, i, backend="native", **k),
                        logits, idx, grad_w, **kw)

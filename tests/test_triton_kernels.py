@@ -61,6 +61,9 @@ def _indices(T, E, K, seed, empty=0.15):
 
 def _assert_plan_equal(out, exp):
     for name, a, b in zip(out._fields, out, exp):
+        if a is None or b is None:  # the agreement outputs, when not asked for
+            assert a is b, f"{name}: {a} vs {b}"
+            continue
         if a.is_floating_point():
             torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-7, msg=name)
         else:
@@ -214,7 +217,7 @@ def test_single_and_chunked_paths_agree_bitwise(monkeypatch):
     monkeypatch.setattr(G, "SINGLE_PROGRAM_MAX_SLOTS", 0)
     chunked = replay_ops.gate(logits, idx, align=8, backend="triton")
     for name, a, b in zip(single._fields, single, chunked):
-        assert torch.equal(a, b), name
+        assert a is b is None or torch.equal(a, b), name
 
 
 @triton.jit
