@@ -54,6 +54,7 @@ _LAZY = {
     "UnsupportedConfigError": "router",
     "check_config": "router",
     "gate_semantics": "router",
+    "megatron_selection": "router",
     "replay_action": "router",
     "replay_router": "router",
     "spread_experts": "router",
