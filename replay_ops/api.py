@@ -17,6 +17,8 @@ Host synchronisation (a read of device memory by the host, which stalls a CUDA s
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .options import (
@@ -32,6 +34,29 @@ from .options import (
 from .plan import DenseRouting, RoutingPlan
 
 
+def _options_one_way(who: str, fields: tuple[str, ...]):
+    """Refuse a call that gives `options=` and also an option keyword (`fields`), whatever
+    the keyword's value: an explicit `normalize=True` beside `options=GateOptions(
+    normalize=False)` must not be dropped because it equals the default. The error names
+    the keywords. (A wrapper, since a keyword at its default cannot be told from an absent
+    one inside the function; `inspect.signature` shows the wrapped signature.)"""
+    def deco(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if kwargs.get("options") is not None:
+                both = [k for k in fields if k in kwargs]
+                if both:
+                    raise ValueError(
+                        f"{who}: pass the options either as keywords or as options=, not both "
+                        f"(got options= and {', '.join(f'{k}={kwargs[k]!r}' for k in both)}); "
+                        f"to change one option of a GateOptions value, pass "
+                        f"options=dataclasses.replace(options, {both[0]}=...)")
+            return fn(*args, **kwargs)
+        return call
+    return deco
+
+
+@_options_one_way("gate", GATE_OPTIONS)
 def gate(
     logits: torch.Tensor,
     expert_indices: torch.Tensor,
@@ -64,7 +89,10 @@ def gate(
     the log of the router's probability mass on that set, differentiable).
     See docs/ops.md for the exact semantics.
 
-    The options may come as one `options=replay_ops.GateOptions(...)` instead.
+    The options may come as one `options=replay_ops.GateOptions(...)` instead of the option
+    keywords (score_func, normalize, scaling_factor, align, padding, selection,
+    return_agreement), never both: a call that gives `options=` and any of these keywords,
+    even at its default value, raises ValueError naming the keyword.
     """
     opts = resolve(options, "gate", GATE_OPTIONS, score_func=score_func, normalize=normalize,
                    scaling_factor=scaling_factor, align=align, padding=padding,
@@ -76,6 +104,7 @@ def gate(
     return RoutingPlan(*out[:6])
 
 
+@_options_one_way("gate_dense", DENSE_OPTIONS)
 def gate_dense(
     logits: torch.Tensor,
     expert_indices: torch.Tensor,
@@ -125,7 +154,10 @@ def gate_dense(
     `validate=True` reads the row flags once and raises for an id outside [-1, E), and with
     padding="empty" for a repeated expert; `validate=False` reads nothing.
 
-    The options may come as one `options=replay_ops.GateOptions(...)` instead."""
+    The options may come as one `options=replay_ops.GateOptions(...)` instead of the option
+    keywords (those of `gate`, and padding, ep_size, spread_offset, underflow_guard,
+    with_plan), never both: a call that gives `options=` and any of these keywords, even at
+    its default value, raises ValueError naming the keyword."""
     opts = resolve(options, "gate_dense", DENSE_OPTIONS, score_func=score_func,
                    normalize=normalize, scaling_factor=scaling_factor, padding=padding,
                    ep_size=ep_size, spread_offset=spread_offset,

@@ -271,13 +271,16 @@ class GateOptions:
 
 
 DEFAULTS = GateOptions()
+_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(GateOptions))
 
 
 def resolve(options: GateOptions | None, who: str, fields: tuple[str, ...],
             **keywords) -> GateOptions:
     """The options of a call that takes them as keywords or as `options=`: the keywords
-    alone, or `options` when no keyword differs from its default (both at once would leave
-    one of them silently unused). `fields`: the options the op takes (GATE_OPTIONS or
+    alone, or `options` alone. `replay_ops.gate` and `gate_dense` refuse `options=` with any
+    option keyword given explicitly (even at its default value) before they get here; this
+    refuses a keyword that differs from its default beside `options` (for callers that
+    cannot tell an explicit keyword). `fields`: the options the op takes (GATE_OPTIONS or
     DENSE_OPTIONS)."""
     if options is None:
         return GateOptions(**keywords)
@@ -288,8 +291,8 @@ def resolve(options: GateOptions | None, who: str, fields: tuple[str, ...],
     if given:
         raise ValueError(f"{who}: pass the options either as keywords or as options=, not both "
                          f"(got options= and {', '.join(f'{k}={keywords[k]!r}' for k in given)})")
-    unused = [f.name for f in dataclasses.fields(GateOptions)
-              if f.name not in fields and getattr(options, f.name) != getattr(DEFAULTS, f.name)]
+    unused = [f for f in _OPTION_NAMES
+              if f not in fields and getattr(options, f) != getattr(DEFAULTS, f)]
     if unused:
         raise ValueError(f"{who}: options set {', '.join(unused)}, which {who} does not take "
                          f"(they belong to replay_ops.gate_dense)")
