@@ -17,8 +17,6 @@ Host synchronisation (a read of device memory by the host, which stalls a CUDA s
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .options import (
@@ -29,34 +27,13 @@ from .options import (
     GATE_OPTIONS,
     GateOptions,
     Selection,
+    options_one_way,
     resolve,
 )
 from .plan import DenseRouting, RoutingPlan
 
 
-def _options_one_way(who: str, fields: tuple[str, ...]):
-    """Refuse a call that gives `options=` and also an option keyword (`fields`), whatever
-    the keyword's value: an explicit `normalize=True` beside `options=GateOptions(
-    normalize=False)` must not be dropped because it equals the default. The error names
-    the keywords. (A wrapper, since a keyword at its default cannot be told from an absent
-    one inside the function; `inspect.signature` shows the wrapped signature.)"""
-    def deco(fn):
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            if kwargs.get("options") is not None:
-                both = [k for k in fields if k in kwargs]
-                if both:
-                    raise ValueError(
-                        f"{who}: pass the options either as keywords or as options=, not both "
-                        f"(got options= and {', '.join(f'{k}={kwargs[k]!r}' for k in both)}); "
-                        f"to change one option of a GateOptions value, pass "
-                        f"options=dataclasses.replace(options, {both[0]}=...)")
-            return fn(*args, **kwargs)
-        return call
-    return deco
-
-
-@_options_one_way("gate", GATE_OPTIONS)
+@options_one_way("gate", GATE_OPTIONS)
 def gate(
     logits: torch.Tensor,
     expert_indices: torch.Tensor,
@@ -104,7 +81,7 @@ def gate(
     return RoutingPlan(*out[:6])
 
 
-@_options_one_way("gate_dense", DENSE_OPTIONS)
+@options_one_way("gate_dense", DENSE_OPTIONS)
 def gate_dense(
     logits: torch.Tensor,
     expert_indices: torch.Tensor,

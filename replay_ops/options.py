@@ -17,6 +17,7 @@ Per-call switches that are not options of the arithmetic (`replay_mask`, `fallba
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -297,3 +298,26 @@ def resolve(options: GateOptions | None, who: str, fields: tuple[str, ...],
         raise ValueError(f"{who}: options set {', '.join(unused)}, which {who} does not take "
                          f"(they belong to replay_ops.gate_dense)")
     return options
+
+
+def options_one_way(who: str, fields: tuple[str, ...]):
+    """A decorator: the call refuses `options=` together with any option keyword of
+    `fields`, whatever the keyword's value. An explicit `normalize=True` beside
+    `options=GateOptions(normalize=False)` must not be dropped because it equals the
+    default (nor the value's field because a keyword was given): the ValueError names the
+    keywords. (A wrapper, since inside the function a keyword at its default cannot be told
+    from an absent one; `inspect.signature` shows the wrapped function's.)"""
+    def deco(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if kwargs.get("options") is not None:
+                both = [k for k in fields if k in kwargs]
+                if both:
+                    raise ValueError(
+                        f"{who}: pass the options either as keywords or as options=, not both "
+                        f"(got options= and {', '.join(f'{k}={kwargs[k]!r}' for k in both)}); "
+                        f"to change one option of a GateOptions value, pass "
+                        f"options=dataclasses.replace(options, {both[0]}=...)")
+            return fn(*args, **kwargs)
+        return call
+    return deco
