@@ -67,9 +67,15 @@ def test_agreement_per_layer_counts_replayed_tokens_only():
         exp = torch.tensor([t in rows or not bool(mask[t]) for t in range(T)])
         assert torch.equal(plans[lid].agreement, exp)
         assert plans[lid].set_logprob is not None
-    # a second forward adds to the counts; clear_agreement forgets them
+    # a second forward adds to the counts, clear() keeps them; clear_agreement forgets them
     rr.route(1, xs[0])
     assert rr.agreement()[1] == pytest.approx(want[1])
+    rr.clear()
+    rr.set_routing(routing, replay_mask=torch.ones(T, dtype=torch.bool))
+    rr.set_action(ReplayAction.REPLAY_FORWARD)
+    rr.route(3, xs[1])  # 9 replayed rows counted before, 12 now
+    n3 = sum(t in agree[1] for t in replayed)
+    assert rr.agreement()[3] == pytest.approx((n3 + len(agree[1])) / (len(replayed) + T))
     rr.clear_agreement()
     assert rr.agreement() == {}
 

@@ -80,6 +80,7 @@ class RouterReplay:
         self._action: ReplayAction | None = None
         self.step = 0  # recordings started (R2): a new RECORD after a replay starts the next
         self.clear()
+        self.clear_agreement()
         if self.enabled and config.replay_file is not None:
             self.load(config.replay_file)
 
@@ -133,10 +134,10 @@ class RouterReplay:
         self._store.forget()
         self._calls = collections.Counter()
         self._replayed = False  # a REPLAY_FORWARD ran since the recording started
-        self.clear_agreement()
 
     def clear_agreement(self) -> None:
-        """Forget the agreement counts of `agreement()`."""
+        """Forget the agreement counts of `agreement()` (`clear()` keeps them: they measure
+        a run of many steps, each of which sets its routing anew)."""
         # layer id -> (replayed tokens whose set agrees, replayed tokens): 0-dim int64
         # tensors on the logits' device, summed without a host read
         self._agreement: dict[int, list[torch.Tensor]] = {}
@@ -472,8 +473,9 @@ class RouterReplay:
         `clear()` / `clear_agreement()` whose replayed set of experts equals the set the
         model's own selection picks from the current logits (`plan.agreement` of
         replay_ops.gate). Counted when the gate wrote the agreement: `config.agreement`,
-        or `route(..., return_agreement=True)`. A layer with no counted replayed token is
-        left out. One host read."""
+        or `route(..., return_agreement=True)`, since the object was built or
+        `clear_agreement()` (`clear()` keeps the counts). A layer with no counted replayed
+        token is left out. One host read."""
         layers = [lid for lid in self.moe_layer_ids if lid in self._agreement]
         if not layers:
             return {}
