@@ -265,3 +265,21 @@ def test_agreement_off_by_default():
         replay(router, tie_free_logits(), targets(router.topk))
     assert router.last_agreement is None and router.last_set_logprob is None
     assert router.agreement_fraction() is None
+
+
+def test_sqrtsoftplus_rows_take_the_routers_own_topk():
+    """sqrtsoftplus (newer Megatron-Core; 0.16's routing has no such score function): the
+    in-kernel selection equals the router's `own_topk`, which follows Megatron's op order
+    (fp32 scores rounded to the logits dtype, group-limited top-k; megatron-core 0.16
+    allows the expert bias with sigmoid only)."""
+    try:
+        router = make_router(dict(moe_router_topk=4, moe_router_score_function="sqrtsoftplus",
+                                  moe_router_num_groups=4, moe_router_group_topk=2),
+                             rom.ReplayOptions(validate=False))
+    except (ValueError, AssertionError) as e:  # a TransformerConfig that refuses the name
+        pytest.skip(f"this megatron-core does not build a sqrtsoftplus router: {e}")
+    x = tie_free_logits(seed=13)
+    with torch.no_grad():
+        _, rmap = replay(router, x, targets(4), torch.zeros(T, dtype=torch.bool))
+    idx = router.own_topk(x)
+    assert torch.equal(rmap, torch.zeros(T, E, dtype=torch.bool).scatter(1, idx, True))
