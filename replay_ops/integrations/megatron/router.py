@@ -146,7 +146,8 @@ class ReplayOptions:
         layer); "error" = raise, naming the layer and the row (one host read per call).
     validate: check that every recorded id is in -1..E-1 and raise otherwise (one host
         read per call of the row flags the gate kernel writes, shared with the padding
-        rows that "error" and "topk" need). With False, "topk" and "spread" read nothing
+        rows that "error" needs; "topk" rows are selected inside the gate kernel and need
+        no read). With False, "topk" and "spread" read nothing
         from the device (CUDA-graph safe); an out-of-range id then makes its row a padding
         row. At most one host read per call whatever the options.
     backend: replay_ops backend for the gate (None = automatic).
