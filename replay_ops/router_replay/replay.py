@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..options import GATE_OPTIONS, GateOptions, options_one_way, resolve
+from ..options import DEFAULT_SELECTION, GATE_OPTIONS, GateOptions, options_one_way, resolve
 from ..plan import RoutingPlan
 from .adapters.batch import INDEX_DTYPE, ReplayBatch, _mark_checked
 from .config import ConfigError, ReplayAction, ReplayMode, RouterReplayConfig, check_combination
@@ -354,7 +354,7 @@ class RouterReplay:
                                scaling_factor=scaling_factor, align=align,
                                return_agreement=self.config.agreement
                                if return_agreement is None else bool(return_agreement),
-                               **({} if selection is None else {"selection": selection}))
+                               selection=DEFAULT_SELECTION if selection is None else selection)
         else:  # (a keyword beside options= was refused by the decorator)
             opts = resolve(options, "RouterReplay.route", GATE_OPTIONS)
             if self.config.agreement and not opts.return_agreement:
