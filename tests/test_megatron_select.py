@@ -283,3 +283,22 @@ def test_sqrtsoftplus_rows_take_the_routers_own_topk():
         _, rmap = replay(router, x, targets(4), torch.zeros(T, dtype=torch.bool))
     idx = router.own_topk(x)
     assert torch.equal(rmap, torch.zeros(T, E, dtype=torch.bool).scatter(1, idx, True))
+
+
+def test_routing_agreement_of_a_model():
+    """`routing_agreement(model)`: every replay router's latest fraction, by layer id."""
+    cfg = env.moe_config(num_moe_experts=E, moe_router_topk=2)
+    layer = env.build_moe_layer(cfg, replay=True,
+                                options=rom.ReplayOptions(validate=False, agreement=True),
+                                layer_number=3)
+    assert rom.routing_agreement(layer) == {}  # nothing replayed yet
+    x = torch.randn(T, 1, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        own = torch.topk(layer.router.gating(x).view(T, E), 2, dim=1).indices
+    target = own.clone()
+    target[:6] = targets(2, seed=4, t=6)  # other routes on the first rows
+    env.run_layer(layer, x, target)
+    want = sum(set(target[t].tolist()) == set(own[t].tolist()) for t in range(T)) / T
+    assert want < 1
+    assert rom.routing_agreement(layer) == {2: pytest.approx(want)}
+    assert layer.router.agreement_fraction() == pytest.approx(want)

@@ -76,6 +76,7 @@ _LAZY = {
     "moe_layer_numbers": "layers",
     "prune_global_registry": "layers",
     "recorded_routing": "layers",
+    "routing_agreement": "layers",
     "set_replay_action": "layers",
     "set_replay_routing": "layers",
 }
