@@ -302,3 +302,33 @@ def test_routing_agreement_of_a_model():
     assert want < 1
     assert rom.routing_agreement(layer) == {2: pytest.approx(want)}
     assert layer.router.agreement_fraction() == pytest.approx(want)
+
+
+def test_backend_without_in_kernel_selection_takes_megatrons_topk_first(monkeypatch):
+    """Where the gate's backend cannot select inside its kernel (today the native CUDA and
+    Triton kernels), the router runs Megatron's own top-k before the gate instead of moving
+    the call to the torch backend; the routing is the same."""
+    from replay_ops.integrations.megatron import router as rmod
+
+    x = tie_free_logits(seed=21)
+    mask = torch.ones(T, dtype=torch.bool)
+    mask[1::3] = False
+    for validate in (False, True):
+        cfg = CONFIGS["sigmoid-bias-groups"]
+        target = targets(4)
+        target[2] = -1
+        fast = make_router(cfg, rom.ReplayOptions(validate=validate))
+        with torch.no_grad():
+            want = replay(fast, x, target, mask)
+        monkeypatch.setattr(rmod, "gate_selects_in_kernel", lambda *a: False)
+        slow = make_router(cfg, rom.ReplayOptions(validate=validate))
+        with torch.no_grad(), OpLog() as log:
+            got = replay(slow, x, target, mask)
+        monkeypatch.undo()
+        assert "aten.topk" in log.ops and log.ops.count("replay.gate_dense") == 1, log.ops
+        assert torch.equal(got[1], want[1])
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+
+
+def test_cpu_gate_selects_in_kernel():
+    assert rom.router.gate_selects_in_kernel("cpu", T, E, 2, torch.float32)

@@ -795,16 +795,16 @@ MUTANTS = [
       ("tests/test_megatron_select.py", "-k", "groups"),
       "Megatron selection: group-limited top-k dropped"),
     M("M333", "replay_ops/integrations/megatron/router.py",
-      "        else:  # \"topk\", and \"error\" (whose flagged rows raise below; masked rows select)\n"
+      "        elif in_kernel:  # \"topk\", and \"error\" (whose flagged rows raise below; masked rows select)\n"
       "            padding = \"select\"",
-      "        else:  # \"topk\", and \"error\" (whose flagged rows raise below; masked rows select)\n"
+      "        elif in_kernel:  # \"topk\", and \"error\" (whose flagged rows raise below; masked rows select)\n"
       "            padding = \"empty\"",
       ("tests/test_megatron_select.py", "-k", "flagged_rows"),
       "Megatron router: masked and padding rows not selected inside the gate"),
     M("M334", "replay_ops/integrations/megatron/router.py",
-      "        else:  # \"topk\", and \"error\" (whose flagged rows raise below; masked rows select)\n"
+      "        elif in_kernel:  # \"topk\", and \"error\" (whose flagged rows raise below; masked rows select)\n"
       "            padding = \"select\"",
-      "        else:  # \"topk\", and \"error\" (whose flagged rows raise below; masked rows select)\n"
+      "        elif in_kernel:  # \"topk\", and \"error\" (whose flagged rows raise below; masked rows select)\n"
       "            padding = \"select\"\n"
       "            fallback = self.own_topk(logits.detach()) if keep is not None else None",
       ("tests/test_megatron_select.py", "-k", "one_op"),

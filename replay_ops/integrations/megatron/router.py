@@ -58,7 +58,12 @@ flags once when it must (validate=True, or padding="error"), and not at all othe
 Rows that take Megatron's own selection (replay mask False, and the "topk" padding) get
 it inside the same gate launch, from their logits rows (`megatron_selection`: score
 function, pre-softmax, rounding, expert bias, group-limited top-k): the forward is one
-launch with or without a replay mask, and no top-k of the replayed rows runs. `own_topk`
+launch with or without a replay mask, and no top-k of the replayed rows runs. This
+holds where the backend that runs the gate selects inside its kernel (the native CPU
+kernels, the torch backend: `gate_selects_in_kernel`); where it does not yet (the native
+CUDA and Triton kernels), the router computes Megatron's own top-k before the gate (the
+rows the mask excludes, and the "topk" padding rows when nothing is read) or after the
+flag read on the flagged rows only, rather than move every call to the torch backend. `own_topk`
 (Megatron's own top-k, op for op) serves the model's own routing only: RECORD, an MTP
 router given no target, `moe_router_fusion=True` without replay, and the masked rows of
 padding="spread".
@@ -341,6 +346,35 @@ def spread_experts(num_tokens: int, num_experts: int, top_k: int, ep_size: int,
     return spread_rows(num_tokens, E, K, ep_size, offset, device)
 
 
+# ----------------------------------------------------------------------------- backends
+_SELECTS: dict = {}
+
+
+@torch._dynamo.assume_constant_result
+def gate_selects_in_kernel(device_type: str, num_tokens: int, num_experts: int, top_k: int,
+                           dtype: torch.dtype, backend: str | None = None) -> bool:
+    """True when the backend that runs the plain dense gate for these sizes also selects
+    the flagged rows inside its kernel (`OpShape.features` SELECT). Today the native CPU
+    kernels and the torch backend do; the native CUDA and Triton kernels do not yet, and a
+    call that selects would move to the torch backend (a vectorised selection of every
+    row): there the router keeps Megatron's own top-k before the gate instead (two
+    launches, the GPU kernels). Decided once per device, sizes and dtype (a constant under
+    torch.compile)."""
+    key = (device_type, num_tokens, num_experts, top_k, dtype, backend)
+    hit = _SELECTS.get(key)
+    if hit is None:
+        from replay_ops.backends import OpShape, explain
+        from replay_ops.backends.protocol import SELECT
+
+        plain = explain("gate_dense_fwd", device_type,
+                        OpShape(num_tokens, num_experts, top_k, 0), dtype, backend)[0]
+        sel = explain("gate_dense_fwd", device_type,
+                      OpShape(num_tokens, num_experts, top_k, 0, frozenset({SELECT})),
+                      dtype, backend)[0]
+        hit = _SELECTS[key] = plain == sel
+    return hit
+
+
 # ----------------------------------------------------------------------------- the router
 class ReplayTopKRouter(TopKRouter):
     """Megatron's TopKRouter, with replay_ops' fused gate under replay and with
@@ -497,14 +531,21 @@ class ReplayTopKRouter(TopKRouter):
             # routes them, their recorded placeholder is not read
             idx = torch.where(pad_rows.to(idx.device)[:, None], idx.new_full((), -1), idx)
         read = opts.validate or opts.padding == "error"
+        in_kernel = gate_selects_in_kernel(logits.device.type, T, E, K, logits.dtype,
+                                           opts.backend)
         fallback = None
         if opts.padding == "spread":
             padding = "spread"
             if keep is not None:
                 with torch.no_grad():
                     fallback = self.own_topk(logits.detach())
-        else:  # "topk", and "error" (whose flagged rows raise below; masked rows select)
+        elif in_kernel:  # "topk", and "error" (whose flagged rows raise below; masked rows select)
             padding = "select"
+        else:  # a backend without the in-kernel selection: Megatron's own top-k first
+            if keep is not None or (opts.padding == "topk" and not read):
+                with torch.no_grad():
+                    fallback = self.own_topk(logits.detach())
+            padding = "fallback" if opts.padding == "topk" and fallback is not None else "empty"
         out = self._gate(logits, idx, mask=keep, fallback=fallback, padding=padding,
                          agreement=opts.agreement)
         if not read:
@@ -521,6 +562,15 @@ class ReplayTopKRouter(TopKRouter):
                 f"{self._where()}: {action.name}: row {t} has no usable route "
                 f"{idx[t].tolist()} (a -1 slot or a repeated expert) and padding='error'; "
                 f"{int(bad.sum())} of {T} rows are like this")
+        if padding == "empty" and opts.padding == "topk" and bad.any():
+            # (no in-kernel selection) Megatron's own selection on the flagged rows only,
+            # then the gate again
+            rows = torch.from_numpy(bad.nonzero()[0]).to(logits.device)
+            fixed = idx.to(torch.int64)  # a copy for int16/int32 targets; cloned below else
+            fixed = fixed.clone() if fixed is idx else fixed
+            with torch.no_grad():
+                fixed[rows] = self.own_topk(logits.detach()[rows])
+            out = self._gate(logits, fixed, agreement=opts.agreement)
         return out
 
     def _raise_out_of_range(self, idx: torch.Tensor, num_experts: int, action) -> None:
