@@ -861,6 +861,11 @@ MUTANTS = [
       "        self._last_replayed = None if dense.agreement is None else dense.row_flags >= 0",
       ("tests/test_megatron_select.py", "-k", "agreement"),
       "Megatron router: rows selected by the kernel counted as replayed"),
+    M("M345", "replay_ops/integrations/megatron/router.py",
+      "            padding = \"fallback\" if opts.padding == \"topk\" and fallback is not None else \"empty\"",
+      "            padding = \"empty\"",
+      ("tests/test_megatron_select.py", "-k", "without_in_kernel"),
+      "Megatron router (no in-kernel selection): Megatron's own top-k computed but not used"),
 
 ]
 
