@@ -150,6 +150,26 @@ def gate_dense(
     return DenseRouting(probs, rmap, flags, idx, plan)
 
 
+def selects_in_kernel(op: str, device_type: str, num_tokens: int, num_experts: int,
+                      top_k: int, dtype: torch.dtype, backend: str | None = None) -> bool:
+    """True when the backend that runs the plain gate `op` ("gate" or "gate_dense") for
+    these sizes also computes the model's own selection of flagged rows inside its kernel
+    (a call with a replay mask, padding="select" or return_agreement then runs on the same
+    backend). Today the native CPU kernels and the torch backend do; the native CUDA and
+    Triton kernels do not yet, and such a call moves to the torch backend (docs/ops.md,
+    "Backends")."""
+    from .backends import OpShape, explain
+    from .backends.protocol import SELECT
+
+    kernel = {"gate": "gate_fwd", "gate_dense": "gate_dense_fwd"}[op]
+    plain = explain(kernel, device_type, OpShape(num_tokens, num_experts, top_k, 0), dtype,
+                    backend)[0]
+    sel = explain(kernel, device_type,
+                  OpShape(num_tokens, num_experts, top_k, 0, frozenset({SELECT})), dtype,
+                  backend)[0]
+    return plain == sel
+
+
 def permute(
     hidden: torch.Tensor,
     plan: RoutingPlan,

@@ -331,4 +331,10 @@ def test_backend_without_in_kernel_selection_takes_megatrons_topk_first(monkeypa
 
 
 def test_cpu_gate_selects_in_kernel():
-    assert rom.router.gate_selects_in_kernel("cpu", T, E, 2, torch.float32)
+    from replay_ops.api import selects_in_kernel
+    from replay_ops.integrations.megatron import router as rmod
+
+    assert rmod.gate_selects_in_kernel("cpu", T, E, 2, torch.float32)
+    for op in ("gate", "gate_dense"):
+        assert selects_in_kernel(op, "cpu", T, E, 2, torch.float32)
+        assert selects_in_kernel(op, "cpu", T, E, 2, torch.float32, "torch")

@@ -363,15 +363,10 @@ def gate_selects_in_kernel(device_type: str, num_tokens: int, num_experts: int, 
     key = (device_type, num_tokens, num_experts, top_k, dtype, backend)
     hit = _SELECTS.get(key)
     if hit is None:
-        from replay_ops.backends import OpShape, explain
-        from replay_ops.backends.protocol import SELECT
+        from replay_ops.api import selects_in_kernel
 
-        plain = explain("gate_dense_fwd", device_type,
-                        OpShape(num_tokens, num_experts, top_k, 0), dtype, backend)[0]
-        sel = explain("gate_dense_fwd", device_type,
-                      OpShape(num_tokens, num_experts, top_k, 0, frozenset({SELECT})),
-                      dtype, backend)[0]
-        hit = _SELECTS[key] = plain == sel
+        hit = _SELECTS[key] = selects_in_kernel("gate_dense", device_type, num_tokens,
+                                                num_experts, top_k, dtype, backend)
     return hit
 
 
