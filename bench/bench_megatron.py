@@ -23,8 +23,10 @@ Ops (Megatron-Core 0.16.1, its real code; the CPU stand-ins of
 Modes: fwd, full (forward + backward to the logits and the hidden states).
 
 Counts: one call of each provider under a TorchDispatchMode (bench/launch_counter.py), for
-the replay router with validate=True (`replay-router`) and validate=False
-(`replay-router/novalidate`). `model_us` = 4 us per launch + bytes at 3 TB/s (an H100-like
+the replay router with validate=True (`replay-router`), validate=False
+(`replay-router/novalidate`) and validate=False with verl's replay mask False on 1% of the
+rows (`replay-router/novalidate+mask`: those rows take Megatron's own selection, inside the
+gate kernel; counted, not compared with Megatron's replay, which has no mask). `model_us` = 4 us per launch + bytes at 3 TB/s (an H100-like
 model; on the GPU each native gate call is one launch).
 
 Hidden dtype: --dtype; logits fp32 (moe_router_dtype="fp32").
@@ -52,9 +54,12 @@ from launch_counter import counts, ops_str  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-# Targets of the fast path (docs/megatron.md).
-ROUTE_FWD_LAUNCHES = 3
-ROUTE_FULL_LAUNCHES = 6
+# Targets of the fast path (docs/megatron.md): the route is one gate launch forward (its
+# rows without a route selected inside the kernel), forward + backward at most three, with
+# or without a replay mask.
+ROUTE_FWD_LAUNCHES = 1
+ROUTE_FULL_LAUNCHES = 3
+MASKED_EVERY = 100  # the masked provider: 1% of rows not replayed (Megatron's own selection)
 STEP_LAUNCH_RATIO = 0.5
 STEP_BYTES_RATIO = 0.8
 ROUTE_FWD_SPEEDUP = 2.0
@@ -79,6 +84,8 @@ def setup(E, K, H, device="cpu"):
     routers = {"megatron": TopKRouter(cfg, pg),
                "replay-router": rom.ReplayTopKRouter(cfg, pg),
                "replay-router/novalidate": rom.ReplayTopKRouter(
+                   cfg, pg, options=rom.ReplayOptions(validate=False)),
+               "replay-router/novalidate+mask": rom.ReplayTopKRouter(
                    cfg, pg, options=rom.ReplayOptions(validate=False))}
     for r in routers.values():
         r.to(device)
@@ -96,10 +103,16 @@ def make_fns(T, E, K, H, dtype, routers, moe_utils, device="cpu"):
     logits0 = (torch.randn(T, E, generator=g) * 2).to(device)
     target = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K].to(device)
     hidden0 = torch.randn(T, H, generator=g).to(device=device, dtype=dtype)
+    mask = torch.ones(T, dtype=torch.bool)
+    mask[::MASKED_EVERY] = False
+    mask = mask.to(device)
 
     def route(name, logits):
         r = routers[name]
         r.router_replay.target_topk_idx = target  # REPLAY_FORWARD reads it, no FIFO growth
+        # verl's replay mask (the router reads the field): False rows take Megatron's own
+        # selection, inside the gate kernel
+        r.router_replay.target_replay_mask = mask if name.endswith("+mask") else None
         return r.routing(logits.view(T, 1, E))
 
     def megatron_step(logits, hidden):
@@ -157,6 +170,8 @@ def check_same(ops, logits0, hidden0):
     for op, fns in ops.items():
         base = None
         for name, fn in fns.items():
+            if name.endswith("+mask"):  # other rows than Megatron's replay (masked rows)
+                continue
             outs = [o.detach().float() for o in fn(logits0, hidden0)]
             grads = [g.float() for g in call(fn, "full", logits0, hidden0, op)()]
             if base is None:
@@ -235,11 +250,14 @@ def evaluate(res, case, device="cpu"):
                     "met": bool(ok), "blocking": "" if ok else blocking})
 
     rf = res[("route", "fwd", "replay-router")]
-    add("route fwd launches", rf["launches"], f"<= {ROUTE_FWD_LAUNCHES}",
-        rf["launches"] <= ROUTE_FWD_LAUNCHES, ops_str(rf["ops"]))
-    rb = res[("route", "full", "replay-router")]
-    add("route fwd+bwd launches", rb["launches"], f"<= {ROUTE_FULL_LAUNCHES}",
-        rb["launches"] <= ROUTE_FULL_LAUNCHES, ops_str(rb["ops"]))
+    for name, what in (("replay-router", ""), ("replay-router/novalidate", ", validate=False"),
+                       ("replay-router/novalidate+mask",
+                        f", validate=False, {100 // MASKED_EVERY}% rows masked")):
+        f, b = res[("route", "fwd", name)], res[("route", "full", name)]
+        add(f"route fwd launches{what}", f["launches"], f"<= {ROUTE_FWD_LAUNCHES}",
+            f["launches"] <= ROUTE_FWD_LAUNCHES, ops_str(f["ops"]))
+        add(f"route fwd+bwd launches{what}", b["launches"], f"<= {ROUTE_FULL_LAUNCHES}",
+            b["launches"] <= ROUTE_FULL_LAUNCHES, ops_str(b["ops"]))
     m, o = res[("step", "full", "megatron")], res[("step", "full", "replay-router+plan")]
     lr = o["launches"] / m["launches"]
     add("step fwd+bwd launches / megatron", round(lr, 3), f"<= {STEP_LAUNCH_RATIO}",

@@ -27,11 +27,13 @@ from .options import (
     GATE_OPTIONS,
     GateOptions,
     Selection,
+    options_one_way,
     resolve,
 )
 from .plan import DenseRouting, RoutingPlan
 
 
+@options_one_way("gate", GATE_OPTIONS)
 def gate(
     logits: torch.Tensor,
     expert_indices: torch.Tensor,
@@ -64,7 +66,10 @@ def gate(
     the log of the router's probability mass on that set, differentiable).
     See docs/ops.md for the exact semantics.
 
-    The options may come as one `options=replay_ops.GateOptions(...)` instead.
+    The options may come as one `options=replay_ops.GateOptions(...)` instead of the option
+    keywords (score_func, normalize, scaling_factor, align, padding, selection,
+    return_agreement), never both: a call that gives `options=` and any of these keywords,
+    even at its default value, raises ValueError naming the keyword.
     """
     opts = resolve(options, "gate", GATE_OPTIONS, score_func=score_func, normalize=normalize,
                    scaling_factor=scaling_factor, align=align, padding=padding,
@@ -76,6 +81,7 @@ def gate(
     return RoutingPlan(*out[:6])
 
 
+@options_one_way("gate_dense", DENSE_OPTIONS)
 def gate_dense(
     logits: torch.Tensor,
     expert_indices: torch.Tensor,
@@ -125,7 +131,10 @@ def gate_dense(
     `validate=True` reads the row flags once and raises for an id outside [-1, E), and with
     padding="empty" for a repeated expert; `validate=False` reads nothing.
 
-    The options may come as one `options=replay_ops.GateOptions(...)` instead."""
+    The options may come as one `options=replay_ops.GateOptions(...)` instead of the option
+    keywords (those of `gate`, and padding, ep_size, spread_offset, underflow_guard,
+    with_plan), never both: a call that gives `options=` and any of these keywords, even at
+    its default value, raises ValueError naming the keyword."""
     opts = resolve(options, "gate_dense", DENSE_OPTIONS, score_func=score_func,
                    normalize=normalize, scaling_factor=scaling_factor, padding=padding,
                    ep_size=ep_size, spread_offset=spread_offset,
@@ -139,6 +148,26 @@ def gate_dense(
     if opts.return_agreement:
         return DenseRouting(probs, rmap, flags, idx, plan, out[8], out[9])
     return DenseRouting(probs, rmap, flags, idx, plan)
+
+
+def selects_in_kernel(op: str, device_type: str, num_tokens: int, num_experts: int,
+                      top_k: int, dtype: torch.dtype, backend: str | None = None) -> bool:
+    """True when the backend that runs the plain gate `op` ("gate" or "gate_dense") for
+    these sizes also computes the model's own selection of flagged rows inside its kernel
+    (a call with a replay mask, padding="select" or return_agreement then runs on the same
+    backend). Today the native CPU kernels and the torch backend do; the native CUDA and
+    Triton kernels do not yet, and such a call moves to the torch backend (docs/ops.md,
+    "Backends")."""
+    from .backends import OpShape, explain
+    from .backends.protocol import SELECT
+
+    kernel = {"gate": "gate_fwd", "gate_dense": "gate_dense_fwd"}[op]
+    plain = explain(kernel, device_type, OpShape(num_tokens, num_experts, top_k, 0), dtype,
+                    backend)[0]
+    sel = explain(kernel, device_type,
+                  OpShape(num_tokens, num_experts, top_k, 0, frozenset({SELECT})), dtype,
+                  backend)[0]
+    return plain == sel
 
 
 def permute(

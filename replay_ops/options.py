@@ -17,6 +17,7 @@ Per-call switches that are not options of the arithmetic (`replay_mask`, `fallba
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -271,13 +272,16 @@ class GateOptions:
 
 
 DEFAULTS = GateOptions()
+_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(GateOptions))
 
 
 def resolve(options: GateOptions | None, who: str, fields: tuple[str, ...],
             **keywords) -> GateOptions:
     """The options of a call that takes them as keywords or as `options=`: the keywords
-    alone, or `options` when no keyword differs from its default (both at once would leave
-    one of them silently unused). `fields`: the options the op takes (GATE_OPTIONS or
+    alone, or `options` alone. `replay_ops.gate` and `gate_dense` refuse `options=` with any
+    option keyword given explicitly (even at its default value) before they get here; this
+    refuses a keyword that differs from its default beside `options` (for callers that
+    cannot tell an explicit keyword). `fields`: the options the op takes (GATE_OPTIONS or
     DENSE_OPTIONS)."""
     if options is None:
         return GateOptions(**keywords)
@@ -288,9 +292,32 @@ def resolve(options: GateOptions | None, who: str, fields: tuple[str, ...],
     if given:
         raise ValueError(f"{who}: pass the options either as keywords or as options=, not both "
                          f"(got options= and {', '.join(f'{k}={keywords[k]!r}' for k in given)})")
-    unused = [f.name for f in dataclasses.fields(GateOptions)
-              if f.name not in fields and getattr(options, f.name) != getattr(DEFAULTS, f.name)]
+    unused = [f for f in _OPTION_NAMES
+              if f not in fields and getattr(options, f) != getattr(DEFAULTS, f)]
     if unused:
         raise ValueError(f"{who}: options set {', '.join(unused)}, which {who} does not take "
                          f"(they belong to replay_ops.gate_dense)")
     return options
+
+
+def options_one_way(who: str, fields: tuple[str, ...]):
+    """A decorator: the call refuses `options=` together with any option keyword of
+    `fields`, whatever the keyword's value. An explicit `normalize=True` beside
+    `options=GateOptions(normalize=False)` must not be dropped because it equals the
+    default (nor the value's field because a keyword was given): the ValueError names the
+    keywords. (A wrapper, since inside the function a keyword at its default cannot be told
+    from an absent one; `inspect.signature` shows the wrapped function's.)"""
+    def deco(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if kwargs.get("options") is not None:
+                both = [k for k in fields if k in kwargs]
+                if both:
+                    raise ValueError(
+                        f"{who}: pass the options either as keywords or as options=, not both "
+                        f"(got options= and {', '.join(f'{k}={kwargs[k]!r}' for k in both)}); "
+                        f"to change one option of a GateOptions value, pass "
+                        f"options=dataclasses.replace(options, {both[0]}=...)")
+            return fn(*args, **kwargs)
+        return call
+    return deco

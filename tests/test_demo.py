@@ -88,3 +88,20 @@ def test_cli_help_and_errors(tmp_path):
     assert "tokens with >= 1 differing layer" in ok.stdout
     with open(tmp_path / "cli" / "summary.json") as f:
         assert json.load(f)["config"]["seed"] == 1
+
+
+def test_report_prints_the_per_layer_agreement(tmp_path):
+    """The training engine's RouterReplay counts the gate's agreement over the R3 passes.
+    The first MoE layer sees the same inputs in the own-routing and the R3 pass, so there
+    its agreement is exactly 1 - the no-replay mismatch; the report prints every layer's."""
+    s = run_tiny(tmp_path)
+    agree = s["r3_replay"]["agreement_per_layer"]
+    layers = s["model"]["moe_layer_ids"]
+    assert len(agree) == len(layers) and all(0.0 <= a <= 1.0 for a in agree)
+    first = s["no_replay"]["routing_mismatch_per_layer"][0]
+    assert agree[0] == pytest.approx(1.0 - first, abs=1e-6)  # (the mismatch is an fp32 mean)
+    text = demo.format_report(s)
+    assert "R3 agreement" in text
+    for lid, a in zip(layers, agree):
+        assert any(line.split("|")[0].strip() == str(lid) and f"{100 * a:.2f}%" in line
+                   for line in text.splitlines())

@@ -75,8 +75,49 @@ def test_options_and_keywords_together_are_refused_by_name():
         replay_ops.gate(lg, idx, align=2, options=GateOptions(align=2))
     with pytest.raises(ValueError, match=r"gate_dense: .*not both .*padding='spread'"):
         replay_ops.gate_dense(lg, idx, padding="spread", options=GateOptions())
-    # a keyword at its default is no conflict
-    replay_ops.gate(lg, idx, normalize=True, options=GateOptions(score_func="sigmoid"))
+    # an explicit keyword at its default is refused too: it must not be dropped in silence
+    with pytest.raises(ValueError, match=r"gate: .*not both \(got options= and "
+                                         r"normalize=True\)"):
+        replay_ops.gate(lg, idx, normalize=True, options=GateOptions(normalize=False))
+
+
+# A value of each option other than its default, valid for both gates where the option is
+# theirs (E=8, K=2).
+_OTHER = {"score_func": "sigmoid", "normalize": False, "scaling_factor": 2.0, "align": 4,
+          "padding": "select", "selection": replay_ops.Selection(num_groups=2, group_topk=1),
+          "return_agreement": True, "ep_size": 2, "spread_offset": 3,
+          "underflow_guard": True, "with_plan": False}
+
+
+@pytest.mark.parametrize("op, fields", [("gate", ro.GATE_OPTIONS),
+                                        ("gate_dense", ro.DENSE_OPTIONS)])
+def test_every_explicit_keyword_beside_options_is_refused_by_name(op, fields):
+    """Both directions, for every option keyword of the op: the keyword at its default
+    beside an `options` value that differs from it (the explicit keyword would be lost),
+    and the keyword at another value beside default `options` (the value's field would be
+    lost). Each is refused, naming the keyword; each side alone is accepted."""
+    lg, idx = make_logits(4, 8), make_indices(4, 8, 2)
+    fn = getattr(replay_ops, op)
+    assert set(fields) == set(_OTHER) & set(fields) and set(fields) <= set(_OTHER)
+    for f in fields:
+        default, other = getattr(ro.DEFAULTS, f), _OTHER[f]
+        for kw_value, opt_value in ((default, other), (other, default)):
+            opts = dataclasses.replace(GateOptions(), **{f: opt_value})
+            with pytest.raises(ValueError, match=rf"{op}: pass the options either as keywords "
+                                                 rf"or as options=, not both \(got options= "
+                                                 rf"and {f}=") as e:
+                fn(lg, idx, options=opts, **{f: kw_value})
+            assert f"{f}={kw_value!r}" in str(e.value)
+            fn(lg, idx, options=opts)  # each side alone is a valid call
+            fn(lg, idx, **{f: kw_value})
+
+
+def test_explicit_keyword_rule_leaves_the_signature():
+    import inspect
+
+    for fn in (replay_ops.gate, replay_ops.gate_dense):
+        params = inspect.signature(fn).parameters
+        assert params["normalize"].default is True and params["options"].default is None
 
 
 def test_dense_only_options_are_refused_by_gate():

@@ -45,11 +45,26 @@ def summary(cfg, eng, results: dict, r2: dict, device, timing: dict,
         "versions": versions(),
         "timing": {k: round(v, 2) for k, v in timing.items()},
     }
+    # per MoE layer: the fraction of replayed tokens whose replayed set (the inference
+    # engine's) is the set the training model's own selection picks from its logits under
+    # R3 (the gate's plan.agreement, counted by RouterReplay over every R3 pass)
+    agree = _agreement(eng)
+    if agree is not None:
+        s["r3_replay"]["agreement_per_layer"] = [agree.get(lid) for lid in lay.moe_layer_ids]
     if engine is not None:
         s["engine"] = engine
     kl0, kl1 = s["no_replay"]["kl_k3_mean"], s["r3_replay"]["kl_k3_mean"]
     s["kl_reduction"] = (kl0 / kl1) if kl1 > 0 else math.inf
     return s
+
+
+def _agreement(eng) -> dict | None:
+    """The training engine's RouterReplay.agreement() ({layer id: fraction}), or None when
+    it did not count it."""
+    replay = getattr(getattr(eng, "train_patch", None), "replay", None)
+    if replay is None or not getattr(replay.config, "agreement", False):
+        return None
+    return replay.agreement()
 
 
 def engine_label(summary: dict) -> str:
@@ -158,11 +173,21 @@ def format_report(s: dict) -> str:
     lines.append("")
     lines.append("Routing decisions that differ from the inference engine"
                  f"{f' ({engine_label(s)})' if real else ''}, per MoE layer")
-    lines.append(f"  {'layer':>5} | {'no replay':>10} | {'R3 replay':>10}")
-    lines.append(f"  {'-' * 5}-+-{'-' * 10}-+-{'-' * 10}")
-    for lid, a, b in zip(m["moe_layer_ids"], n["routing_mismatch_per_layer"],
-                         r["routing_mismatch_per_layer"]):
-        lines.append(f"  {lid:>5} | {100 * a:>9.2f}% | {100 * b:>9.2f}%")
+    agree = r.get("agreement_per_layer")
+    extra = f" | {'R3 agreement':>12}" if agree is not None else ""
+    lines.append(f"  {'layer':>5} | {'no replay':>10} | {'R3 replay':>10}{extra}")
+    lines.append(f"  {'-' * 5}-+-{'-' * 10}-+-{'-' * 10}"
+                 + (f"-+-{'-' * 12}" if agree is not None else ""))
+    for j, (lid, a, b) in enumerate(zip(m["moe_layer_ids"], n["routing_mismatch_per_layer"],
+                                        r["routing_mismatch_per_layer"])):
+        cell = ""
+        if agree is not None:
+            v = agree[j]
+            cell = f" | {'-':>12}" if v is None else f" | {100 * v:>11.2f}%"
+        lines.append(f"  {lid:>5} | {100 * a:>9.2f}% | {100 * b:>9.2f}%{cell}")
+    if agree is not None:
+        lines.append("  R3 agreement: replayed tokens whose replayed expert set is the training "
+                     "model's own choice from its logits (the gate's plan.agreement)")
     lines.append("")
     lines.append(f"  {'overall':<44} | {'no replay':>10} | {'R3 replay':>10}")
     lines.append(f"  {'-' * 44}-+-{'-' * 10}-+-{'-' * 10}")

@@ -75,8 +75,11 @@ class TrainingEngine:
 
         self.train_model = train_model
         self.num_params = sum(p.numel() for p in train_model.parameters())
+        # agreement: the gate also reports, per MoE layer, how many replayed tokens' sets
+        # are the training model's own choice (RouterReplay.agreement(), in the report)
         self.train_patch = hf.patch_model(train_model,
-                                          RouterReplayConfig(mode="R3", recompute=False))
+                                          RouterReplayConfig(mode="R3", recompute=False,
+                                                             agreement=True))
         self.moe = self.train_patch.moe
         self.pad_id = cfg.vocab_size - 1
 

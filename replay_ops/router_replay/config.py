@@ -122,6 +122,11 @@ class RouterReplayConfig:
     enable_rollout_routing_replay: the rollout flag (`actor_rollout_ref.rollout.
         enable_rollout_routing_replay`); `load_config` fills it from there.
     model_name: stored in files written by `save()`, and compared by `load()` if set.
+    agreement: every REPLAY_FORWARD gate also writes the routing agreement
+        (`replay_ops.gate(return_agreement=True)`, the same kernel pass): the plans carry
+        `agreement` and `set_logprob`, and `RouterReplay.agreement()` gives, per MoE layer,
+        the fraction of replayed tokens whose replayed set is the model's own selection.
+        `route(..., return_agreement=True)` asks for one call.
     """
 
     mode: ReplayMode = ReplayMode.DISABLED
@@ -133,6 +138,7 @@ class RouterReplayConfig:
     fallback: str = "gate"
     enable_rollout_routing_replay: Optional[bool] = None
     model_name: Optional[str] = None
+    agreement: bool = False
 
     def __setattr__(self, name, value) -> None:
         # a string ("R3", "r3", "disabled") is parsed once, when it is set; the field

@@ -30,11 +30,13 @@ and written through `files.py` (`RoutingFile.batch`, `write_routing`).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 from typing import Callable, Sequence
 
 import torch
 
+from ..options import DEFAULT_SELECTION, GATE_OPTIONS, GateOptions, options_one_way, resolve
 from ..plan import RoutingPlan
 from .adapters.batch import INDEX_DTYPE, ReplayBatch, _mark_checked
 from .config import ConfigError, ReplayAction, ReplayMode, RouterReplayConfig, check_combination
@@ -78,6 +80,7 @@ class RouterReplay:
         self._action: ReplayAction | None = None
         self.step = 0  # recordings started (R2): a new RECORD after a replay starts the next
         self.clear()
+        self.clear_agreement()
         if self.enabled and config.replay_file is not None:
             self.load(config.replay_file)
 
@@ -131,6 +134,13 @@ class RouterReplay:
         self._store.forget()
         self._calls = collections.Counter()
         self._replayed = False  # a REPLAY_FORWARD ran since the recording started
+
+    def clear_agreement(self) -> None:
+        """Forget the agreement counts of `agreement()` (`clear()` keeps them: they measure
+        a run of many steps, each of which sets its routing anew)."""
+        # layer id -> (replayed tokens whose set agrees, replayed tokens): 0-dim int64
+        # tensors on the logits' device, summed without a host read
+        self._agreement: dict[int, list[torch.Tensor]] = {}
 
     def clear_queues(self) -> None:
         self._queues.clear()
@@ -298,6 +308,7 @@ class RouterReplay:
         )
 
     # ------------------------------------------------------------------ the layer call
+    @options_one_way("RouterReplay.route", GATE_OPTIONS)
     def route(
         self,
         layer_id: int,
@@ -311,13 +322,22 @@ class RouterReplay:
         align: int = 1,
         backend: str | None = None,
         selection=None,
+        return_agreement: bool | None = None,
+        options: GateOptions | None = None,
     ) -> RoutingPlan | None:
         """The routing plan of MoE layer `layer_id` for router `logits` [T, E], or None
         when replay is disabled or there is no action (the layer runs its own path).
         `action` overrides the object's current action for this call only (e.g. a
         recompute served as REPLAY_BACKWARD while the object stays in REPLAY_FORWARD).
         `selection` (a replay_ops.Selection): the layer's own top-k rule, which the gate
-        applies, inside its kernel, to the rows without a route (replay mask False)."""
+        applies, inside its kernel, to the rows without a route (replay mask False).
+        The gate's options (score_func, normalize, scaling_factor, align, selection,
+        return_agreement) come as these keywords or as one `options=replay_ops.GateOptions`,
+        never both (as `replay_ops.gate`).
+
+        `return_agreement` (default: `config.agreement`): the plan also carries `agreement`
+        and `set_logprob` (replay_ops.gate), and under REPLAY_FORWARD the replayed tokens
+        are counted for `agreement()`."""
         action = self._action if action is None else self._enabled_action(action, "route")
         if not self.enabled or action is None:
             return None
@@ -329,16 +349,23 @@ class RouterReplay:
             )
         # The values were checked when the routing was set (config.validate): the gate
         # runs sync-free (an index outside [0, E) would be an empty slot).
-        opts = dict(score_func=score_func, normalize=normalize, scaling_factor=scaling_factor,
-                    align=align, validate=False, backend=backend)
-        if selection is not None:
-            opts["selection"] = selection
+        if options is None:
+            opts = GateOptions(score_func=score_func, normalize=normalize,
+                               scaling_factor=scaling_factor, align=align,
+                               return_agreement=self.config.agreement
+                               if return_agreement is None else bool(return_agreement),
+                               selection=DEFAULT_SELECTION if selection is None else selection)
+        else:  # (a keyword beside options= was refused by the decorator)
+            opts = resolve(options, "RouterReplay.route", GATE_OPTIONS)
+            if self.config.agreement and not opts.return_agreement:
+                opts = dataclasses.replace(opts, return_agreement=True)
+        call = dict(validate=False, backend=backend, options=opts)
         if action is ReplayAction.RECORD:
-            plan = self._route_record(layer_id, logits, topk_fn, opts)
+            plan = self._route_record(layer_id, logits, topk_fn, call)
         elif action is ReplayAction.REPLAY_FORWARD:
-            plan = self._route_replay_forward(layer_id, logits, topk_fn, opts)
+            plan = self._route_replay_forward(layer_id, logits, topk_fn, call)
         elif action is ReplayAction.REPLAY_BACKWARD:
-            plan = self._route_replay_backward(layer_id, logits, opts)
+            plan = self._route_replay_backward(layer_id, logits, call)
         else:  # pragma: no cover - ReplayAction.parse only returns these
             raise RouterReplayError(f"RouterReplay.route: unknown action {action!r}")
         if not _compiling():
@@ -405,7 +432,7 @@ class RouterReplay:
                 f"{describe_source(store.source)}, mapping: {store.mapping}); "
                 f"the batch and its routing do not line up"
             )
-        mask = store.mask
+        mask = replayed = store.mask
         if mask is not None and self.config.fallback == "topk_fn":
             if topk_fn is None:
                 raise ValueError(
@@ -416,9 +443,45 @@ class RouterReplay:
             idx = torch.where(mask[:, None], idx.to(torch.int32), own.to(torch.int32))
             mask = None
         plan = self._gate(logits, idx, replay_mask=mask, **opts)
+        if plan.agreement is not None and not _compiling():
+            self._count_agreement(layer_id, plan.agreement, replayed)
         if not self.config.recompute or _compiling():
             return plan
         return self._queues.push(layer_id, plan, self.config.max_queue)
+
+    def _count_agreement(self, layer_id: int, agreement: torch.Tensor,
+                         replayed: torch.Tensor | None) -> None:
+        """Add one forward's replayed tokens, and those whose set agrees, to the layer's
+        counts (on the device: no host read)."""
+        if replayed is not None:
+            replayed = replayed.to(agreement.device)
+            agree = (agreement & replayed).sum()
+            n = replayed.sum()
+        else:
+            agree = agreement.sum()
+            n = torch.tensor(agreement.numel(), device=agreement.device)
+        acc = self._agreement.get(layer_id)
+        if acc is None:
+            self._agreement[layer_id] = [agree, n]
+        else:
+            acc[0] = acc[0] + agree
+            acc[1] = acc[1] + n
+
+    def agreement(self) -> dict[int, float]:
+        """Per MoE layer (absolute layer id, in `moe_layer_ids` order): the fraction of the
+        replayed tokens (replay mask True) of the REPLAY_FORWARD calls since the last
+        `clear()` / `clear_agreement()` whose replayed set of experts equals the set the
+        model's own selection picks from the current logits (`plan.agreement` of
+        replay_ops.gate). Counted when the gate wrote the agreement: `config.agreement`,
+        or `route(..., return_agreement=True)`, since the object was built or
+        `clear_agreement()` (`clear()` keeps the counts). A layer with no counted replayed
+        token is left out. One host read."""
+        layers = [lid for lid in self.moe_layer_ids if lid in self._agreement]
+        if not layers:
+            return {}
+        counts = torch.stack([torch.stack([c.cpu() for c in self._agreement[lid]])
+                              for lid in layers]).tolist()
+        return {lid: a / n for lid, (a, n) in zip(layers, counts) if n > 0}
 
     def _route_replay_backward(self, layer_id, logits, opts) -> RoutingPlan:
         """Activation recompute: the indices of the matching REPLAY_FORWARD, first in,

@@ -54,6 +54,7 @@ _LAZY = {
     "UnsupportedConfigError": "router",
     "check_config": "router",
     "gate_semantics": "router",
+    "megatron_selection": "router",
     "replay_action": "router",
     "replay_router": "router",
     "spread_experts": "router",
@@ -75,6 +76,7 @@ _LAZY = {
     "moe_layer_numbers": "layers",
     "prune_global_registry": "layers",
     "recorded_routing": "layers",
+    "routing_agreement": "layers",
     "set_replay_action": "layers",
     "set_replay_routing": "layers",
 }

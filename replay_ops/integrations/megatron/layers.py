@@ -50,6 +50,7 @@ __all__ = [
     "moe_layer_numbers",
     "prune_global_registry",
     "recorded_routing",
+    "routing_agreement",
     "set_replay_action",
     "set_replay_routing",
 ]
@@ -138,6 +139,25 @@ def find_moe_routers(model, *, include_mtp: bool = False) -> list[RouterSlot]:
     mtp = [s for s in slots if s.is_mtp]
     return dec + (mtp if include_mtp else [])
 
+
+
+def routing_agreement(model, *, include_mtp: bool = False) -> dict[int, float]:
+    """Per MoE layer of `model` (layer id as in `RouterSlot.layer_id`: layer_number - 1 for
+    a decoder layer, the same ids as `RouterReplay.agreement()`): the fraction of the rows
+    its replay router replayed in its latest call whose replayed set is Megatron's own
+    selection from the current logits (`ReplayTopKRouter.agreement_fraction()`). Only the
+    routers built with `ReplayOptions(agreement=True)` that replayed a row are listed. One
+    host read per router."""
+    from .router import ReplayTopKRouter
+
+    out = {}
+    for slot in find_moe_routers(model, include_mtp=include_mtp):
+        r = slot.router
+        if isinstance(r, ReplayTopKRouter):
+            frac = r.agreement_fraction()
+            if frac is not None:
+                out[slot.layer_id] = frac
+    return out
 
 def _check_slots(slots: Sequence[RouterSlot], shape: ModelShape, config) -> None:
     """Every router found is a MoE layer of the config's shape."""

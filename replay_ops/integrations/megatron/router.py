@@ -56,9 +56,17 @@ routed weight of exactly 0 raised to the dtype's smallest normal value) inside t
 and the dispatch plan of the same routing for the plan dispatcher. The router reads the
 flags once when it must (validate=True, or padding="error"), and not at all otherwise.
 Rows that take Megatron's own selection (replay mask False, and the "topk" padding) get
-it from `own_topk`: on every row before the gate when nothing is read (sync-free), or
-after the read on the flagged rows only, followed by a second gate call, when there are
-any.
+it inside the same gate launch, from their logits rows (`megatron_selection`: score
+function, pre-softmax, rounding, expert bias, group-limited top-k): the forward is one
+launch with or without a replay mask, and no top-k of the replayed rows runs. This
+holds where the backend that runs the gate selects inside its kernel (the native CPU
+kernels, the torch backend: `gate_selects_in_kernel`); where it does not yet (the native
+CUDA and Triton kernels), the router computes Megatron's own top-k before the gate (the
+rows the mask excludes, and the "topk" padding rows when nothing is read) or after the
+flag read on the flagged rows only, rather than move every call to the torch backend. `own_topk`
+(Megatron's own top-k, op for op) serves the model's own routing only: RECORD, an MTP
+router given no target, `moe_router_fusion=True` without replay, and the masked rows of
+padding="spread".
 """
 from __future__ import annotations
 
@@ -76,6 +84,7 @@ from replay_ops import scores as scores_table
 from replay_ops._deprecated import deprecated_function
 from replay_ops._validate import signed_routing
 from replay_ops.errors import RoutingError
+from replay_ops.options import GateOptions, Selection
 from replay_ops.plan import (
     ROW_EMPTY_SLOT,
     ROW_OUT_OF_RANGE,
@@ -98,6 +107,7 @@ __all__ = [
     "UnsupportedConfigError",
     "check_config",
     "gate_semantics",
+    "megatron_selection",
     "replay_action",
     "replay_router",
     "spread_experts",
@@ -141,7 +151,8 @@ class ReplayOptions:
         layer); "error" = raise, naming the layer and the row (one host read per call).
     validate: check that every recorded id is in -1..E-1 and raise otherwise (one host
         read per call of the row flags the gate kernel writes, shared with the padding
-        rows that "error" and "topk" need). With False, "topk" and "spread" read nothing
+        rows that "error" needs; "topk" rows are selected inside the gate kernel and need
+        no read). With False, "topk" and "spread" read nothing
         from the device (CUDA-graph safe); an out-of-range id then makes its row a padding
         row. At most one host read per call whatever the options.
     backend: replay_ops backend for the gate (None = automatic).
@@ -162,6 +173,14 @@ class ReplayOptions:
         values (with padding="spread": K distinct experts spread over the EP ranks, instead
         of a client's placeholder route such as SkyRL's 0..K-1 or ms-swift's zeros, which
         all land on the first experts of one rank).
+    agreement: under REPLAY_FORWARD and REPLAY_BACKWARD, the gate also writes, in the same
+        launch, whether each row's replayed set of experts is the set Megatron's own
+        selection picks from the current logits, and the log of the router's probability
+        mass on the replayed set (`replay_ops.gate_dense(return_agreement=True)`): the
+        router keeps them as `last_agreement` (bool [T]) and `last_set_logprob` (float32
+        [T], differentiable), and `agreement_fraction()` gives the fraction of replayed rows
+        that agree. Rows that take Megatron's own selection (replay mask False, padding
+        rows) agree by construction and are not counted by `agreement_fraction`.
     """
 
     padding: str = "topk"
@@ -170,6 +189,7 @@ class ReplayOptions:
     plan_dispatch: bool = True
     token_order: str = "warn"
     masked_rows: str = "replay"
+    agreement: bool = False
 
     def __post_init__(self):
         if self.padding not in PADDING_POLICIES:
@@ -184,16 +204,19 @@ class ReplayOptions:
 
 
 # ----------------------------------------------------------------------------- config
-def gate_semantics(config, score_function: str | None = None, topk: int | None = None) -> dict:
-    """The replay_ops.gate arguments equal to Megatron's routing for `config`:
-    softmax + moe_router_pre_softmax=False -> softmax over the K selected logits
-    (normalize=True); pre-softmax -> softmax over all E gathered (normalize=False); sigmoid
+def gate_semantics(config, score_function: str | None = None, topk: int | None = None, *,
+                   expert_bias: torch.Tensor | None = None, **more) -> GateOptions:
+    """The `replay_ops.GateOptions` equal to Megatron's routing for `config`: the weights
+    (softmax + moe_router_pre_softmax=False -> softmax over the K selected logits,
+    normalize=True; pre-softmax -> softmax over all E gathered, normalize=False; sigmoid
     (and sqrtsoftplus) -> divided by the sum when K > 1; times
-    moe_router_topk_scaling_factor.
+    moe_router_topk_scaling_factor) and the selection (`megatron_selection`: the rule the
+    gate kernel applies to the rows that take Megatron's own choice).
 
     `score_function` and `topk` default to the config's; a router passes its own
     attributes (`router.score_function`, `router.topk`), which Megatron's routing reads and
-    which may be changed after the router is built."""
+    which may be changed after the router is built, and its `expert_bias`. `more`: other
+    options (padding, ep_size, return_agreement, ...)."""
     sf = config.moe_router_score_function if score_function is None else score_function
     k = config.moe_router_topk if topk is None else topk
     if sf == "softmax":
@@ -201,8 +224,29 @@ def gate_semantics(config, score_function: str | None = None, topk: int | None =
     else:
         normalize = k > 1
     scale = config.moe_router_topk_scaling_factor
-    return dict(score_func=sf, normalize=normalize,
-                scaling_factor=float(scale) if scale else 1.0)
+    return GateOptions(score_func=sf, normalize=normalize,
+                       scaling_factor=float(scale) if scale else 1.0,
+                       selection=megatron_selection(config, sf, expert_bias), **more)
+
+
+def megatron_selection(config, score_function: str | None = None,
+                       expert_bias: torch.Tensor | None = None) -> Selection:
+    """Megatron-Core's own top-k (`topk_routing_with_score_function`) for `config` as a
+    `replay_ops.Selection`: softmax selects on the raw logits, or with
+    moe_router_pre_softmax on the fp32 softmax rounded to the logits dtype; sigmoid and
+    sqrtsoftplus on the fp32 scores rounded to the logits dtype plus `expert_bias`; with
+    moe_router_group_topk, group-limited top-k over moe_router_num_groups groups (a group
+    scores the sum of its top K // group_topk). The same rule as `ReplayTopKRouter.own_topk`,
+    with the tie rule of docs/ops.md (the lower expert id first)."""
+    sf = config.moe_router_score_function if score_function is None else score_function
+    gtopk = int(config.moe_router_group_topk or 0)
+    groups = int(config.moe_router_num_groups or 0) if gtopk else 0
+    if sf == "softmax":
+        on_logits = not config.moe_router_pre_softmax
+        return Selection(source="logits" if on_logits else "scores", round_scores=not on_logits,
+                         num_groups=groups, group_topk=gtopk)
+    return Selection(source="scores", round_scores=True, expert_bias=expert_bias,
+                     num_groups=groups, group_topk=gtopk)
 
 
 def _routing_types(config) -> list:
@@ -302,6 +346,30 @@ def spread_experts(num_tokens: int, num_experts: int, top_k: int, ep_size: int,
     return spread_rows(num_tokens, E, K, ep_size, offset, device)
 
 
+# ----------------------------------------------------------------------------- backends
+_SELECTS: dict = {}
+
+
+@torch._dynamo.assume_constant_result
+def gate_selects_in_kernel(device_type: str, num_tokens: int, num_experts: int, top_k: int,
+                           dtype: torch.dtype, backend: str | None = None) -> bool:
+    """True when the backend that runs the plain dense gate for these sizes also selects
+    the flagged rows inside its kernel (`OpShape.features` SELECT). Today the native CPU
+    kernels and the torch backend do; the native CUDA and Triton kernels do not yet, and a
+    call that selects would move to the torch backend (a vectorised selection of every
+    row): there the router keeps Megatron's own top-k before the gate instead (two
+    launches, the GPU kernels). Decided once per device, sizes and dtype (a constant under
+    torch.compile)."""
+    key = (device_type, num_tokens, num_experts, top_k, dtype, backend)
+    hit = _SELECTS.get(key)
+    if hit is None:
+        from replay_ops.api import selects_in_kernel
+
+        hit = _SELECTS[key] = selects_in_kernel("gate_dense", device_type, num_tokens,
+                                                num_experts, top_k, dtype, backend)
+    return hit
+
+
 # ----------------------------------------------------------------------------- the router
 class ReplayTopKRouter(TopKRouter):
     """Megatron's TopKRouter, with replay_ops' fused gate under replay and with
@@ -321,6 +389,10 @@ class ReplayTopKRouter(TopKRouter):
         self.replay_options = options if options is not None else ReplayOptions()
         self.last_plan: RoutingPlan | None = None
         self._last_routing_map: torch.Tensor | None = None
+        # with ReplayOptions(agreement=True), after a replayed call (else None)
+        self.last_agreement: torch.Tensor | None = None
+        self.last_set_logprob: torch.Tensor | None = None
+        self._last_replayed: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- helpers
     @property
@@ -361,7 +433,7 @@ class ReplayTopKRouter(TopKRouter):
     def _replay_mask(self, mask, T: int, action, device) -> torch.Tensor | None:
         """verl's per-token replay mask ([T], or any shape with T elements; bool, or integers
         read as `!= 0` as verl does) as bool [T] on `device`: True = replay the recorded row,
-        False = Megatron's native selection for that row."""
+        False = Megatron's own selection for that row."""
         if mask is None:
             return None
         if not isinstance(mask, torch.Tensor):
@@ -396,14 +468,19 @@ class ReplayTopKRouter(TopKRouter):
                 f"splits and the micro-batch)")
         return target
 
-    def _gate(self, logits, idx, *, mask=None, fallback=None, padding="empty") -> DenseRouting:
-        """replay_ops.gate_dense with Megatron's semantics for this router: the dense probs
-        and routing map, the row flags, the plan; no host read."""
-        sem = gate_semantics(self.config, self.score_function, self.topk)
-        return replay_ops.gate_dense(
-            logits, idx, replay_mask=mask, fallback=fallback, padding=padding,
-            ep_size=self.ep_size, spread_offset=((self.layer_number or 1) - 1) * self.topk,
-            underflow_guard=True, validate=False, backend=self.replay_options.backend, **sem)
+    def _gate(self, logits, idx, *, mask=None, fallback=None, padding="empty",
+              agreement: bool = False) -> DenseRouting:
+        """replay_ops.gate_dense with Megatron's semantics for this router (weights and own
+        selection, `gate_semantics`): the dense probs and routing map, the row flags, the
+        plan; one launch, no host read."""
+        opts = gate_semantics(
+            self.config, self.score_function, self.topk, expert_bias=self.expert_bias,
+            padding=padding, ep_size=self.ep_size,
+            spread_offset=((self.layer_number or 1) - 1) * self.topk, underflow_guard=True,
+            return_agreement=agreement)
+        return replay_ops.gate_dense(logits, idx, replay_mask=mask, fallback=fallback,
+                                     validate=False, backend=self.replay_options.backend,
+                                     options=opts)
 
     def _check_token_order(self, target, seq_length: int, bsz: int, action) -> None:
         """An unpacked micro-batch (B > 1): the rows' order cannot be read from them; warn
@@ -429,12 +506,16 @@ class ReplayTopKRouter(TopKRouter):
     def _replay(self, target, logits: torch.Tensor, action, mask=None,
                 pad_rows=None) -> DenseRouting:
         """The dense routing of recorded [T, K] ids: rows the replay mask excludes take
-        Megatron's native selection (verl's semantics; their recorded values are not read),
+        Megatron's own selection (verl's semantics; their recorded values are not read),
         rows without a usable route follow the padding policy, every row K distinct experts.
 
-        At most one host read, of the row flags the gate wrote, and only with validate or
-        padding="error". Without it, "topk" and the replay mask take the native top-k of
-        every row, computed before the gate and passed in as its fallback rows."""
+        One gate launch: Megatron's own selection of the rows that take it (replay mask
+        False, and the "topk" padding's flagged rows) is computed inside the gate kernel
+        from their logits rows (`megatron_selection`), with no top-k of the other rows and
+        no host read. Only padding="spread" with a replay mask computes the own top-k
+        first (its masked rows take the own selection, its flagged rows the spread). At
+        most one host read, of the row flags the gate wrote, and only with validate or
+        padding="error"."""
         T, E = logits.shape
         K = self.topk
         idx = self._check_target(target, T, K, action).to(device=logits.device)
@@ -445,15 +526,23 @@ class ReplayTopKRouter(TopKRouter):
             # routes them, their recorded placeholder is not read
             idx = torch.where(pad_rows.to(idx.device)[:, None], idx.new_full((), -1), idx)
         read = opts.validate or opts.padding == "error"
+        in_kernel = gate_selects_in_kernel(logits.device.type, T, E, K, logits.dtype,
+                                           opts.backend)
         fallback = None
-        if keep is not None or (opts.padding == "topk" and not read):
-            with torch.no_grad():
-                fallback = self.own_topk(logits.detach())
         if opts.padding == "spread":
             padding = "spread"
-        else:
+            if keep is not None:
+                with torch.no_grad():
+                    fallback = self.own_topk(logits.detach())
+        elif in_kernel:  # "topk", and "error" (whose flagged rows raise below; masked rows select)
+            padding = "select"
+        else:  # a backend without the in-kernel selection: Megatron's own top-k first
+            if keep is not None or (opts.padding == "topk" and not read):
+                with torch.no_grad():
+                    fallback = self.own_topk(logits.detach())
             padding = "fallback" if opts.padding == "topk" and fallback is not None else "empty"
-        out = self._gate(logits, idx, mask=keep, fallback=fallback, padding=padding)
+        out = self._gate(logits, idx, mask=keep, fallback=fallback, padding=padding,
+                         agreement=opts.agreement)
         if not read:
             return out
         flags = out.row_flags.numpy(force=True)  # the one host read
@@ -468,14 +557,15 @@ class ReplayTopKRouter(TopKRouter):
                 f"{self._where()}: {action.name}: row {t} has no usable route "
                 f"{idx[t].tolist()} (a -1 slot or a repeated expert) and padding='error'; "
                 f"{int(bad.sum())} of {T} rows are like this")
-        if opts.padding == "topk" and fallback is None and bad.any():
-            # Megatron's own selection on the flagged rows only, then the gate again
+        if padding == "empty" and opts.padding == "topk" and bad.any():
+            # (no in-kernel selection) Megatron's own selection on the flagged rows only,
+            # then the gate again
             rows = torch.from_numpy(bad.nonzero()[0]).to(logits.device)
             fixed = idx.to(torch.int64)  # a copy for int16/int32 targets; cloned below else
             fixed = fixed.clone() if fixed is idx else fixed
             with torch.no_grad():
                 fixed[rows] = self.own_topk(logits.detach()[rows])
-            out = self._gate(logits, fixed)
+            out = self._gate(logits, fixed, agreement=opts.agreement)
         return out
 
     def _raise_out_of_range(self, idx: torch.Tensor, num_experts: int, action) -> None:
@@ -508,7 +598,7 @@ class ReplayTopKRouter(TopKRouter):
     def _replay_target(self, rr, action):
         """(target indices, verl's replay mask or None) for a replay action, taken from
         Megatron's or verl's RouterReplay with its FIFO discipline; None when this router
-        routes natively: an MTP router that was given no target (see the module
+        routes with its own selection: an MTP router that was given no target (see the module
         docstring)."""
         masks = getattr(rr, "replay_backward_mask_list", None)  # verl's RouterReplay only
         if action == RouterReplayAction.REPLAY_FORWARD:
@@ -518,7 +608,7 @@ class ReplayTopKRouter(TopKRouter):
                 raise ReplayRoutingError(
                     f"{self._where()}{self._chunk_note()}: REPLAY_FORWARD but no target "
                     f"indices were set (router_replay.set_target_indices / "
-                    f"set_replay_routing); replay would silently run on native routing")
+                    f"set_replay_routing); replay would silently run on the router's own routing")
             return rr.target_topk_idx, getattr(rr, "target_replay_mask", None)
         if masks is not None and len(masks) != len(rr.replay_backward_list):
             raise ReplayRoutingError(
@@ -562,6 +652,7 @@ class ReplayTopKRouter(TopKRouter):
         action = replay_action(self.router_replay, self._where())
         if action is None and not self.config.moe_router_fusion:
             self.last_plan = None
+            self.last_agreement = self.last_set_logprob = self._last_replayed = None
             return super().routing(logits, padding_mask=padding_mask)
 
         seq_length, bsz = logits.shape[:2]
@@ -577,6 +668,8 @@ class ReplayTopKRouter(TopKRouter):
         # value of the dtype (its gradient passes through, as Megatron's would).
         dense = self._route(logits, action, pad_rows=padding_mask, shape=(seq_length, bsz))
         probs, routing_map, plan = dense.probs, dense.routing_map, dense.plan
+        self.last_agreement, self.last_set_logprob = dense.agreement, dense.set_logprob
+        self._last_replayed = None if dense.agreement is None else dense.row_flags == 0
 
         dropped = False
         if self.config.moe_expert_capacity_factor is not None:
@@ -614,6 +707,18 @@ class ReplayTopKRouter(TopKRouter):
         self.last_plan = None if dropped else plan
         self._last_routing_map = None if dropped else routing_map
         return probs, routing_map
+
+    def agreement_fraction(self) -> float | None:
+        """The fraction of the rows replayed by the latest call (recorded route used: no
+        flag) whose replayed set equals Megatron's own selection from the current logits;
+        None without ReplayOptions(agreement=True), or when the latest call replayed no row.
+        One host read."""
+        if self.last_agreement is None or self._last_replayed is None:
+            return None
+        n = int(self._last_replayed.sum())
+        if n == 0:
+            return None
+        return int((self.last_agreement & self._last_replayed).sum()) / n
 
     def plan_for(self, routing_map: torch.Tensor) -> RoutingPlan | None:
         """The RoutingPlan behind `routing_map` if it is this router's latest output and no
