@@ -497,7 +497,8 @@ def test_gpu_run_dry_run(tmp_path):
                  "rehearsal passed", "===== steps ====="):
         assert want in text, want
     assert "test_cuda_compute_sanitizer or (test_gpu_sanitizer_mixed_chain and memcheck)" in text
-    guards = ("guards first: tests/test_gate.py::test_backends_cover_the_registry, "
+    guards = ("guards first: tests/test_gate.py::test_backends_cover_the_registry[cpu], "
+              "tests/test_gate.py::test_backends_cover_the_registry[cuda], "
               "tests/test_gpu_registry.py::test_every_cuda_backend_of_the_registry_has_cases;")
     assert guards in text
     md = (tmp_path / "out" / "summary.md").read_text()
