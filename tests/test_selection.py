@@ -677,3 +677,25 @@ def test_router_replay_route_passes_the_selection():
     plan = rr.route(0, lg, score_func="sigmoid", selection=sel)
     assert torch.equal(plan.expert_indices[-1], ref.select_experts(lg, K, "sigmoid", sel)[-1])
     assert torch.equal(plan.expert_indices[:-1], routing[:-1, 0].int())
+
+
+def test_a_backend_without_the_selection_is_passed_over_for_a_masked_gate(monkeypatch):
+    """A replay_mask alone marks the call as selecting: a backend whose kernels do not select
+    (here the native library, as one built without the feature reports itself) is passed
+    over, and the next backend selects the masked rows."""
+    from replay_ops.backends import native, torch as torch_backend
+    if not native.available("cpu"):
+        pytest.skip("the native library is not built here")
+    monkeypatch.setattr(native, "CPU_FEATURES", False)
+    served = []
+    real = torch_backend.gate_fwd
+    monkeypatch.setattr(torch_backend, "gate_fwd",
+                        lambda *a, **k: served.append(1) or real(*a, **k))
+    T, E, K = 12, 8, 2
+    logits = make_logits(T, E, seed=5)
+    idx = make_indices(T, E, K, seed=6)
+    mask = torch.arange(T) % 3 != 0
+    plan = replay_ops.gate(logits, idx, replay_mask=mask, validate=False, backend="native")
+    assert served, "the masked gate ran on a backend that does not select"
+    want = ref.gate(logits, idx, replay_mask=mask, validate=False)
+    assert torch.equal(plan.expert_indices, want.expert_indices)
