@@ -349,3 +349,22 @@ def test_registered_family_selection_and_old_registrations(how):
         patch.remove()
     finally:
         hf.unregister_family(name)
+
+
+def test_agreement_comes_from_the_gate_that_routes():
+    """With return_agreement the replayed block still runs one gate: the plan that routes
+    the tokens carries the agreement (no second gate call over the same indices)."""
+    model = make_model("qwen3_moe")
+    patch = hf.patch_model(model, "R3")
+    lid = patch.moe_layer_ids[0]
+    x = torch.randn(2, 8, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    patch.replay.set_routing(random_routing(16, len(patch.moe_layer_ids), seed=5))
+    counts = {}
+    for flag in (False, True):
+        patch.return_agreement = flag
+        patch.replay.set_action(ReplayAction.REPLAY_FORWARD)
+        with torch.no_grad():
+            _, log = run_block(patch, lid, x)
+        counts[flag] = sum(ns == "replay" and name == "gate" for name, ns, _ in log.ops)
+    assert counts == {False: 1, True: 1}, counts
+    patch.remove()

@@ -168,17 +168,18 @@ def route_block(patch, lid: int, block: torch.nn.Module,
             return own_idx  # the router's own output for these very logits
         return spec.topk(gate, lg)
 
-    opts = dict(score_func=spec.score_func, normalize=spec.normalize(gate),
-                scaling_factor=spec.scaling_factor(gate))
-    if spec.selection is not None:
-        opts["selection"] = spec.selection(gate)
+    # the gate's options, as one value from here to the kernel
+    opts = replay_ops.GateOptions(
+        score_func=spec.score_func, normalize=spec.normalize(gate),
+        scaling_factor=spec.scaling_factor(gate),
+        **({} if spec.selection is None else {"selection": spec.selection(gate)}))
     # DeepSeek-V3 normalizes its sigmoid weights even for top-1: w = s / (s + 1e-20), then
     # the scaling. replay_ops.gate, as Megatron-Core, leaves a row with one slot as it is;
     # gate unnormalized and unscaled, then apply the model's own formula (below).
-    top1_norm = spec.score_func == "sigmoid" and opts["normalize"] and int(gate.top_k) == 1
+    top1_norm = spec.score_func == "sigmoid" and opts.normalize and int(gate.top_k) == 1
     if top1_norm:
-        scaling = opts["scaling_factor"]
-        opts.update(normalize=False, scaling_factor=1.0)
+        scaling = opts.scaling_factor
+        opts = dataclasses.replace(opts, normalize=False, scaling_factor=1.0)
     recompute = patch.auto_recompute and action in (
         ReplayAction.REPLAY_FORWARD, ReplayAction.RECORD) and _in_backward()
     agreement = None
@@ -189,14 +190,16 @@ def route_block(patch, lid: int, block: torch.nn.Module,
         # do not record it a second time.
         with torch.no_grad():
             idx = topk_fn(logits.detach())
-        plan = replay_ops.gate(logits, idx, validate=False, **opts)
+        plan = replay_ops.gate(logits, idx, validate=False, options=opts)
     elif recompute:
         # the recompute of a replayed forward pops the layer's queue; the replay object's
         # own action stays REPLAY_FORWARD (other layers may still run forwards)
         plan = replay.route(lid, logits, action=ReplayAction.REPLAY_BACKWARD, topk_fn=topk_fn,
-                            **opts)
+                            options=opts)
     else:
-        plan = replay.route(lid, logits, action=action, topk_fn=topk_fn, **opts)
+        if patch.return_agreement:  # from the gate that makes the plan
+            opts = dataclasses.replace(opts, return_agreement=True)
+        plan = replay.route(lid, logits, action=action, topk_fn=topk_fn, options=opts)
         if patch.return_agreement:
             agreement = routing_agreement(logits, plan, opts)
     if top1_norm and plan is not None:
@@ -220,13 +223,15 @@ class LayerAgreement(NamedTuple):
     set_logprob: torch.Tensor
 
 
-def routing_agreement(logits: torch.Tensor, plan: RoutingPlan, opts: dict) -> LayerAgreement:
+def routing_agreement(logits: torch.Tensor, plan: RoutingPlan,
+                      opts: replay_ops.GateOptions) -> LayerAgreement:
     """The agreement of the routing `plan` used with the model's own selection
-    (`opts["selection"]`), from the gate: the plan's own outputs when the gate that made it
-    gave them, else one more gate call over the indices used, with `return_agreement`."""
+    (`opts.selection`), from the gate: the plan's own outputs when the gate that made it
+    gave them (RouterReplay.route with return_agreement), else one more gate call over the
+    indices used, with `return_agreement`."""
     if plan.agreement is None:
         plan = replay_ops.gate(logits, plan.expert_indices, validate=False,
-                               return_agreement=True, **opts)
+                               options=dataclasses.replace(opts, return_agreement=True))
     return LayerAgreement(plan.agreement, plan.set_logprob)
 
 
