@@ -44,7 +44,7 @@ def gate(
     align: int = 1,
     replay_mask: torch.Tensor | None = None,
     padding: str = "empty",
-    selection: Selection = DEFAULT_SELECTION,
+    selection: Selection | None = None,
     return_agreement: bool = False,
     validate: bool = True,
     backend: str | None = None,
@@ -54,7 +54,7 @@ def gate(
     (-1 = empty slot), plus the expert-major dispatch plan. Top-k is never recomputed for a
     replayed row. A row without a usable route gets the model's own choice, computed inside
     the gate kernel from the logits row it reads (`selection`, a replay_ops.Selection: top-k
-    of the scores by default; expert bias, group limits): every row where `replay_mask` is
+    of the scores when None, the default; expert bias, group limits): every row where `replay_mask` is
     False, and with `padding="select"` every row with a -1 slot, an id outside [0, E) or a
     repeated expert (with the default `padding="empty"` a -1 slot is an empty slot, weight
     0). With `validate=False` the index values are not checked and a value outside [0, E)
@@ -97,7 +97,7 @@ def gate_dense(
     underflow_guard: bool = False,
     align: int = 1,
     with_plan: bool = True,
-    selection: Selection = DEFAULT_SELECTION,
+    selection: Selection | None = None,
     return_agreement: bool = False,
     validate: bool = True,
     backend: str | None = None,

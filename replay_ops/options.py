@@ -222,8 +222,10 @@ class GateOptions:
     # how a padding row is routed: "empty" (either gate), "select" (either gate: the model's
     # own selection), "spread" and "fallback" (the dense gate only)
     padding: str = "empty"
-    # the model's own top-k rule (rows without a usable route, and the agreement outputs)
-    selection: Selection = DEFAULT_SELECTION
+    # the model's own top-k rule (rows without a usable route, and the agreement outputs);
+    # None gives DEFAULT_SELECTION (a default argument holding an object is one that
+    # torch.compile cannot trace on every torch this package supports)
+    selection: Selection | None = None
     # write plan.agreement and plan.set_logprob
     return_agreement: bool = False
     # the dense gate only
@@ -231,6 +233,10 @@ class GateOptions:
     spread_offset: int = 0
     underflow_guard: bool = False
     with_plan: bool = True
+
+    def __post_init__(self):
+        if self.selection is None:
+            object.__setattr__(self, "selection", DEFAULT_SELECTION)
 
     def flat(self, fields: tuple[str, ...]) -> tuple:
         """The values of the flat schema arguments `fields`, in their order, as the op schema
@@ -288,7 +294,8 @@ def resolve(options: GateOptions | None, who: str, fields: tuple[str, ...],
     if not isinstance(options, GateOptions):
         raise TypeError(f"{who}: options must be a replay_ops.GateOptions, got "
                         f"{type(options).__name__}")
-    given = [k for k, v in keywords.items() if v != getattr(DEFAULTS, k)]
+    given = [k for k, v in keywords.items()
+             if v != getattr(DEFAULTS, k) and not (k == "selection" and v is None)]
     if given:
         raise ValueError(f"{who}: pass the options either as keywords or as options=, not both "
                          f"(got options= and {', '.join(f'{k}={keywords[k]!r}' for k in given)})")
