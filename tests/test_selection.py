@@ -316,16 +316,7 @@ def test_set_logprob_gradcheck(dev_backend, sf):
                                         padding="select", validate=False,
                                         backend=backend).set_logprob, (lg,))
     # against autograd through the reference, fp32
-    x32 = make_logits(T, E, device=device, seed=4)
-    g = torch.randn(T, generator=torch.Generator().manual_seed(2)).to(device)
-    outs = []
-    for f in (lambda x: replay_ops.gate(x, idx, score_func=sf, return_agreement=True,
-                                        validate=False, backend=backend).set_logprob,
-              lambda x: ref.set_logprob(x, idx, sf)):
-        x = x32.clone().requires_grad_(True)
-        (grad,) = torch.autograd.grad(f(x), x, g)
-        outs.append(grad)
-    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    x32 = set_logprob_grad_like_reference(T, E, idx, sf, device, backend)
     no_set = torch.full_like(idx, -1)
     x = x32.clone().requires_grad_(True)
     p = replay_ops.gate(x, no_set, score_func=sf, return_agreement=True, validate=False,
@@ -699,3 +690,19 @@ def test_a_backend_without_the_selection_is_passed_over_for_a_masked_gate(monkey
     assert served, "the masked gate ran on a backend that does not select"
     want = ref.gate(logits, idx, replay_mask=mask, validate=False)
     assert torch.equal(plan.expert_indices, want.expert_indices)
+
+
+def set_logprob_grad_like_reference(T, E, idx, sf, device, backend):
+    """The fp32 gradient of the gate's set_logprob equals autograd through the reference;
+    returns the logits used."""
+    x32 = make_logits(T, E, device=device, seed=4)
+    g = torch.randn(T, generator=torch.Generator().manual_seed(2)).to(device)
+    outs = []
+    for f in (lambda x: replay_ops.gate(x, idx, score_func=sf, return_agreement=True,
+                                        validate=False, backend=backend).set_logprob,
+              lambda x: ref.set_logprob(x, idx, sf)):
+        x = x32.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(f(x), x, g)
+        outs.append(grad)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    return x32

@@ -21,7 +21,7 @@ from _helpers import (
     make_indices,
     make_logits,
 )
-from test_selection import messy_rows, tie_free_logits
+from test_selection import messy_rows, set_logprob_grad_like_reference, tie_free_logits
 
 TRITON = [p for p in backend_params() if p.values[0][1] == "triton"]
 if not TRITON:
@@ -158,16 +158,7 @@ def test_triton_set_logprob_gradient(dev_backend, sf):
             lambda x: replay_ops.gate_dense(x, idx, score_func=sf, return_agreement=True,
                                             validate=False, backend=backend).set_logprob,
             (lg,))
-    x32 = make_logits(t, e, device=device, seed=4)
-    g = torch.randn(t, generator=torch.Generator().manual_seed(2)).to(device)
-    outs = []
-    for f in (lambda x: replay_ops.gate(x, idx, score_func=sf, return_agreement=True,
-                                        validate=False, backend=backend).set_logprob,
-              lambda x: ref.set_logprob(x, idx, sf)):
-        x = x32.clone().requires_grad_(True)
-        (grad,) = torch.autograd.grad(f(x), x, g)
-        outs.append(grad)
-    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    x32 = set_logprob_grad_like_reference(t, e, idx, sf, device, backend)
     x = x32.clone().requires_grad_(True)
     p = replay_ops.gate(x, torch.full_like(idx, -1), score_func=sf, return_agreement=True,
                         validate=False, backend=backend)
