@@ -78,8 +78,8 @@ MSSWIFT_PIN ?= 4.6.0
 MCORE_BRIDGE_PIN ?= 1.6.5
 MSSWIFT_DIR = build/clients/ms-swift-$(MSSWIFT_PIN)
 install-test: install
-	@echo "install-test: pytest, hypothesis, ruff, megatron-core, verl, SkyRL and ms-swift (pinned; no-op when present)"
-	$(PIP) pytest hypothesis "ruff==$(RUFF_PIN)"
+	@echo "install-test: pytest, hypothesis, pytest-xdist, ruff, megatron-core, verl, SkyRL and ms-swift (pinned; no-op when present)"
+	$(PIP) pytest hypothesis pytest-xdist "ruff==$(RUFF_PIN)"
 	$(PIP) --no-deps "megatron-core==$(MCORE_PIN)"
 	$(PIP) numpy packaging
 	$(PIP) --no-deps "verl==$(VERL_PIN)" "ray==2.60.0" "tensordict==0.10.0" "pyvers==0.2.3" \

@@ -381,7 +381,7 @@ setup(
         "triton": [f"triton{TRITON_RANGE}"],
         "replay": ["omegaconf", "pyyaml", "safetensors"],
         "demo": ["tqdm", "matplotlib"],
-        "test": ["pytest", "hypothesis", "ruff==0.17.6"],
+        "test": ["pytest", "hypothesis", "pytest-xdist", "ruff==0.17.6"],
     },
     # vLLM and SGLang load these in their processes; they do nothing unless
     # REPLAY_OPS_VLLM_INJECT=1 / REPLAY_OPS_SGLANG_INJECT=1 (route injection,
