@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 
 from .options import (
-    DEFAULT_SELECTION,
     DENSE_FIELDS,
     DENSE_OPTIONS,
     GATE_FIELDS,
