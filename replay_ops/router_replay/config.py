@@ -119,6 +119,12 @@ class RouterReplayConfig:
         use "gate" (the model's own selection inside replay_ops.gate's kernel: the top-k of
         the scores, or the `selection` given to `route`, with expert bias and group limits)
         or "topk_fn" (the layer's own top-k function, run on every row).
+    padding: what a replayed row with a -1 slot (some slots empty; a row with every slot
+        -1 is not replayed) does in the gate: "empty" (the slot routes nowhere: the row
+        goes to fewer experts, as a recording that dropped a slot had it) or "select"
+        (the row takes the model's own selection inside the gate kernel, as the rows of
+        `fallback="gate"`). `route()`'s `padding=`, or options whose padding is not
+        "empty", override it for one call.
     enable_rollout_routing_replay: the rollout flag (`actor_rollout_ref.rollout.
         enable_rollout_routing_replay`); `load_config` fills it from there.
     model_name: stored in files written by `save()`, and compared by `load()` if set.
@@ -136,6 +142,7 @@ class RouterReplayConfig:
     max_queue: int = 64
     validate: bool = True
     fallback: str = "gate"
+    padding: str = "empty"
     enable_rollout_routing_replay: Optional[bool] = None
     model_name: Optional[str] = None
     agreement: bool = False
@@ -161,6 +168,7 @@ class RouterReplayConfig:
 
 
 FALLBACKS = ("gate", "topk_fn")
+PADDINGS = ("empty", "select")
 
 
 def check_combination(cfg: RouterReplayConfig, mode_key: str = ROUTER_REPLAY_KEY) -> None:
@@ -193,6 +201,10 @@ def check_combination(cfg: RouterReplayConfig, mode_key: str = ROUTER_REPLAY_KEY
     if cfg.fallback not in FALLBACKS:
         raise ConfigError(
             f"router_replay: unknown fallback={cfg.fallback!r}; expected one of {FALLBACKS}"
+        )
+    if cfg.padding not in PADDINGS:
+        raise ConfigError(
+            f"router_replay: unknown padding={cfg.padding!r}; expected one of {PADDINGS}"
         )
     if not isinstance(cfg.max_queue, int) or cfg.max_queue < 1:
         raise ConfigError(

@@ -320,6 +320,7 @@ class RouterReplay:
         normalize: bool = True,
         scaling_factor: float = 1.0,
         align: int = 1,
+        padding: str | None = None,
         backend: str | None = None,
         selection=None,
         return_agreement: bool | None = None,
@@ -331,9 +332,13 @@ class RouterReplay:
         recompute served as REPLAY_BACKWARD while the object stays in REPLAY_FORWARD).
         `selection` (a replay_ops.Selection): the layer's own top-k rule, which the gate
         applies, inside its kernel, to the rows without a route (replay mask False).
-        The gate's options (score_func, normalize, scaling_factor, align, selection,
-        return_agreement) come as these keywords or as one `options=replay_ops.GateOptions`,
-        never both (as `replay_ops.gate`).
+        The gate's options (score_func, normalize, scaling_factor, align, padding,
+        selection, return_agreement) come as these keywords or as one
+        `options=replay_ops.GateOptions`, never both (as `replay_ops.gate`).
+
+        `padding` (default: `config.padding`): a replayed row with a -1 slot routes to its
+        other experts ("empty") or takes the model's own selection in the gate ("select").
+        Options whose padding is "empty" take `config.padding`.
 
         `return_agreement` (default: `config.agreement`): the plan also carries `agreement`
         and `set_logprob` (replay_ops.gate), and under REPLAY_FORWARD the replayed tokens
@@ -352,6 +357,7 @@ class RouterReplay:
         if options is None:
             opts = GateOptions(score_func=score_func, normalize=normalize,
                                scaling_factor=scaling_factor, align=align,
+                               padding=self.config.padding if padding is None else padding,
                                return_agreement=self.config.agreement
                                if return_agreement is None else bool(return_agreement),
                                selection=DEFAULT_SELECTION if selection is None else selection)
@@ -359,6 +365,8 @@ class RouterReplay:
             opts = resolve(options, "RouterReplay.route", GATE_OPTIONS)
             if self.config.agreement and not opts.return_agreement:
                 opts = dataclasses.replace(opts, return_agreement=True)
+            if opts.padding == "empty" and self.config.padding != "empty":
+                opts = dataclasses.replace(opts, padding=self.config.padding)
         call = dict(validate=False, backend=backend, options=opts)
         if action is ReplayAction.RECORD:
             plan = self._route_record(layer_id, logits, topk_fn, call)
