@@ -937,6 +937,18 @@ MUTANTS = [
       ("tests/test_megatron_select.py", "-k", "without_in_kernel"),
       "Megatron router (no in-kernel selection): Megatron's own top-k computed but not used"),
 
+    # ----------------------------------------------------- router replay: padding
+    M("M380", "replay_ops/router_replay/replay.py",
+      "                               padding=self.config.padding if padding is None else padding,",
+      "                               padding=\"empty\" if padding is None else padding,",
+      ("tests/test_replay_padding.py",),
+      "RouterReplay.route: config.padding ignored (a holed row stays holed)"),
+    M("M381", "replay_ops/router_replay/replay.py",
+      "            if opts.padding == \"empty\" and self.config.padding != \"empty\":",
+      "            if False:",
+      ("tests/test_replay_padding.py",),
+      "RouterReplay.route: options= at the default padding ignore config.padding"),
+
     # ----------------------------------------------------- HF: logits-only replay
     M("M290", "replay_ops/integrations/hf/families.py",
       "    return Selection.deepseek_v3(expert_bias=gate.e_score_correction_bias,",
