@@ -436,3 +436,22 @@ def test_demo_report_lines():
     assert "tokens equal 2/2" in text and "at all 30 positions" in text
     assert "(+11.1% time)" in text
     assert "      1 |     20.00% |      0.00%" in text and "  all |     15.00% |      0.00%" in text
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_plugin_switch(engine, monkeypatch):
+    """Each engine plugin is inert unless its variable is 1, and refuses any other value by
+    name (installing replay_ops must not change an engine, and a typo must not be read as
+    off)."""
+    import importlib
+
+    mod = importlib.import_module(f"replay_ops.integrations.{engine}")
+    monkeypatch.delenv(mod.ENV, raising=False)
+    assert mod.active() is False
+    monkeypatch.setenv(mod.ENV, "0")
+    assert mod.active() is False
+    monkeypatch.setenv(mod.ENV, "1")
+    assert mod.active() is True
+    monkeypatch.setenv(mod.ENV, "yes")
+    with pytest.raises(ValueError, match=f"{mod.ENV}='yes'"):
+        mod.active()

@@ -56,6 +56,17 @@ import torch
 from .adapters.batch import RoutingMismatchError, decode_b64, to_moe
 from .shape import ModelShape, describe_bad_route, first_bad_route
 
+def switch_on(env: str) -> bool:
+    """An engine plugin's switch: True when the environment variable `env` is 1, False when
+    it is 0 or unset; any other value is refused, naming it."""
+    v = os.environ.get(env, "")
+    if v in ("", "0"):
+        return False
+    if v == "1":
+        return True
+    raise ValueError(f"{env}={v!r}: expected 1 (route injection on) or 0/unset (off)")
+
+
 ROUTES_KEY = "replay_ops_routes"
 START_KEY = "replay_ops_routes_start"
 WIRE_VERSION = 1

@@ -35,8 +35,6 @@ plugin can tell from its config (checked against the loaded model at start-up).
 """
 from __future__ import annotations
 
-import os
-
 ENV = "REPLAY_OPS_VLLM_INJECT"
 ENTRY_POINT = "replay_ops_inject = replay_ops.integrations.vllm:register"
 ENTRY_POINT_GROUP = "vllm.general_plugins"
@@ -45,12 +43,9 @@ ENTRY_POINT_GROUP = "vllm.general_plugins"
 def active() -> bool:
     """True when the engine's environment turns route injection on (`REPLAY_OPS_VLLM_INJECT`
     is 1); any value other than 0/1/unset is refused."""
-    v = os.environ.get(ENV, "")
-    if v in ("", "0"):
-        return False
-    if v == "1":
-        return True
-    raise ValueError(f"{ENV}={v!r}: expected 1 (route injection on) or 0/unset (off)")
+    from ...router_replay.inject import switch_on
+
+    return switch_on(ENV)
 
 
 def register() -> None:
