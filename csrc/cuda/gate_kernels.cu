@@ -624,6 +624,39 @@ struct SetLogprobGrad {
   }
 };
 
+// The set statistics of a row's set log-prob gradient (every lane of the warp calls it; lane
+// k holds slot k: expert e, valid v, logit z), with the row's softmax statistics (m, s).
+// Not inlined: its lists stay out of the backward's registers.
+template <typename scalar_t>
+__device__ __noinline__ void set_logprob_grad_setup(SetLogprobGrad<acc_t<scalar_t>>& lp,
+                                                    const scalar_t* xr, int64_t E, int64_t K,
+                                                    int sf, int e, bool v, acc_t<scalar_t> z,
+                                                    acc_t<scalar_t> m, acc_t<scalar_t> s) {
+  using A = acc_t<scalar_t>;
+  const int lane = threadIdx.x & 31;
+  int32_t used[kMaxTopK];
+  A zs[kMaxTopK];
+  for (int kk = 0; kk < K; ++kk) {
+    used[kk] = __shfl_sync(kFullMask, v ? e : -1, kk);
+    zs[kk] = __shfl_sync(kFullMask, z, kk);
+  }
+  if (sf == rm::kSoftmax) {
+    lp.lse_s = rm::member_logsumexp(zs, used, K);
+    lp.on = lp.lse_s != rm::neg_inf<A>();
+    lp.m = m;
+    lp.s = s;
+    return;
+  }
+  A mass = A(0), lt = A(0);
+  for (int kk = 0; kk < K; ++kk)
+    if (rm::first_of_expert(used, kk)) mass += rm::score(sf, zs[kk]);
+  for (int64_t j = lane; j < E; j += 32) lt += rm::score(sf, to_acc(xr[j]));
+  const A total = warp_sum(lt);
+  lp.on = mass > A(0);
+  lp.inv_mass = rm::ro_div(A(1), mass);
+  lp.inv_total = rm::ro_div(A(1), total);
+}
+
 // One warp per token row, lane k holds slot k (K <= 32); the dense row is written once.
 // The slot gradients come from gw [T, K] (compute type), or with gd != nullptr from the
 // dense probs gradient gd [T, E] (logits dtype, strides sgt, sge) at the slot's expert.
@@ -672,29 +705,7 @@ __global__ void __launch_bounds__(256) _gate_bwd_kernel(const acc_t<scalar_t>* g
       for (int64_t j = lane; j < E; j += 32) ls += rm::ro_exp(to_acc(xr[j]) - m);
       s = warp_sum(ls);
     }
-    if (with_lp) {
-      int32_t used[kMaxTopK];
-      A zs[kMaxTopK];
-      for (int kk = 0; kk < K; ++kk) {
-        used[kk] = __shfl_sync(kFullMask, v ? e : -1, kk);
-        zs[kk] = __shfl_sync(kFullMask, z, kk);
-      }
-      if (sf == rm::kSoftmax) {
-        lp.lse_s = rm::member_logsumexp(zs, used, K);
-        lp.on = lp.lse_s != rm::neg_inf<A>();
-        lp.m = m;
-        lp.s = s;
-      } else {
-        A mass = A(0), lt = A(0);
-        for (int kk = 0; kk < K; ++kk)
-          if (rm::first_of_expert(used, kk)) mass += rm::score(sf, zs[kk]);
-        for (int64_t j = lane; j < E; j += 32) lt += rm::score(sf, to_acc(xr[j]));
-        const A total = warp_sum(lt);
-        lp.on = mass > A(0);
-        lp.inv_mass = rm::ro_div(A(1), mass);
-        lp.inv_total = rm::ro_div(A(1), total);
-      }
-    }
+    if (with_lp) set_logprob_grad_setup<scalar_t>(lp, xr, E, K, sf, e, v, z, m, s);
     if (full) {
       dz = v ? g * rm::ro_div(rm::ro_exp(z - m), s) : A(0);  // a_k
       Asum = warp_sum(dz);
