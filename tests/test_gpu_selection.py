@@ -22,7 +22,7 @@ import replay_ops
 from replay_ops import reference as ref
 from replay_ops.options import Selection
 
-from _helpers import assert_fa_close, assert_plan_ints_equal, gen, make_indices, with_marks
+from _helpers import assert_fa_close, assert_plan_ints_equal, gen, make_indices
 
 import gpu_workloads as W  # tools/ (pyproject's pytest pythonpath)
 
@@ -193,46 +193,50 @@ def check_limits(device, backend):
 
 
 # ------------------------------------------------------------------------------ tests
-@with_marks(on_native_cuda())
+# the backend as a parameter id ("cuda-native"): tools/gpu_test_plan.py counts the executed
+# CUDA cases of each backend by it
+NATIVE = [pytest.param("native", id="cuda-native", marks=on_native_cuda())]
+
+
+@pytest.mark.parametrize("backend", NATIVE)
 @pytest.mark.parametrize("name", list(CASES))
-def test_gpu_native_selection_on_every_launch_path(name):
+def test_gpu_native_selection_on_every_launch_path(backend, name):
     """T*K = 8800 slots: past the single CTA, so each path runs as named."""
-    check_selecting_gate("cuda", "native", name, paths=W.NATIVE_PATHS)
+    check_selecting_gate("cuda", backend, name, paths=W.NATIVE_PATHS)
 
 
-@with_marks(on_native_cuda())
+@pytest.mark.parametrize("backend", NATIVE)
 @pytest.mark.parametrize("name", ["softmax", "deepseek-v3"])
-def test_gpu_native_selection_in_one_cta(name):
-    check_selecting_gate("cuda", "native", name, T=200, paths=("single_cta",))
+def test_gpu_native_selection_in_one_cta(backend, name):
+    check_selecting_gate("cuda", backend, name, T=200, paths=("single_cta",))
 
 
-@with_marks(on_native_cuda())
+@pytest.mark.parametrize("backend", NATIVE)
 @pytest.mark.parametrize("sf", ["softmax", "sigmoid", "sqrtsoftplus"])
 @pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalize"])
-def test_gpu_native_set_logprob_gradient(sf, normalize):
-    check_set_logprob_gradient("cuda", "native", sf, normalize)
+def test_gpu_native_set_logprob_gradient(backend, sf, normalize):
+    check_set_logprob_gradient("cuda", backend, sf, normalize)
 
 
-@with_marks(on_native_cuda())
-def test_gpu_native_selection_limits():
-    check_limits("cuda", "native")
+@pytest.mark.parametrize("backend", NATIVE)
+def test_gpu_native_selection_limits(backend):
+    check_limits("cuda", backend)
 
 
-@with_marks(on_native_cuda())
-def test_gpu_selecting_calls_run_on_the_native_kernels():
+@pytest.mark.parametrize("backend", NATIVE)
+def test_gpu_selecting_calls_run_on_the_native_kernels(backend):
     """On a GPU with the native library, the masked sync-free gate and the dense gate with
     padding="select" run the native gate alone (one op, no host read, no top-k, sort or
-    softmax of every row), and Megatron's router takes its in-kernel path."""
+    softmax of every row)."""
     from launch_counter import LaunchCounter  # bench/ (pytest pythonpath)
 
     from _helpers import HostSyncCounter
     from replay_ops.api import selects_in_kernel
-    from replay_ops.integrations.megatron import router as rmod
 
     T, E, K = 512, 64, 8
     for op in ("gate", "gate_dense"):
         assert selects_in_kernel(op, "cuda", T, E, K, torch.bfloat16)
-    assert rmod.gate_selects_in_kernel("cuda", T, E, K, torch.bfloat16)
+    assert backend == "native"  # the calls below name no backend: the registry picks it
     lg = tie_free_logits(T, E, seed=1, dtype=torch.bfloat16).requires_grad_(True)
     idx = flagged_rows(T, E, K)
     mask = (torch.rand(T, generator=gen(2)) > 0.1).cuda()
@@ -255,3 +259,20 @@ def test_gpu_selecting_calls_run_on_the_native_kernels():
         assert not {"topk", "sort", "_softmax", "softmax"} & set(c.ops), c.ops
         assert {k for k in c.ops if k.startswith("replay_native")} <= {
             "replay_native.gate_bwd", "replay_native.gate_dense_bwd"}, c.ops
+
+
+@pytest.mark.parametrize("backend", NATIVE)
+def test_gpu_megatron_router_selects_in_the_native_kernel(backend):
+    """Megatron's router takes its one-launch in-kernel path on a GPU with the native
+    library (`gate_selects_in_kernel`), and keeps its own top-k past K = MAX_TOPK."""
+    from _helpers import require_client
+
+    require_client("megatron.core", "megatron-core")
+    from replay_ops.backends import native
+    from replay_ops.integrations.megatron import router as rmod
+
+    assert backend == "native"
+    for dtype in (torch.bfloat16, torch.float32):
+        assert rmod.gate_selects_in_kernel("cuda", 4096, 128, 8, dtype)
+    assert not rmod.gate_selects_in_kernel("cuda", 64, 128, native.MAX_TOPK + 1, torch.float32,
+                                           "native")
