@@ -937,6 +937,20 @@ MUTANTS = [
       ("tests/test_megatron_select.py", "-k", "without_in_kernel"),
       "Megatron router (no in-kernel selection): Megatron's own top-k computed but not used"),
 
+    # ------------------------------------ native CUDA: the selection and agreement features
+    M("M350", "replay_ops/backends/native.py",
+      "CUDA_FEATURES = True",
+      "CUDA_FEATURES = False",
+      ("tests/test_selection.py", "tests/test_megatron_select.py", "-k",
+       "features_pass_the_call_on or cuda_gate_selects_in_kernel"),
+      "native backend: CUDA calls that select or ask for the agreement handed on"),
+    M("M351", "replay_ops/backends/native.py",
+      "    if shape.features and shape.K > MAX_TOPK:",
+      "    if shape.features and shape.K > MAX_TOPK + 1:",
+      ("tests/test_selection.py", "tests/test_megatron_select.py", "-k",
+       "features_pass_the_call_on or cuda_gate_selects_in_kernel"),
+      "native backend: a CUDA selection past the kernels' per-thread lists (K = 33) accepted"),
+
     # ----------------------------------------------------- HF: logits-only replay
     M("M290", "replay_ops/integrations/hf/families.py",
       "    return Selection.deepseek_v3(expert_bias=gate.e_score_correction_bias,",
@@ -954,8 +968,8 @@ MUTANTS = [
       ("tests/test_hf_selection.py", "-k", "no_topk"),
       "HF replay: the router module's own top-k runs in every replayed forward"),
     M("M293", "replay_ops/integrations/hf/block.py",
-      "        opts[\"selection\"] = spec.selection(gate)",
-      "        pass",
+      "{\"selection\": spec.selection(gate)}))",
+      "{}))",
       ("tests/test_hf_selection.py", "-k", "deepseek"),
       "HF replay: the family's selection rule not handed to the gate"),
     M("M294", "replay_ops/integrations/hf/block.py",
