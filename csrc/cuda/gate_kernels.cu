@@ -10,6 +10,13 @@
 // Dense mode (gate_dense: probs != nullptr) adds to step 1 the row flags, the padding rule
 // and the dense rows of probs and routing_map, written whole by the CTA of their chunk; with
 // with_plan false, step 1 alone runs, in one launch.
+// The model's own selection (csrc/include/replay_select.h, the CPU kernel's rule) runs in
+// step 1, in the row's thread, for the flagged rows only (replay_mask False; with padding
+// "select" a row with flags): `select_row` over the values a functor computes from the
+// logits row, into the row's int32 experts, before its weights. With the agreement outputs
+// every row is tested (`is_top_set`, or `select_row` + `same_set` with groups) and its set
+// log-prob computed (`member_logsumexp`); the backward adds its gradient to the row it
+// writes.
 // Rows of an expert are in ascending flat-slot order (t*K + k), padding rows close each
 // expert segment, and -1 fills padding and tail. Shared-memory integer atomics only build
 // counts (whose values do not depend on the order of the additions); ranks never come from
