@@ -154,9 +154,10 @@ def selects_in_kernel(op: str, device_type: str, num_tokens: int, num_experts: i
     """True when the backend that runs the plain gate `op` ("gate" or "gate_dense") for
     these sizes also computes the model's own selection of flagged rows inside its kernel
     (a call with a replay mask, padding="select" or return_agreement then runs on the same
-    backend). Today the native CPU kernels, the Triton kernels and the torch backend do;
-    the native CUDA kernels do not yet, and on a GPU such a call moves from them to the
-    Triton backend (docs/ops.md, "Backends")."""
+    backend). Every backend does within its limits (the native CPU and CUDA kernels, the
+    Triton kernels, the torch backend): the native CUDA kernels select for K <= MAX_TOPK,
+    and hand a selecting call with a larger K to the next backend (docs/ops.md,
+    "Backends")."""
     from .backends import OpShape, explain
     from .backends.protocol import SELECT
 

@@ -6,7 +6,10 @@ without a GPU or without compute-sanitizer, saying why):
   `hidden[:, 1:]`, and bases 2 bytes off at whole-vector row sizes), every native gate
   launch path (single_cta, cooperative, three_launches) and both Triton gate paths, forward
   and backward;
-* memcheck over `validate=False` with indices outside [0, E) on both backends and every path.
+* memcheck over `validate=False` with indices outside [0, E) on both backends and every path;
+* memcheck and initcheck over the model's own selection of flagged rows with the agreement
+  outputs (the per-thread ranked lists of the native kernels, every output written), forward
+  and backward, on both backends and every path.
 
 Each run is a child process (`compute-sanitizer --tool <tool> --error-exitcode 3 python
 tools/gpu_workloads.py <workload>`) with a time limit; the workload checks its own results,
@@ -110,3 +113,9 @@ def test_gpu_sanitizer_mixed_chain(tool):
 @with_marks(gpu_sanitizer)
 def test_gpu_sanitizer_memcheck_garbage_indices():
     _run("memcheck", "garbage")
+
+
+@with_marks(gpu_sanitizer)
+@pytest.mark.parametrize("tool", ["memcheck", "initcheck"])
+def test_gpu_sanitizer_selection_of_flagged_rows(tool):
+    _run(tool, "select")

@@ -305,9 +305,9 @@ def test_routing_agreement_of_a_model():
 
 
 def test_backend_without_in_kernel_selection_takes_megatrons_topk_first(monkeypatch):
-    """Where the gate's backend cannot select inside its kernel (today the native CUDA and
-    Triton kernels), the router runs Megatron's own top-k before the gate instead of moving
-    the call to the torch backend; the routing is the same."""
+    """Where the gate's backend would hand a selecting call to another backend (e.g. the
+    native CUDA kernels past K = MAX_TOPK), the router runs Megatron's own top-k before the
+    gate instead of moving the call; the routing is the same."""
     from replay_ops.integrations.megatron import router as rmod
 
     x = tie_free_logits(seed=21)
@@ -328,6 +328,29 @@ def test_backend_without_in_kernel_selection_takes_megatrons_topk_first(monkeypa
         assert "aten.topk" in log.ops and log.ops.count("replay.gate_dense") == 1, log.ops
         assert torch.equal(got[1], want[1])
         torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+
+
+def test_cuda_gate_selects_in_kernel_with_the_native_library(monkeypatch):
+    """On a GPU with the native library the router's gate selects inside the native CUDA
+    kernel (the one-launch path), for K <= MAX_TOPK; a larger K would hand a selecting call
+    on, so the router keeps its own top-k there. (The availability of CUDA is simulated:
+    the decision is the registry's; tests/test_gpu_selection.py runs it on a GPU.)"""
+    from replay_ops import backends
+    from replay_ops.api import selects_in_kernel
+    from replay_ops.backends import Support
+    from replay_ops.integrations.megatron import router as rmod
+
+    native = backends.load("native")
+    if native is None:
+        pytest.skip("the native extension is not built")
+    monkeypatch.setattr(native, "available", lambda d: Support(True))
+    monkeypatch.setattr(rmod, "_SELECTS", {})
+    for op in ("gate", "gate_dense"):
+        assert selects_in_kernel(op, "cuda", T, E, 2, torch.bfloat16)
+        assert selects_in_kernel(op, "cuda", T, E, 2, torch.bfloat16, "native")
+    assert rmod.gate_selects_in_kernel("cuda", T, E, 2, torch.bfloat16)
+    big = native.MAX_TOPK + 1
+    assert not selects_in_kernel("gate_dense", "cuda", T, 64, big, torch.float32, "native")
 
 
 def test_cpu_gate_selects_in_kernel():

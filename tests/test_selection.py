@@ -563,30 +563,40 @@ def test_masked_sync_free_gate_runs_one_kernel():
         assert sum(v for k, v in c.ops.items() if k.startswith("replay_native")) == 1, c.ops
 
 
-def test_backends_without_the_features_pass_the_call_on():
-    """supports(): the native CUDA gate kernels refuse the selection and the agreement
-    features by name (the registry then runs the next backend); the Triton kernels take
-    them."""
+def test_backends_without_the_features_pass_the_call_on(monkeypatch):
+    """supports(): the native CUDA gate kernels and the Triton kernels take the selection and
+    the agreement features; the native CUDA kernels up to K = MAX_TOPK (kMaxSelectList, their
+    per-thread lists), refusing a larger K by name (the registry then runs the next
+    backend); a native library whose kernels lack the features refuses them by name."""
     from replay_ops import backends
 
     if backends.load("triton") is not None:
         for op in ("gate_fwd", "gate_dense_fwd", "gate_bwd", "gate_dense_bwd"):
             assert backends.load("triton").supports(
                 op, "cuda", OpShape(8, 16, 2, 0, frozenset((SELECT, AGREEMENT))), torch.float32)
-    for name in ("native",):
-        mod = backends.load(name)
-        if mod is None:
-            continue
-        for op in ("gate_fwd", "gate_dense_fwd", "gate_bwd"):
+    mod = backends.load("native")
+    if mod is not None:
+        K = mod.MAX_TOPK
+        for op in ("gate_fwd", "gate_dense_fwd", "gate_bwd", "gate_dense_bwd"):
             for f in (SELECT, AGREEMENT):
-                why = mod.supports(op, "cuda", OpShape(8, 16, 2, 0, frozenset((f,))),
+                assert mod.supports(op, "cuda", OpShape(8, 64, K, 0, frozenset((f,))),
+                                    torch.float32)
+                why = mod.supports(op, "cuda", OpShape(8, 64, K + 1, 0, frozenset((f,))),
+                                   torch.float32)
+                assert not why and f"K={K + 1}" in why.reason and "kMaxSelectList" in why.reason
+            # a plain gate forward above K = MAX_TOPK still runs natively
+            if op.endswith("_fwd"):
+                assert mod.supports(op, "cuda", OpShape(8, 64, K + 1), torch.float32)
+        assert mod.supports("gate_fwd", "cpu", OpShape(8, 16, 2, 0, frozenset((SELECT, AGREEMENT))),
+                            torch.float32)
+        for device, flag in (("cuda", "CUDA_FEATURES"), ("cpu", "CPU_FEATURES")):
+            monkeypatch.setattr(mod, flag, False)
+            for f in (SELECT, AGREEMENT):
+                why = mod.supports("gate_fwd", device, OpShape(8, 16, 2, 0, frozenset((f,))),
                                    torch.float32)
                 assert not why and f in why.reason and "protocol.py" in why.reason
-            assert mod.supports(op, "cuda", OpShape(8, 16, 2), torch.float32)
-    if backends.load("native") is not None:
-        assert backends.load("native").supports(
-            "gate_fwd", "cpu", OpShape(8, 16, 2, 0, frozenset((SELECT, AGREEMENT))),
-            torch.float32)
+            assert mod.supports("gate_fwd", device, OpShape(8, 16, 2), torch.float32)
+            monkeypatch.undo()
     if backends.load("triton") is not None and backends.available("triton", "cpu"):
         runs, skipped = backends.explain("gate_fwd", "cpu",
                                          OpShape(8, 16, 2, 0, frozenset((SELECT,))),

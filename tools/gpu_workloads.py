@@ -5,6 +5,7 @@ script in a child process.
     python tools/gpu_workloads.py garbage   # validate=False with indices outside [0, E)
     python tools/gpu_workloads.py mix       # bf16, strided int16 indices, misaligned views
     python tools/gpu_workloads.py mix --backends native
+    python tools/gpu_workloads.py select    # the model's own selection of flagged rows, agreement
 
 Every case runs on the CUDA device the native kernels (on each gate launch path:
 single_cta, cooperative, three_launches) and the Triton kernels (single program and
@@ -317,6 +318,78 @@ def check_mix_case(backend: str, path: str | None, T: int, dtype: torch.dtype,
     return n
 
 
+# ------------------------------------------------------- the model's own selection
+def select_cases() -> list[tuple]:
+    """(backend, path, T, dtype): the selection of flagged rows with the agreement outputs on
+    every native gate launch path and both Triton gate paths (E=64, K=8)."""
+    return [("native", "single_cta", 200, torch.bfloat16),
+            ("native", "cooperative", 1100, torch.bfloat16),
+            ("native", "three_launches", 1100, torch.float32),
+            ("triton", "single", 200, torch.bfloat16),
+            ("triton", "chunked", 1100, torch.float32)]
+
+
+def check_select_case(backend: str, path: str | None, T: int, dtype: torch.dtype,
+                      E: int = 64, K: int = 8, seed: int = 0) -> int:
+    """gate and gate_dense with strided int16 indices holding -1 slots, repeats and ids out
+    of range, a replay mask, padding="select", DeepSeek-V3's selection (sigmoid, expert bias,
+    8 groups, 4 kept) and the agreement outputs, forward and backward (weights and
+    set_logprob), against the reference. Returns the number of checks."""
+    from replay_ops.options import Selection
+
+    what = f"select {backend}/{path} T={T} {dtype}"
+    rec_c, idx_c = strided_indices(T, E, K, L=3, layer=1, dtype=torch.int16, seed=seed + 1,
+                                   empty=0.1)
+    idx_c[2::11, 0] = idx_c[2::11, 1]  # repeats
+    idx_c[3::13, K - 1] = E  # out of range
+    rec_c[:, 1, :] = idx_c
+    idx = rec_c.to(DEV)[:, 1, :]
+    logits_c = make_logits(T, E, dtype, seed=seed + 2)
+    mask_c = torch.rand(T, generator=gen(seed + 3)) > 0.1
+    bias_c = torch.linspace(0.05, -0.05, E)
+    gw_c = torch.randn(T, K, generator=gen(seed + 4))
+    glp_c = torch.randn(T, generator=gen(seed + 5))
+    n = 0
+    for dense in (False, True):
+        def run(lg, i, m, bias, **k):
+            sel = Selection.deepseek_v3(expert_bias=bias, n_group=8, topk_group=4)
+            kw = dict(score_func="sigmoid", selection=sel, replay_mask=m, padding="select",
+                      return_agreement=True)
+            if dense:
+                return ref.gate_dense(lg, i, **kw) if k.get("ref") else replay_ops.gate_dense(
+                    lg, i, validate=False, backend=backend, **kw)
+            return ref.gate(lg, i, validate=False, **kw) if k.get("ref") else replay_ops.gate(
+                lg, i, validate=False, backend=backend, **kw)
+
+        def grad(out, lg):
+            w = out.probs.gather(1, out.expert_indices.long().clamp(min=0)) if dense else \
+                out.weights
+            lp = out.set_logprob
+            loss = (w.float() * gw_c.to(w.device)).sum() + (lp * glp_c.to(lp.device, lp.dtype)).sum()
+            (g,) = torch.autograd.grad(loss, lg)
+            return g
+
+        lg = logits_c.to(DEV).requires_grad_(True)
+        with gate_path(path):
+            out = run(lg, idx, mask_c.to(DEV), bias_c.to(DEV))
+            g = cpu(grad(out, lg))
+        lgr = logits_c.clone().requires_grad_(True)
+        want = run(lgr, idx_c, mask_c, bias_c, ref=True)
+        gr = grad(want, lgr)
+        lg64 = logits_c.double().requires_grad_(True)
+        g64 = grad(run(lg64, idx_c, mask_c, bias_c.double(), ref=True), lg64)
+        assert_int_equal(cpu(out.expert_indices), want.expert_indices, f"{what}: expert_indices")
+        assert torch.equal(cpu(out.agreement), want.agreement), f"{what}: agreement"
+        torch.testing.assert_close(cpu(out.set_logprob), want.set_logprob, rtol=1e-5, atol=1e-5)
+        if dense:
+            assert torch.equal(cpu(out.routing_map), want.routing_map), f"{what}: routing_map"
+        else:
+            assert_plan_ints_equal(plan_cpu(out), want)
+        assert_fa_close(g, gr, g64, f"{what}: grad logits (dense={dense})")
+        n += 4
+    return n
+
+
 # ---------------------------------------------------------------------------- script
 def cuda_reason(backend: str | None = None) -> str | None:
     """Why a CUDA test or workload cannot run here (None: it can): no device, or `backend`
@@ -334,7 +407,7 @@ def cuda_reason(backend: str | None = None) -> str | None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("workload", choices=["garbage", "mix"])
+    ap.add_argument("workload", choices=["garbage", "mix", "select"])
     ap.add_argument("--backends", default=",".join(BACKENDS),
                     help="comma-separated; a backend that is not usable here is an error")
     args = ap.parse_args(argv)
@@ -356,6 +429,13 @@ def main(argv=None) -> int:
             for dt in (torch.int16, torch.int32, torch.int64):
                 n += check_garbage_case(backend, native_path(backend, path), T, E, K, dt)
                 print(f"ok garbage {backend} {path} T={T} E={E} K={K} {dt}", flush=True)
+    elif args.workload == "select":
+        for backend, path, T, dtype in select_cases():
+            if backend not in wanted:
+                continue
+            check_case_path(backend, path, T, 64, 8)
+            n += check_select_case(backend, native_path(backend, path), T, dtype)
+            print(f"ok select {backend} {path} T={T} {dtype}", flush=True)
     else:
         for backend, path, T, dtype in mix_cases():
             if backend not in wanted:

@@ -949,6 +949,20 @@ MUTANTS = [
       ("tests/test_replay_padding.py",),
       "RouterReplay.route: options= at the default padding ignore config.padding"),
 
+    # ------------------------------------ native CUDA: the selection and agreement features
+    M("M350", "replay_ops/backends/native.py",
+      "CUDA_FEATURES = True",
+      "CUDA_FEATURES = False",
+      ("tests/test_selection.py", "tests/test_megatron_select.py", "-k",
+       "features_pass_the_call_on or cuda_gate_selects_in_kernel"),
+      "native backend: CUDA calls that select or ask for the agreement handed on"),
+    M("M351", "replay_ops/backends/native.py",
+      "    if shape.features and shape.K > MAX_TOPK:",
+      "    if shape.features and shape.K > MAX_TOPK + 1:",
+      ("tests/test_selection.py", "tests/test_megatron_select.py", "-k",
+       "features_pass_the_call_on or cuda_gate_selects_in_kernel"),
+      "native backend: a CUDA selection past the kernels' per-thread lists (K = 33) accepted"),
+
     # ----------------------------------------------------- HF: logits-only replay
     M("M290", "replay_ops/integrations/hf/families.py",
       "    return Selection.deepseek_v3(expert_bias=gate.e_score_correction_bias,",

@@ -144,15 +144,29 @@ void check_backward_topk(const at::Tensor& idx) {
                     "gate_backward supports K <= ", replay_cuda::kMaxTopK, ", got K=", idx.size(1));
 }
 
-// The features of the gate contract (replay_ops/backends/protocol.py) the CUDA kernels do not
-// implement yet: the model's own selection of flagged rows (a replay mask, or padding
-// "select"), the agreement outputs, the set log-prob gradient. The native backend's
-// supports() hands such calls to another backend; a direct call is refused here.
-void refuse_gate_features(const char* op, bool selects, bool agreement) {
-  TORCH_CHECK_NOT_IMPLEMENTED(!selects && !agreement, "replay_ops native CUDA ", op,
-                              ": the model's own selection of flagged rows (replay_mask or "
-                              "padding select) and the agreement outputs are not implemented "
-                              "in the CUDA kernels (replay_ops/backends/protocol.py)");
+// The model's own selection of flagged rows and the agreement outputs of a gate call
+// (replay_select.h, in the kernel's per-row code): the checked selection, the bias, the
+// mask and the agreement outputs into the launch arguments. The per-thread ranked lists
+// hold kMaxSelectList entries: K, group_topk and group_topn above that are refused (the
+// native backend's supports() hands such calls to another backend).
+void set_selection(replay_cuda::GateFwdArgs& a, const char* op,
+                   const replay_native::GateSelection& sel, at::Tensor& agreement,
+                   at::Tensor& set_logprob) {
+  a.padding = sel.padding;
+  a.selection = sel.params;
+  a.expert_bias = sel.bias.defined() ? sel.bias.data_ptr() : nullptr;
+  a.replay_mask = sel.mask.defined() ? sel.mask.data_ptr<bool>() : nullptr;
+  if (agreement.numel() > 0) {
+    a.agreement = reinterpret_cast<uint8_t*>(agreement.data_ptr<bool>());
+    a.set_logprob = set_logprob.data_ptr();
+  }
+  if (!replay_cuda::gate_selects(a)) return;
+  constexpr int64_t cap = replay_cuda::kMaxSelectList;
+  TORCH_CHECK_VALUE(a.K <= cap && a.selection.group_topk <= cap && a.selection.group_topn <= cap,
+                    "replay_ops native CUDA ", op, ": the model's own selection and the "
+                    "agreement outputs support K, group_topk and group_topn <= ", cap,
+                    " (kMaxSelectList), got K=", a.K, ", group_topk=", a.selection.group_topk,
+                    ", group_topn=", a.selection.group_topn);
 }
 
 replay_native::GateFwdResult gate_fwd(
@@ -165,15 +179,13 @@ replay_native::GateFwdResult gate_fwd(
   const c10::cuda::CUDAGuard guard(logits_in.device());
   const int sf = replay_native::checked_score_func(score_func);
   const at::Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
-  replay_native::checked_gate_selection("gate", logits, idx.size(1), sf, replay_mask, padding,
-                                        expert_bias, selection_source, round_scores,
-                                        num_groups, group_topk, group_topn, false,
-                                        logits.device());
-  refuse_gate_features("gate", replay_mask.has_value() || padding == replay_math::kPadSelect,
-                       agreement);
+  const replay_native::GateSelection sel = replay_native::checked_gate_selection(
+      "gate", logits, idx.size(1), sf, replay_mask, padding, expert_bias, selection_source,
+      round_scores, num_groups, group_topk, group_topn, false, logits.device());
   replay_cuda::GateFwdArgs a = gate_fwd_args(logits, idx, sf, normalize, scaling_factor, align);
   const int64_t T = a.T, E = a.E, K = a.K;
-  replay_native::GateOutputs o(logits, K, align, false);
+  replay_native::GateOutputs o(logits, K, align, agreement);
+  set_selection(a, "gate", sel, o.agreement, o.set_logprob);
   const auto path = checked_gate_path(T, K);
   const size_t ws_bytes = replay_cuda::gate_fwd_workspace_bytes(T, E, K, path);
   at::Tensor ws = at::empty({static_cast<int64_t>(ws_bytes)}, logits.options().dtype(at::kByte));
@@ -193,18 +205,20 @@ at::Tensor gate_bwd(const at::Tensor& grad_weights, const at::Tensor& logits_in,
                     const at::Tensor& idx, const c10::optional<at::Tensor>& grad_set_logprob,
                     int64_t score_func, bool normalize, double scaling_factor) {
   replay_native::check_gate_bwd(grad_weights, logits_in, idx, logits_in.device());
-  refuse_gate_features("gate_backward", false, grad_set_logprob.has_value());
   const c10::cuda::CUDAGuard guard(logits_in.device());
   const int sf = replay_native::checked_score_func(score_func);
   check_backward_topk(idx);
   const at::Tensor logits = logits_in.contiguous();
   const at::Tensor i32 = idx.contiguous();
   const at::Tensor g = grad_weights.to(acc_dtype(logits.scalar_type())).contiguous();
+  const at::Tensor glp =
+      replay_native::checked_set_logprob_grad(grad_set_logprob, logits, logits.device());
   at::Tensor grad = at::empty_like(logits);
   check_launch(replay_cuda::gate_bwd(g.data_ptr(), logits.data_ptr(), dtype_of(logits, "logits"),
                                      i32.data_ptr<int32_t>(), logits.size(0), logits.size(1),
                                      i32.size(1), sf, normalize, scaling_factor, grad.data_ptr(),
-                                     c10::cuda::getCurrentCUDAStream()),
+                                     c10::cuda::getCurrentCUDAStream(),
+                                     glp.defined() ? glp.data_ptr() : nullptr),
                "gate_backward");
   return grad;
 }
@@ -222,15 +236,13 @@ replay_native::GateDenseFwdResult gate_dense_fwd(
   const c10::cuda::CUDAGuard guard(logits_in.device());
   const int sf = replay_native::checked_score_func(score_func);
   const at::Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
-  replay_native::checked_gate_selection("gate_dense", logits, idx.size(1), sf, replay_mask,
-                                        padding, expert_bias, selection_source, round_scores,
-                                        num_groups, group_topk, group_topn, true,
-                                        logits.device());
-  refuse_gate_features("gate_dense", padding == replay_math::kPadSelect, agreement);
+  const replay_native::GateSelection sel = replay_native::checked_gate_selection(
+      "gate_dense", logits, idx.size(1), sf, replay_mask, padding, expert_bias,
+      selection_source, round_scores, num_groups, group_topk, group_topn, true,
+      logits.device());
   replay_cuda::GateFwdArgs a = gate_fwd_args(logits, idx, sf, normalize, scaling_factor, align);
   const int64_t T = a.T, E = a.E, K = a.K;
-  replay_native::DenseGateOutputs o(logits, K, align, with_plan, false);
-  const at::Tensor mask = replay_mask ? replay_mask->contiguous() : at::Tensor();
+  replay_native::DenseGateOutputs o(logits, K, align, with_plan, agreement);
   const at::Tensor fb = fallback ? fallback->to(at::kLong).contiguous() : at::Tensor();
   // the weights of the dense rows, in the compute type (scratch)
   at::Tensor w = at::empty({T, K}, logits.options().dtype(acc_dtype(logits.scalar_type())));
@@ -250,9 +262,8 @@ replay_native::GateDenseFwdResult gate_dense_fwd(
   a.probs = o.probs.data_ptr();
   a.routing_map = reinterpret_cast<uint8_t*>(o.routing_map.data_ptr<bool>());
   a.row_flags = o.row_flags.data_ptr<uint8_t>();
-  a.replay_mask = mask.defined() ? mask.data_ptr<bool>() : nullptr;
   a.fallback = fb.defined() ? fb.data_ptr<int64_t>() : nullptr;
-  a.padding = static_cast<int>(padding);
+  set_selection(a, "gate_dense", sel, o.agreement, o.set_logprob);
   a.ep_size = ep_size;
   a.spread_offset = E ? spread_offset % E : 0;
   a.underflow_guard = underflow_guard;
@@ -268,12 +279,13 @@ at::Tensor gate_dense_bwd(const at::Tensor& grad_probs, const at::Tensor& logits
                           const c10::optional<at::Tensor>& grad_set_logprob,
                           int64_t score_func, bool normalize, double scaling_factor) {
   replay_native::check_gate_dense_bwd(grad_probs, logits_in, idx, logits_in.device());
-  refuse_gate_features("gate_dense_backward", false, grad_set_logprob.has_value());
   const c10::cuda::CUDAGuard guard(logits_in.device());
   const int sf = replay_native::checked_score_func(score_func);
   check_backward_topk(idx);
   const at::Tensor logits = logits_in.contiguous();
   const at::Tensor i32 = idx.contiguous();
+  const at::Tensor glp =
+      replay_native::checked_set_logprob_grad(grad_set_logprob, logits, logits.device());
   at::Tensor grad = at::empty_like(logits);
   // the probs gradient is read in place, any strides (an expanded gradient is not copied)
   check_launch(replay_cuda::gate_dense_bwd(grad_probs.data_ptr(), grad_probs.stride(0),
@@ -281,7 +293,8 @@ at::Tensor gate_dense_bwd(const at::Tensor& grad_probs, const at::Tensor& logits
                                            dtype_of(logits, "logits"), i32.data_ptr<int32_t>(),
                                            logits.size(0), logits.size(1), i32.size(1), sf,
                                            normalize, scaling_factor, grad.data_ptr(),
-                                           c10::cuda::getCurrentCUDAStream()),
+                                           c10::cuda::getCurrentCUDAStream(),
+                                           glp.defined() ? glp.data_ptr() : nullptr),
                "gate_dense_backward");
   return grad;
 }

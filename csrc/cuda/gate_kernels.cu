@@ -10,6 +10,13 @@
 // Dense mode (gate_dense: probs != nullptr) adds to step 1 the row flags, the padding rule
 // and the dense rows of probs and routing_map, written whole by the CTA of their chunk; with
 // with_plan false, step 1 alone runs, in one launch.
+// The model's own selection (csrc/include/replay_select.h, the CPU kernel's rule) runs in
+// step 1, in the row's thread, for the flagged rows only (replay_mask False; with padding
+// "select" a row with flags): `select_row` over the values a functor computes from the
+// logits row, into the row's int32 experts, before its weights. With the agreement outputs
+// every row is tested (`is_top_set`, or `select_row` + `same_set` with groups) and its set
+// log-prob computed (`member_logsumexp`); the backward adds its gradient to the row it
+// writes.
 // Rows of an expert are in ascending flat-slot order (t*K + k), padding rows close each
 // expert segment, and -1 fills padding and tail. Shared-memory integer atomics only build
 // counts (whose values do not depend on the order of the additions); ranks never come from
@@ -21,6 +28,7 @@
 #include <cooperative_groups.h>
 
 #include "cuda_common.cuh"
+#include "replay_select.h"
 
 namespace replay_cuda {
 namespace {
@@ -34,38 +42,172 @@ constexpr int kRowsPerCta = 256;  // chunk of token rows: one thread per row
 constexpr int64_t kSmallDenseElems = int64_t(1) << 18;
 constexpr int kWarps = kRowsPerCta / 32;
 
+// The softmax statistics of a row of E >= 1 logits, in id order: m = max_j x_j, s = sum_j
+// exp(x_j - m). Computed at most once per row (`have`).
+template <typename A>
+struct RowStats {
+  bool have = false;
+  A m = A(0), s = A(0);
+};
+
+template <typename scalar_t>
+__device__ __forceinline__ void row_stats(const scalar_t* x, int64_t E, RowStats<acc_t<scalar_t>>& st) {
+  using A = acc_t<scalar_t>;
+  if (st.have) return;
+  A m = to_acc(x[0]);
+  for (int64_t j = 1; j < E; ++j) m = rm::ro_max(m, to_acc(x[j]));
+  A s = A(0);
+  for (int64_t j = 0; j < E; ++j) s += rm::ro_exp(to_acc(x[j]) - m);
+  st.m = m;
+  st.s = s;
+  st.have = true;
+}
+
+// The selection value of expert j of a row when it is the logit itself (replay_select.h
+// ranks_logits): no score is computed.
+template <typename scalar_t>
+struct LogitValue {
+  const scalar_t* x;
+  __device__ __forceinline__ acc_t<scalar_t> operator()(int64_t j) const { return to_acc(x[j]); }
+};
+
+// The selection value v_j of a row (replay_select.h): the logit (source kSelectLogits) or
+// its score (softmax: exp(x_j - m) / s with the row's statistics), rounded to the logits
+// dtype when asked, plus the expert bias. The same expressions as the CPU kernel's.
+template <typename scalar_t>
+struct SelectValue {
+  using A = acc_t<scalar_t>;
+  const scalar_t* x;
+  const A* bias;
+  int sf;
+  bool logits, probs, round;
+  A m, sd;
+  __device__ __forceinline__ A operator()(int64_t j) const {
+    const A xj = to_acc(x[j]);
+    A u = logits ? xj : probs ? rm::ro_div(rm::ro_exp(xj - m), sd) : rm::score(sf, xj);
+    if (round) u = to_acc(from_acc<scalar_t>(u));
+    return bias != nullptr ? u + bias[j] : u;
+  }
+};
+
+template <typename scalar_t>
+__device__ __forceinline__ SelectValue<scalar_t> select_value(const GateFwdArgs& a,
+                                                              const scalar_t* x,
+                                                              RowStats<acc_t<scalar_t>>& st) {
+  using A = acc_t<scalar_t>;
+  const rm::SelectionParams& p = a.selection;
+  const bool probs = p.source == rm::kSelectScores && a.score_func == rm::kSoftmax;
+  if (probs) row_stats(x, a.E, st);
+  return SelectValue<scalar_t>{x, static_cast<const A*>(a.expert_bias), a.score_func,
+                               p.source == rm::kSelectLogits, probs, p.round_scores, st.m,
+                               st.s == A(0) ? A(1) : st.s};
+}
+
+// The model's own selection of row t into out[0..K) (replay_select.h select_row), in
+// rank order. The ranked lists live in the thread's local memory (K, group_topk and
+// group_topn <= kMaxSelectList, checked by the host).
+template <typename scalar_t>
+__device__ __noinline__ void select_into(const GateFwdArgs& a, int64_t t, int32_t* out,
+                                         RowStats<acc_t<scalar_t>>& st) {
+  using A = acc_t<scalar_t>;
+  const scalar_t* x = static_cast<const scalar_t*>(a.logits) + t * a.stride_lt;
+  A vals[kMaxSelectList], gvals[kMaxSelectList];
+  int32_t ids[kMaxSelectList], gids[kMaxSelectList];
+  if (rm::ranks_logits(a.selection, a.expert_bias != nullptr)) {
+    rm::select_row(LogitValue<scalar_t>{x}, a.E, a.K, a.selection, out, vals, ids, gvals, gids);
+    return;
+  }
+  rm::select_row(select_value(a, x, st), a.E, a.K, a.selection, out, vals, ids, gvals, gids);
+}
+
+// agreement[t] and set_logprob[t] of row t from its used experts (indices32; `selected`:
+// the row took the selection itself, so it agrees), by the rule of the CPU kernel
+// (replay_select.h is_top_set / same_set / member_logsumexp).
+template <typename scalar_t>
+__device__ __noinline__ void agreement_row(const GateFwdArgs& a, int64_t t, bool selected,
+                                           RowStats<acc_t<scalar_t>>& st) {
+  using A = acc_t<scalar_t>;
+  const scalar_t* x = static_cast<const scalar_t*>(a.logits) + t * a.stride_lt;
+  const int32_t* idx = a.indices32 + t * a.K;
+  const int64_t E = a.E, K = a.K;
+  const int sf = a.score_func;
+  bool agree = selected;
+  if (!agree) {
+    if (a.selection.num_groups > 0) {
+      int32_t sel[kMaxSelectList];
+      select_into<scalar_t>(a, t, sel, st);
+      agree = rm::same_set(idx, sel, K);
+    } else if (rm::ranks_logits(a.selection, a.expert_bias != nullptr)) {
+      agree = rm::is_top_set(LogitValue<scalar_t>{x}, E, idx, K);
+    } else {
+      agree = rm::is_top_set(select_value(a, x, st), E, idx, K);
+    }
+  }
+  a.agreement[t] = agree ? 1 : 0;
+  A z[kMaxSelectList];  // the logits at the slots
+  for (int64_t k = 0; k < K; ++k) z[k] = idx[k] >= 0 ? to_acc(x[idx[k]]) : A(0);
+  A lp;
+  if (sf == rm::kSoftmax) {
+    row_stats(x, E, st);
+    const A lse_s = rm::member_logsumexp(z, idx, K);
+    lp = lse_s == rm::neg_inf<A>() ? lse_s : lse_s - (st.m + log(st.s));
+  } else {
+    A mass = A(0), total = A(0);
+    for (int64_t k = 0; k < K; ++k)
+      if (rm::first_of_expert(idx, k)) mass += rm::score(sf, z[k]);
+    for (int64_t j = 0; j < E; ++j) total += rm::score(sf, to_acc(x[j]));
+    lp = mass > A(0) ? log(mass) - log(total) : rm::neg_inf<A>();
+  }
+  static_cast<A*>(a.set_logprob)[t] = lp;
+}
+
 // The int32 experts of token row t into indices32 (one thread): the recorded ids (a value
 // outside [0, E) is an empty slot, -1; the range test sees the full-width index, so an int64
-// 2^32 + 3 is not expert 3), or in dense mode the row's flags and its experts after the
-// padding rule (replay_math.h dense_slot_expert).
-template <typename index_t>
-__device__ __forceinline__ void resolve_row(const GateFwdArgs& a, int64_t t) {
+// 2^32 + 3 is not expert 3), or the model's own selection for a flagged row, or in dense
+// mode the row's flags and its experts after the padding rule (replay_math.h
+// dense_slot_expert). Returns whether the row was selected.
+template <typename scalar_t, typename index_t>
+__device__ __forceinline__ bool resolve_row(const GateFwdArgs& a, int64_t t,
+                                            RowStats<acc_t<scalar_t>>& st) {
   const index_t* ip = static_cast<const index_t*>(a.indices) + t * a.stride_it;
   int32_t* i32 = a.indices32 + t * a.K;
   const int64_t E = a.E, K = a.K;
+  const bool masked = a.replay_mask != nullptr && !a.replay_mask[t];
   if (a.probs == nullptr) {
+    if (masked ||
+        (a.padding == rm::kPadSelect && rm::row_flags(ip, a.stride_ik, K, E, false) != 0)) {
+      select_into<scalar_t>(a, t, i32, st);
+      return true;
+    }
     for (int64_t k = 0; k < K; ++k) {
       const int64_t e = static_cast<int64_t>(ip[k * a.stride_ik]);
       i32[k] = rm::takes_row(e, E) ? static_cast<int32_t>(e) : -1;
     }
-    return;
+    return false;
   }
-  const uint8_t f = rm::row_flags(ip, a.stride_ik, K, E,
-                                  a.replay_mask != nullptr && !a.replay_mask[t]);
+  const uint8_t f = rm::row_flags(ip, a.stride_ik, K, E, masked);
   a.row_flags[t] = f;
+  if (f != 0 && a.padding == rm::kPadSelect && !(masked && a.fallback != nullptr)) {
+    select_into<scalar_t>(a, t, i32, st);
+    return true;
+  }
   const int64_t* fb = a.fallback != nullptr ? a.fallback + t * K : nullptr;
 #pragma unroll 1
   for (int64_t k = 0; k < K; ++k)
     i32[k] = static_cast<int32_t>(rm::dense_slot_expert<uint32_t>(
         ip, a.stride_ik, fb, 1, f, a.padding, t, k, K, E, a.ep_size, a.spread_offset));
+  return false;
 }
 
 // Gate weights of one token row (one thread), from its int32 experts: the logits dtype into
-// `weights`, or in dense mode the compute type into the [T, K] scratch `weights`.
+// `weights`, or in dense mode the compute type into the [T, K] scratch `weights`; with the
+// agreement outputs also agreement[t] and set_logprob[t].
 template <typename scalar_t, typename index_t>
 __device__ __forceinline__ void gate_row(const GateFwdArgs& a, int64_t t) {
   using A = acc_t<scalar_t>;
-  resolve_row<index_t>(a, t);
+  RowStats<A> st;
+  const bool selected = resolve_row<scalar_t, index_t>(a, t, st);
+  if (a.agreement != nullptr) agreement_row<scalar_t>(a, t, selected, st);
   const scalar_t* x = static_cast<const scalar_t*>(a.logits) + t * a.stride_lt;
   const int32_t* i32 = a.indices32 + t * a.K;
   const int64_t E = a.E, K = a.K;
@@ -89,9 +231,9 @@ __device__ __forceinline__ void gate_row(const GateFwdArgs& a, int64_t t) {
     }
   }
   if (full) {
-    m = to_acc(x[0]);
-    for (int64_t j = 1; j < E; ++j) m = rm::ro_max(m, to_acc(x[j]));
-    for (int64_t j = 0; j < E; ++j) s += rm::ro_exp(to_acc(x[j]) - m);
+    row_stats(x, E, st);
+    m = st.m;
+    s = st.s;
   } else if (sf == rm::kSoftmax) {
     m = rm::max_or_zero(m, any);
     for (int64_t k = 0; k < K; ++k) {
@@ -465,9 +607,67 @@ __global__ void __launch_bounds__(kRowsPerCta) _gate_plan_coop_kernel(GateFwdArg
 }
 
 // ---------------------------------------------------------------- backward
+// The set log-prob gradient of one row (replay_select.h), for an upstream gradient gl of
+// set_logprob[t]: every lane holds the whole set (the row's used experts and their logits,
+// gathered by shuffles) and computes the same values by the rule of the CPU kernel.
+//   softmax:      d/dx_j = gl * ([j in S] exp(x_j - lse_S) - exp(x_j - m) / s)
+//   element-wise: d/dx_j = gl * f'(x_j) * ([j in S] / mass_S - 1 / mass_all)
+// An empty set, or a mass of 0, has no gradient (`on` false).
+template <typename A>
+struct SetLogprobGrad {
+  bool on = false;
+  A gl = A(0), lse_s = A(0), m = A(0), s = A(1), inv_mass = A(0), inv_total = A(0);
+
+  // acc plus the gradient at column j (logit xj, a member of the set or not), added in the
+  // CPU kernel's order (softmax: the row's term, then the member's).
+  __device__ __forceinline__ A add(A acc, int sf, A xj, bool member) const {
+    if (sf == rm::kSoftmax) {
+      acc -= gl * rm::ro_div(rm::ro_exp(xj - m), s);
+      if (member) acc += gl * rm::ro_exp(xj - lse_s);
+      return acc;
+    }
+    const A d = rm::score_grad(sf, xj, rm::score(sf, xj));
+    return acc + gl * d * ((member ? inv_mass : A(0)) - inv_total);
+  }
+};
+
+// The set statistics of a row's set log-prob gradient (every lane of the warp calls it; lane
+// k holds slot k: expert e, valid v, logit z), with the row's softmax statistics (m, s).
+// Not inlined: its lists stay out of the backward's registers.
+template <typename scalar_t>
+__device__ __noinline__ void set_logprob_grad_setup(SetLogprobGrad<acc_t<scalar_t>>& lp,
+                                                    const scalar_t* xr, int64_t E, int64_t K,
+                                                    int sf, int e, bool v, acc_t<scalar_t> z,
+                                                    acc_t<scalar_t> m, acc_t<scalar_t> s) {
+  using A = acc_t<scalar_t>;
+  const int lane = threadIdx.x & 31;
+  int32_t used[kMaxTopK];
+  A zs[kMaxTopK];
+  for (int kk = 0; kk < K; ++kk) {
+    used[kk] = __shfl_sync(kFullMask, v ? e : -1, kk);
+    zs[kk] = __shfl_sync(kFullMask, z, kk);
+  }
+  if (sf == rm::kSoftmax) {
+    lp.lse_s = rm::member_logsumexp(zs, used, K);
+    lp.on = lp.lse_s != rm::neg_inf<A>();
+    lp.m = m;
+    lp.s = s;
+    return;
+  }
+  A mass = A(0), lt = A(0);
+  for (int kk = 0; kk < K; ++kk)
+    if (rm::first_of_expert(used, kk)) mass += rm::score(sf, zs[kk]);
+  for (int64_t j = lane; j < E; j += 32) lt += rm::score(sf, to_acc(xr[j]));
+  const A total = warp_sum(lt);
+  lp.on = mass > A(0);
+  lp.inv_mass = rm::ro_div(A(1), mass);
+  lp.inv_total = rm::ro_div(A(1), total);
+}
+
 // One warp per token row, lane k holds slot k (K <= 32); the dense row is written once.
 // The slot gradients come from gw [T, K] (compute type), or with gd != nullptr from the
 // dense probs gradient gd [T, E] (logits dtype, strides sgt, sge) at the slot's expert.
+// glp: the set_logprob gradient [T] (compute type), or nullptr.
 template <typename scalar_t>
 __global__ void __launch_bounds__(256) _gate_bwd_kernel(const acc_t<scalar_t>* gw,
                                                         const scalar_t* gd, int64_t sgt,
@@ -475,6 +675,7 @@ __global__ void __launch_bounds__(256) _gate_bwd_kernel(const acc_t<scalar_t>* g
                                                         const int32_t* idx, int64_t T,
                                                         int64_t E, int64_t K, int sf,
                                                         bool normalize, double scaling,
+                                                        const acc_t<scalar_t>* glp,
                                                         scalar_t* out) {
   using A = acc_t<scalar_t>;
   const int lane = threadIdx.x & 31;
@@ -498,20 +699,27 @@ __global__ void __launch_bounds__(256) _gate_bwd_kernel(const acc_t<scalar_t>* g
       }
     }
     const int nvalid = __popc(__ballot_sync(kFullMask, v));
+    // the set log-prob gradient of the row (warp-uniform: every lane reads glp[t])
+    SetLogprobGrad<A> lp;
+    lp.gl = glp != nullptr ? glp[t] : A(0);
+    const bool with_lp = lp.gl != A(0);  // NaN included, as on the CPU
     A dz = A(0), m = A(0), s = A(0), Asum = A(0);
-    if (full) {
+    if (full || (with_lp && sf == rm::kSoftmax)) {
       A lm = neg_inf;
       for (int64_t j = lane; j < E; j += 32) lm = rm::ro_max(lm, to_acc(xr[j]));
       m = warp_max(lm);
       A ls = A(0);
       for (int64_t j = lane; j < E; j += 32) ls += rm::ro_exp(to_acc(xr[j]) - m);
       s = warp_sum(ls);
+    }
+    if (with_lp) set_logprob_grad_setup<scalar_t>(lp, xr, E, K, sf, e, v, z, m, s);
+    if (full) {
       dz = v ? g * rm::ro_div(rm::ro_exp(z - m), s) : A(0);  // a_k
       Asum = warp_sum(dz);
     } else if (sf == rm::kSoftmax) {
       const A mm = warp_max(v ? z : neg_inf);
-      m = rm::max_or_zero(mm, nvalid > 0);
-      const A ev = v ? rm::ro_exp(z - m) : A(0);
+      const A sm = rm::max_or_zero(mm, nvalid > 0);
+      const A ev = v ? rm::ro_exp(z - sm) : A(0);
       const A ssum = warp_sum(ev);
       const A q = rm::ro_div(ev, ssum == A(0) ? A(1) : ssum);
       const A Gs = warp_sum(v ? g * q : A(0));
@@ -523,12 +731,14 @@ __global__ void __launch_bounds__(256) _gate_bwd_kernel(const acc_t<scalar_t>* g
       dz = v ? rm::elementwise_dz(sf, normalize, nvalid, z, g, S, D) : A(0);
     }
     for (int64_t j = lane; j < E; j += 32) {
-      const A base = full ? rm::softmax_full_base(rm::ro_exp(to_acc(xr[j]) - m), s, Asum) : A(0);
+      const A xj = to_acc(xr[j]);
+      A base = full ? rm::softmax_full_base(rm::ro_exp(xj - m), s, Asum) : A(0);
+      if (lp.on) base = lp.add(base, sf, xj, false);
       orow[j] = from_acc<scalar_t>(base);
     }
     __syncwarp();
-    // Column e of a selected slot: base + the slot gradients of that column in k order,
-    // written by the first lane that holds the column.
+    // Column e of a selected slot: base + the slot gradients of that column in k order
+    // (+ the set log-prob gradient of a member), written by the first lane that holds it.
     A tot = (full && v) ? rm::softmax_full_base(rm::ro_exp(z - m), s, Asum) : A(0);
     bool first = v;
     for (int kk = 0; kk < K; ++kk) {
@@ -539,7 +749,10 @@ __global__ void __launch_bounds__(256) _gate_bwd_kernel(const acc_t<scalar_t>* g
         if (kk < lane) first = false;
       }
     }
-    if (v && first) orow[e] = from_acc<scalar_t>(tot);
+    if (v && first) {
+      if (lp.on) tot = lp.add(tot, sf, z, true);
+      orow[e] = from_acc<scalar_t>(tot);
+    }
     __syncwarp();
   }
 }
@@ -651,6 +864,12 @@ cudaError_t gate_fwd(const GateFwdArgs& a, void* workspace, cudaStream_t stream,
   if (a.E < 1 || a.E > kMaxExperts || a.K < 1 || a.T < 0 || a.align < 1) {
     return cudaErrorInvalidValue;
   }
+  if (gate_selects(a) &&
+      (a.K > kMaxSelectList || a.selection.group_topk > kMaxSelectList ||
+       a.selection.group_topn > kMaxSelectList ||
+       (a.agreement != nullptr && a.T > 0 && a.set_logprob == nullptr))) {
+    return cudaErrorInvalidValue;
+  }
   RO_CUDA_DISPATCH_FLOAT(a.logits_dtype, RO_CUDA_DISPATCH_INDEX(a.index_dtype, {
     return launch_gate_fwd<scalar_t, index_t>(a, workspace, stream, path);
   }));
@@ -660,7 +879,7 @@ cudaError_t gate_fwd(const GateFwdArgs& a, void* workspace, cudaStream_t stream,
 cudaError_t gate_bwd(const void* grad_weights_acc, const void* logits, DType logits_dtype,
                      const int32_t* indices32, int64_t T, int64_t E, int64_t K, int score_func,
                      bool normalize, double scaling_factor, void* grad_logits,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, const void* grad_set_logprob_acc) {
   if (E < 1 || K < 1 || K > kMaxTopK || T < 0) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
   const unsigned grid = detail::grid_1d(detail::ceil_div(T, 8));
@@ -668,7 +887,9 @@ cudaError_t gate_bwd(const void* grad_weights_acc, const void* logits, DType log
     _gate_bwd_kernel<scalar_t><<<grid, 256, 0, stream>>>(
         static_cast<const detail::acc_t<scalar_t>*>(grad_weights_acc), nullptr, 0, 0,
         static_cast<const scalar_t*>(logits), indices32, T, E, K, score_func, normalize,
-        scaling_factor, static_cast<scalar_t*>(grad_logits));
+        scaling_factor,
+        static_cast<const detail::acc_t<scalar_t>*>(grad_set_logprob_acc),
+        static_cast<scalar_t*>(grad_logits));
     return cudaGetLastError();
   });
   return cudaSuccess;
@@ -677,7 +898,8 @@ cudaError_t gate_bwd(const void* grad_weights_acc, const void* logits, DType log
 cudaError_t gate_dense_bwd(const void* grad_probs, int64_t stride_gt, int64_t stride_ge,
                            const void* logits, DType logits_dtype, const int32_t* indices32,
                            int64_t T, int64_t E, int64_t K, int score_func, bool normalize,
-                           double scaling_factor, void* grad_logits, cudaStream_t stream) {
+                           double scaling_factor, void* grad_logits, cudaStream_t stream,
+                           const void* grad_set_logprob_acc) {
   if (E < 1 || K < 1 || K > kMaxTopK || T < 0) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;  // a [0, E] gradient has no data pointer
   if (grad_probs == nullptr) return cudaErrorInvalidValue;
@@ -686,7 +908,9 @@ cudaError_t gate_dense_bwd(const void* grad_probs, int64_t stride_gt, int64_t st
     _gate_bwd_kernel<scalar_t><<<grid, 256, 0, stream>>>(
         nullptr, static_cast<const scalar_t*>(grad_probs), stride_gt, stride_ge,
         static_cast<const scalar_t*>(logits), indices32, T, E, K, score_func, normalize,
-        scaling_factor, static_cast<scalar_t*>(grad_logits));
+        scaling_factor,
+        static_cast<const detail::acc_t<scalar_t>*>(grad_set_logprob_acc),
+        static_cast<scalar_t*>(grad_logits));
     return cudaGetLastError();
   });
   return cudaSuccess;

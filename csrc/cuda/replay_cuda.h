@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "replay_limits.h"
+#include "replay_select.h"
 
 namespace replay_cuda {
 
@@ -61,7 +62,28 @@ struct GateFwdArgs {
   bool underflow_guard = false;
   bool with_plan = true;           // false: the dense rows only (plan outputs untouched);
                                    // only gate_dense sets it, and then T = 0 launches nothing
+  // The model's own selection of flagged rows (replay_select.h, one thread per row, the
+  // rule of the CPU kernels): gate (probs == nullptr) selects the rows whose replay_mask
+  // is False and, with padding kPadSelect, the rows with flags; gate_dense selects, with
+  // padding kPadSelect, the rows with flags (a masked row with a fallback takes the
+  // fallback). Needs K, group_topk and group_topn <= kMaxSelectList (per-thread lists).
+  replay_math::SelectionParams selection{replay_math::kSelectScores, false, 0, 0, 0};
+  const void* expert_bias = nullptr;  // [E] in the compute type, or nullptr
+  // The agreement outputs (agreement != nullptr): bool [T] and set_logprob [T] in the
+  // compute type (replay_select.h).
+  uint8_t* agreement = nullptr;
+  void* set_logprob = nullptr;
 };
+
+// The longest ranked list one thread of the selection keeps: K, group_topk and group_topn
+// of a call that selects or asks for the agreement are at most this.
+constexpr int64_t kMaxSelectList = kMaxTopK;
+
+// True when a gate call selects rows in the kernel or writes the agreement outputs.
+inline bool gate_selects(const GateFwdArgs& a) {
+  return a.agreement != nullptr || a.padding == replay_math::kPadSelect ||
+         (a.probs == nullptr && a.replay_mask != nullptr);
+}
 
 // How gate_fwd runs its three steps (weights + per-chunk histograms, a scan over the chunks,
 // the scatter). Every path gives the same bits.
@@ -86,17 +108,20 @@ cudaError_t gate_fwd(const GateFwdArgs& args, void* workspace, cudaStream_t stre
 
 // Dense [T, E] logits gradient (logits dtype) in one launch; grad_weights is [T, K] in the
 // compute type (fp32, or fp64 for fp64 logits), indices32 the int32 indices gate_fwd used.
+// With grad_set_logprob_acc ([T], compute type) the gradient of set_logprob is added to the
+// row (replay_select.h: the set is the row's distinct used experts); nullptr: none.
 cudaError_t gate_bwd(const void* grad_weights_acc, const void* logits, DType logits_dtype,
                      const int32_t* indices32, int64_t T, int64_t E, int64_t K,
                      int score_func, bool normalize, double scaling_factor, void* grad_logits,
-                     cudaStream_t stream);
+                     cudaStream_t stream, const void* grad_set_logprob_acc = nullptr);
 
 // Dense-mode gate backward: as gate_bwd, with the slot gradients read from the dense
 // [T, E] probs gradient (logits dtype, strides in elements) at the routed experts.
 cudaError_t gate_dense_bwd(const void* grad_probs, int64_t stride_gt, int64_t stride_ge,
                            const void* logits, DType logits_dtype, const int32_t* indices32,
                            int64_t T, int64_t E, int64_t K, int score_func, bool normalize,
-                           double scaling_factor, void* grad_logits, cudaStream_t stream);
+                           double scaling_factor, void* grad_logits, cudaStream_t stream,
+                           const void* grad_set_logprob_acc = nullptr);
 
 // out[r] = probs[t, e] of the slot s = sorted_slots[r] (t = s / K, e = indices32[s]), 0 for
 // padding and tail rows. probs has strides (stride_pt, stride_pe) elements.

@@ -9,7 +9,8 @@ for another torch or lacks a shared library (replay_ops._extension.NativeLoadErr
 message names both torch versions or the library: the registry warns once with it).
 
 Limits of the CUDA gate kernels (shared-memory histograms; one lane per slot in the
-backward) are read from the extension: `_C.MAX_EXPERTS` and `_C.MAX_TOPK`.
+backward; the selection's per-thread ranked lists) are read from the extension:
+`_C.MAX_EXPERTS` and `_C.MAX_TOPK`.
 """
 from __future__ import annotations
 
@@ -78,13 +79,17 @@ def cuda_image_problems() -> list[str]:
 
 
 def supports(op, device_type, shape, dtype) -> Support:
-    if shape.features and not (device_type == "cpu" and CPU_FEATURES):
+    takes_features = {"cpu": CPU_FEATURES, "cuda": CUDA_FEATURES}.get(device_type, False)
+    if shape.features and not takes_features:
         return Support(False, f"the native {device_type.upper()} gate kernels do not implement "
-                              f"{' and '.join(sorted(shape.features))} yet (the model's own "
+                              f"{' and '.join(sorted(shape.features))} (the model's own "
                               f"selection of flagged rows, the agreement outputs: "
                               f"replay_ops/backends/protocol.py)")
     if device_type != "cuda":
         return YES
+    if shape.features and shape.K > MAX_TOPK:
+        return Support(False, f"K={shape.K} slots is above the CUDA gate selection's limit "
+                              f"kMaxSelectList={MAX_TOPK} (its per-thread ranked lists)")
     if op in ("gate_fwd", "gate_bwd", "gate_dense_fwd", "gate_dense_bwd") and \
             shape.E > MAX_EXPERTS:
         return Support(False, f"E={shape.E} experts is above the CUDA gate kernels' limit "
@@ -104,9 +109,13 @@ def describe() -> dict:
     return info
 
 
-# Whether the CPU kernels take the gate features (OpShape.features): the model's own
-# selection of flagged rows and the agreement outputs (csrc/include/replay_select.h).
+# Whether the CPU and the CUDA kernels take the gate features (OpShape.features): the
+# model's own selection of flagged rows and the agreement outputs (csrc/include/
+# replay_select.h). On CUDA, K, group_topk and group_topn are at most MAX_TOPK
+# (kMaxSelectList): larger K is handed on by supports(); larger group sizes are refused by
+# the op with the values named.
 CPU_FEATURES = True
+CUDA_FEATURES = True
 # replay_ops.Selection.source, numbered as the native ops take it (replay_select.h).
 SELECTION_SOURCES = {"scores": 0, "logits": 1}
 

@@ -61,8 +61,8 @@ plain replayed gate:
 
 A backend whose kernels lack a feature answers `supports(...)` with
 `Support(False, reason)` when `shape.features` holds it, and the registry runs the next
-backend in the device's order (the torch backend implements both). Today the native CPU
-kernels and the torch backend implement both; the Triton and native CUDA kernels neither.
+backend in the device's order (the torch backend implements both). Today every backend
+implements both (the native CUDA kernels for K <= MAX_TOPK).
 A backend that implements them follows the rules below exactly (the reference,
 `replay_ops.reference`, is the oracle; integer outputs must match it exactly).
 

@@ -59,11 +59,12 @@ Rows that take Megatron's own selection (replay mask False, and the "topk" paddi
 it inside the same gate launch, from their logits rows (`megatron_selection`: score
 function, pre-softmax, rounding, expert bias, group-limited top-k): the forward is one
 launch with or without a replay mask, and no top-k of the replayed rows runs. This
-holds where the backend that runs the gate selects inside its kernel (the native CPU
-kernels, the torch backend: `gate_selects_in_kernel`); where it does not yet (the native
-CUDA and Triton kernels), the router computes Megatron's own top-k before the gate (the
-rows the mask excludes, and the "topk" padding rows when nothing is read) or after the
-flag read on the flagged rows only, rather than move every call to the torch backend. `own_topk`
+holds where the backend that runs the gate selects inside its kernel (the native CPU and
+CUDA kernels, the Triton kernels, the torch backend: `gate_selects_in_kernel`); where it
+does not (a backend past its limits: the native CUDA kernels hand a selecting call with K
+above MAX_TOPK to another backend), the router computes Megatron's own top-k before the
+gate (the rows the mask excludes, and the "topk" padding rows when nothing is read) or
+after the flag read on the flagged rows only, rather than move the call. `own_topk`
 (Megatron's own top-k, op for op) serves the model's own routing only: RECORD, an MTP
 router given no target, `moe_router_fusion=True` without replay, and the masked rows of
 padding="spread".
@@ -354,12 +355,11 @@ _SELECTS: dict = {}
 def gate_selects_in_kernel(device_type: str, num_tokens: int, num_experts: int, top_k: int,
                            dtype: torch.dtype, backend: str | None = None) -> bool:
     """True when the backend that runs the plain dense gate for these sizes also selects
-    the flagged rows inside its kernel (`OpShape.features` SELECT). Today the native CPU
-    kernels and the torch backend do; the native CUDA and Triton kernels do not yet, and a
-    call that selects would move to the torch backend (a vectorised selection of every
-    row): there the router keeps Megatron's own top-k before the gate instead (two
-    launches, the GPU kernels). Decided once per device, sizes and dtype (a constant under
-    torch.compile)."""
+    the flagged rows inside its kernel (`OpShape.features` SELECT): the native CPU and CUDA
+    kernels, the Triton kernels and the torch backend do, within their limits. Where the
+    backend of the plain gate would hand a selecting call to another one, the router keeps
+    Megatron's own top-k before the gate instead (two launches, the plain gate's kernels).
+    Decided once per device, sizes and dtype (a constant under torch.compile)."""
     key = (device_type, num_tokens, num_experts, top_k, dtype, backend)
     hit = _SELECTS.get(key)
     if hit is None:
