@@ -113,7 +113,8 @@ MIN_STEP_S = 20  # a step with less time left than this is not started
 # tools/gpu_run.sh picks a small subset (SANITIZER_SUBSET).
 SANITIZER_ALL = "sanitizer"
 SANITIZER_SUBSET = ("test_cuda_compute_sanitizer or "
-                    "(test_gpu_sanitizer_mixed_chain and memcheck)")
+                    "(test_gpu_sanitizer_mixed_chain and memcheck) or "
+                    "(test_gpu_sanitizer_selection_of_flagged_rows and memcheck)")
 PROBE_TIMEOUT_S = 180
 LOG_HEAD, LOG_TAIL = 64 * 1024, 192 * 1024  # bytes of a log that are kept
 TAIL_LINES = 40
