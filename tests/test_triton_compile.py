@@ -46,7 +46,8 @@ def test_cases_reach_every_launcher_and_regime():
     assert {c["op"] for c in cs} == {"gate_fwd", "gate_bwd", "permute_fwd", "permute_bwd",
                                      "unpermute_fwd", "unpermute_bwd", "gate_dense_fwd",
                                      "gate_dense_bwd", "permute_probs_fwd", "permute_probs_bwd",
-                                     "codec_sort", "codec_unsort"}
+                                     "codec_sort", "codec_unsort", "gate_select_fwd",
+                                     "gate_select_bwd"}
     codec = [c for c in cs if c["op"].startswith("codec")]
     assert {(c["op"], c["order"], c["K"]) for c in codec} == set(
         itertools.product(["codec_sort", "codec_unsort"], ["set", "keep"], [1, 2, 8, 13, 20]))
@@ -83,6 +84,12 @@ def test_rules_flag_what_they_should():
               approx=[], int32_stride_products=[])
     assert tcc.problems(ok, 8) == []
     assert "spill" in tcc.problems(dict(ok, spill_stores=12), 8)[0]
+    # the agreement forward has its own budget; no other specialisation shares it
+    agree = dict(ok, spill_stores=92, cases=["gate_select_fwd select=mask agreement=True"])
+    assert tcc.problems(agree, 8) == []
+    assert "spill" in tcc.problems(dict(agree, cases=["gate_select_fwd agreement=False"]), 8)[0]
+    big = tcc.AGREEMENT_SPILL_BUDGET_BYTES + 4
+    assert "spill" in tcc.problems(dict(agree, spill_stores=big), 8)[0]
     assert "enable_fp_fusion" in tcc.problems(dict(ok, launch_options={}), 8)[0]
     assert "approximate" in tcc.problems(dict(ok, approx=["sqrt.approx"]), 8)[0]
     assert "does not compile" in tcc.problems(dict(status="error", error="boom"), 8)[0]

@@ -98,6 +98,12 @@ KERNEL_MODULES = ("replay_ops.triton_kernels.gate", "replay_ops.triton_kernels.p
 # the config functions). The CUDA kernels' check (.ci/check_cuda.sh) allows 0; nvcc has
 # no such parked values there.
 SPILL_BUDGET_BYTES = 8
+# The gate's forward with the agreement outputs (return_agreement: the model's own top-k
+# set of every row, its membership test and the set's log-sum-exp) holds more per row than
+# the registers give: up to 92 bytes of spill stores measured under Triton 3.9 (sm_80 and
+# sm_90; bf16 up to 28) and 180 under 3.6 (sm_90), fp64 the largest. Its own budget, until
+# that kernel's agreement part is split from it.
+AGREEMENT_SPILL_BUDGET_BYTES = 192
 
 # Math each kernel's PTX may not contain. Every kernel is declared precise (the NOTE on
 # math in triton_kernels/_common.py): no ex2.approx (tl.exp's lowering; the kernels'
@@ -203,6 +209,10 @@ ROW_H = [1, 7, 100, 256, 4096]  # H=1 is a constexpr 1; 7 and 100 are not multip
 DENSE_SHAPES = [(1, 8, 1), (512, 64, 8), (16384, 128, 8), (5000, 48, 2), (512, 256, 64),
                 (19, 1000, 200)]
 DENSE_PADDING = ["empty", "spread", "fallback"]
+# the flagged rows (replay mask False, or padding="select") and the selection rule:
+# top-k of the scores; with an expert bias and group-limited top-k (DeepSeek-V3); of the
+# logits with Megatron's rounding of the scores
+SELECT_RULES = ["mask", "pad", "mask+bias+groups", "pad+logits+round"]
 ROW_DTYPES = ["fp32", "fp16", "bf16", "fp64"]
 
 
@@ -215,6 +225,13 @@ def op_factors() -> dict[str, dict[str, list]]:
         "gate_bwd": {"mode": SCORE_MODES, "shape": GATE_BWD_SHAPES, "logits": LOGITS_DTYPES,
                      "index": INDEX_DTYPES, "layout": LAYOUTS[:2]},
     }
+    # the model's own selection of flagged rows, agreement and the set log-prob (forward)
+    # and its gradient (backward): each selection rule, with both agreement settings
+    out["gate_select_fwd"] = {"mode": SCORE_MODES, "select": SELECT_RULES,
+                              "logits": ["fp32", "bf16", "fp64"], "agreement": [True, False],
+                              "shape": [(512, 64, 8), (8192, 256, 8)]}
+    out["gate_select_bwd"] = {"mode": SCORE_MODES, "logits": ["fp32", "bf16", "fp64"],
+                              "shape": [(512, 64, 8), (8192, 256, 8)]}
     out["gate_dense_fwd"] = {"mode": SCORE_MODES, "shape": DENSE_SHAPES, "logits": LOGITS_DTYPES,
                              "index": INDEX_DTYPES, "padding": DENSE_PADDING,
                              "mask": [False, True], "plan": [True, False],
@@ -327,6 +344,29 @@ def run_launcher(case: dict) -> None:
         else:
             gate_dense.permute_probs_bwd(torch.empty(T * K, dtype=dt, device="meta"),
                                          torch.empty(T, K, **i32), idx, E)
+        return
+    if op in ("gate_select_fwd", "gate_select_bwd"):
+        from replay_ops import Selection
+
+        T, E, K = case["shape"]
+        sf, norm = case["mode"]
+        logits = _hidden((T, E), case["logits"], "contiguous")
+        idx = torch.empty(T, K, **i32)
+        if op == "gate_select_bwd":
+            gw = torch.empty(T, K, dtype=logits.dtype, device="meta")
+            gate.gate_bwd(gw, logits, idx, sf, norm, 1.0,
+                          torch.empty(T, dtype=torch.float32, device="meta"))
+            return
+        rule = case["select"]
+        sel = Selection(
+            source="logits" if "logits" in rule else "scores", round_scores="round" in rule,
+            expert_bias=torch.empty(E, dtype=torch.float32, device="meta")
+            if "bias" in rule else None,
+            num_groups=8 if "groups" in rule else 0, group_topk=4 if "groups" in rule else 0)
+        mask = torch.empty(T, dtype=torch.bool, device="meta") if "mask" in rule else None
+        gate.gate_fwd(logits, idx, sf, norm, 1.0, 1, replay_mask=mask,
+                      pad_select="pad" in rule, selection=sel,
+                      return_agreement=case["agreement"])
         return
     if op in ("gate_fwd", "gate_bwd"):
         T, E, K = case["shape"]
@@ -628,6 +668,8 @@ def problems(row: dict, budget: int) -> list[str]:
     if row["status"] != "ok":
         return [f"does not compile: {row['error'].splitlines()[0] if row['error'] else ''}"]
     out = []
+    if any("agreement=True" in c for c in row.get("cases", ())):
+        budget = max(budget, AGREEMENT_SPILL_BUDGET_BYTES)
     if row["spill_stores"] > budget:
         out.append(f"{row['spill_stores']} bytes of spill stores (budget {budget})")
     if "enable_fp_fusion" not in row["launch_options"]:
@@ -757,6 +799,9 @@ def main(argv=None) -> int:
     ap.add_argument("--every", type=int, default=1, metavar="N",
                     help="a sample: every Nth case of each launcher (each kernel must still "
                          "be compiled by one)")
+    ap.add_argument("--offset", type=int, default=0, metavar="I",
+                    help="with --every N: the cases whose index in their launcher is I mod N "
+                         "(N runs with offsets 0..N-1 compile each case once)")
     ap.add_argument("--list", action="store_true", help="print the cases and jobs, compile nothing")
     ap.add_argument("--no-write", action="store_true", help="do not write bench/results")
     ap.add_argument("--out", type=Path, default=OUT, help="results path without suffix (.json and .md are appended: a name may hold dots)")
@@ -781,7 +826,7 @@ def run(args) -> int:
         kept = []
         for c in case_list:
             count[c["op"]] = count.get(c["op"], -1) + 1
-            if count[c["op"]] % args.every == 0:
+            if count[c["op"]] % args.every == args.offset % args.every:
                 kept.append(c)
         case_list = kept
     jobs, all_kernels = collect(case_list, args.archs)
