@@ -140,6 +140,17 @@ def check_binary(path: str, archs: str | None, cpu_only: bool) -> None:
 
 
 FATBIN_MAGIC = 0xBA55ED50
+FATBIN_ZSTD = 0x8000  # an entry's flags: the payload is zstd-compressed
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def _unzstd(frame: bytes, size: int) -> bytes | None:
+    """The decompressed frame, or None where no zstd module is installed."""
+    try:
+        import zstandard
+    except ImportError:
+        return None
+    return zstandard.ZstdDecompressor().decompress(frame, max_output_size=size)
 
 
 def fatbin_entries(path: str) -> list[tuple[str, int]]:
@@ -148,7 +159,10 @@ def fatbin_entries(path: str) -> list[tuple[str, int]]:
     version, u16 header size, u64 payload size) followed by entries, each a header (u16
     kind: 1 PTX, 2 cubin; u16; u32 header size; u64 payload size; ...; u32 sm at byte 28)
     and its payload. A cubin's payload is an ELF file, which is checked, so a misread layout
-    fails instead of passing."""
+    fails instead of passing; a compressed one (flag FATBIN_ZSTD at byte 40, as nvcc writes
+    large images) is a zstd frame whose decompressed size (u64 at byte 56) is not zero,
+    also checked, and decompressed and checked as ELF where the `zstandard` module is
+    installed."""
     import struct
 
     data = open(path, "rb").read()
@@ -164,9 +178,17 @@ def fatbin_entries(path: str) -> list[tuple[str, int]]:
             if kind not in (1, 2) or ehsize == 0 or not 10 <= sm < 1000:
                 fail(f"unreadable fat binary entry at byte {j} of {path}: kind {kind}, header "
                      f"{ehsize} bytes, sm {sm}")
-            if kind == 2 and data[j + ehsize:j + ehsize + 4] != b"\x7fELF":
+            payload = data[j + ehsize:j + ehsize + psize]
+            flags = struct.unpack_from("<Q", data, j + 40)[0] if ehsize >= 64 else 0
+            if kind == 2 and flags & FATBIN_ZSTD:
+                full = struct.unpack_from("<Q", data, j + 56)[0]
+                if payload[:4] != ZSTD_MAGIC or full == 0:
+                    fail(f"the compressed cubin at byte {j} of {path} (sm_{sm}) is not a zstd "
+                         f"frame with a size (a misread layout)")
+                payload = _unzstd(payload, full)
+            if kind == 2 and payload is not None and payload[:4] != b"\x7fELF":
                 fail(f"the cubin at byte {j} of {path} (sm_{sm}) is not an ELF file (a "
-                     f"compressed fat binary, or a misread layout)")
+                     f"misread layout)")
             out.append(("cubin" if kind == 2 else "ptx", sm))
             j += ehsize + psize
     if not out:
