@@ -716,3 +716,30 @@ def set_logprob_grad_like_reference(T, E, idx, sf, device, backend):
         outs.append(grad)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
     return x32
+
+
+@pytest.mark.parametrize("dev_backend", BACKENDS)
+@pytest.mark.parametrize("sf", SCORE_FUNCS)
+def test_backward_ops_give_ids_outside_the_row_no_gradient(dev_backend, sf):
+    """The backward ops, called directly with ids outside [-1, E) and a set_logprob
+    gradient: such an id is no expert (no weight gradient, not in the set) on every backend,
+    equal to the reference, and no kernel reads or writes outside the row."""
+    device, backend = dev_backend
+    T, E, K = 9, 6, 2
+    x = make_logits(T, E, dtype=torch.float64, device=device, seed=5)
+    idx = torch.tensor([[7, 1], [-3, 2], [1, 1], [-1, 4], [6, 0], [1 << 30, -(1 << 30)],
+                        [5, 0], [3, 3], [2, 4]], dtype=torch.int32, device=device)
+    gen = torch.Generator().manual_seed(9)
+    gw = torch.randn(T, K, generator=gen, dtype=torch.float64).to(device)
+    gd = torch.randn(T, E, generator=gen, dtype=torch.float64).to(device)
+    glp = torch.randn(T, generator=gen, dtype=torch.float64).to(device)
+    # the same call with the outside ids written as -1: the meaning of "no expert"
+    clean = torch.where((idx >= 0) & (idx < E), idx, -1)
+    for norm in (False, True):
+        flat = (sf, norm, 1.0)
+        got = torch.ops.replay.gate_backward(gw, x, idx, *flat, glp, backend)
+        want = torch.ops.replay.gate_backward(gw, x, clean, *flat, glp, "reference")
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        got = torch.ops.replay.gate_dense_backward(gd, x, idx, *flat, glp, backend)
+        want = torch.ops.replay.gate_dense_backward(gd, x, clean, *flat, glp, "reference")
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -21,7 +21,12 @@ from _helpers import (
     make_indices,
     make_logits,
 )
-from test_selection import messy_rows, set_logprob_grad_like_reference, tie_free_logits
+from test_selection import (
+    messy_rows,
+    set_logprob_grad_like_reference,
+    test_backward_ops_give_ids_outside_the_row_no_gradient as _outside_ids,
+    tie_free_logits,
+)
 
 TRITON = [p for p in backend_params() if p.values[0][1] == "triton"]
 if not TRITON:
@@ -194,3 +199,11 @@ def test_triton_tie_rule_lower_id_first(dev_backend):
     import test_selection
 
     test_selection.test_tie_rule_lower_id_first(dev_backend)
+
+
+@pytest.mark.parametrize("dev_backend", TRITON)
+@pytest.mark.parametrize("sf", ["softmax", "sigmoid"])
+def test_backward_ops_give_ids_outside_the_row_no_gradient(dev_backend, sf):
+    """The backward kernels with ids outside [-1, E) and a set_logprob gradient: no gradient
+    for them, equal to the reference (tests/test_selection.py's case)."""
+    _outside_ids(dev_backend, sf)

@@ -481,11 +481,15 @@ void gate_dense_impl(const at::Tensor& logits, const at::Tensor& idx, int sf, bo
 }
 
 // Adds the gradient of g * set_logprob of row x (replay_select.h) to row[0..E): the set is
-// the row's distinct used experts `idx` (K entries, -1 empty). `member` is scratch [E].
+// the row's distinct used experts `ids` (K entries; -1, and any id outside [0, E), is no
+// expert, as in the weights' gradient and the other backends). `member` is scratch [E].
 template <typename scalar_t, typename acc_t>
 void add_set_logprob_grad(const RowKernels<scalar_t>& rk, int sf, const scalar_t* x,
-                          const int32_t* idx, int64_t E, int64_t K, acc_t g, acc_t* row,
+                          const int32_t* ids, int64_t E, int64_t K, acc_t g, acc_t* row,
                           char* member) {
+  std::vector<int32_t> used(static_cast<size_t>(K));
+  for (int64_t k = 0; k < K; ++k) used[k] = rm::takes_row(ids[k], E) ? ids[k] : -1;
+  const int32_t* idx = used.data();
   std::vector<acc_t> z(static_cast<size_t>(K));
   for (int64_t k = 0; k < K; ++k) z[k] = idx[k] >= 0 ? static_cast<acc_t>(x[idx[k]]) : acc_t(0);
   if (sf == rm::kSoftmax) {

@@ -458,6 +458,7 @@ def empty_plan(device, K: int):
 
 
 def gate_dense_bwd(grad_probs, logits, idx, opts, grad_set_logprob=None):
+    idx = in_range_or_empty(idx, logits.shape[1])  # an id outside [0, E) is no expert
     valid = idx >= 0
     g = grad_probs.gather(1, idx.clamp_min(0).long())
     return gate_bwd(torch.where(valid, g, 0.0), logits, idx, opts, grad_set_logprob)
