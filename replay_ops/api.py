@@ -29,7 +29,7 @@ from .options import (
     options_one_way,
     resolve,
 )
-from .plan import DenseRouting, RoutingPlan
+from .plan import DenseRouting, RoutingPlan, plan_capacity
 
 
 @options_one_way("gate", GATE_OPTIONS)
@@ -45,6 +45,8 @@ def gate(
     padding: str = "empty",
     selection: Selection | None = None,
     return_agreement: bool = False,
+    hidden: torch.Tensor | None = None,
+    num_rows: int | None = None,
     validate: bool = True,
     backend: str | None = None,
     options: GateOptions | None = None,
@@ -65,6 +67,12 @@ def gate(
     the log of the router's probability mass on that set, differentiable).
     See docs/ops.md for the exact semantics.
 
+    `hidden` [T, H] (the tokens' hidden states) also gives `plan.rows`: the expert-major
+    rows of `hidden` for this plan, exactly `permute(hidden, plan, num_rows)`, written by the
+    same op (one op forward, and one backward op for the gradients of both the logits and
+    `hidden`). `num_rows` defaults to `plan.max_rows` (static: no host read); with
+    `validate=True` a smaller `num_rows` is checked to hold every row used (one host read).
+
     The options may come as one `options=replay_ops.GateOptions(...)` instead of the option
     keywords (score_func, normalize, scaling_factor, align, padding, selection,
     return_agreement), never both: a call that gives `options=` and any of these keywords,
@@ -73,11 +81,30 @@ def gate(
     opts = resolve(options, "gate", GATE_OPTIONS, score_func=score_func, normalize=normalize,
                    scaling_factor=scaling_factor, align=align, padding=padding,
                    selection=selection, return_agreement=return_agreement)
-    out = torch.ops.replay.gate(logits, expert_indices, replay_mask, *opts.flat(GATE_FIELDS),
-                                bool(validate), backend or "auto")
-    if opts.return_agreement:
-        return RoutingPlan(*out)
-    return RoutingPlan(*out[:6])
+    if hidden is None:
+        if num_rows is not None:
+            raise ValueError("replay_ops.gate: num_rows is the size of plan.rows and needs "
+                             "hidden= (the hidden states to permute)")
+        out = torch.ops.replay.gate(logits, expert_indices, replay_mask,
+                                    *opts.flat(GATE_FIELDS), bool(validate),
+                                    backend or "auto")
+        rows = None
+    else:
+        capacity = None
+        if num_rows is None:
+            T, E = logits.shape if logits.dim() == 2 else (0, 0)
+            K = expert_indices.shape[1] if expert_indices.dim() == 2 else 0
+            a = opts.align if isinstance(opts.align, int) and opts.align >= 1 else 1
+            num_rows = capacity = plan_capacity(T, K, E, a)  # (the op checks align)
+        out = torch.ops.replay.gate_permute(logits, expert_indices, replay_mask,
+                                            *opts.flat(GATE_FIELDS), hidden, int(num_rows),
+                                            bool(validate), backend or "auto")
+        rows = out[8]
+    agree = out[6:8] if opts.return_agreement else (None, None)
+    plan = RoutingPlan(*out[:6], *agree, rows)
+    if rows is not None and validate and capacity is None:
+        _check_rows("gate", f"num_rows={num_rows}", int(num_rows), plan)
+    return plan
 
 
 @options_one_way("gate_dense", DENSE_OPTIONS)

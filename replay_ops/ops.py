@@ -1,9 +1,10 @@
 """Op registration: `torch.ops.replay.*`, with fake kernels and autograd.
 
 Forward ops:   replay::gate, replay::permute, replay::unpermute, replay::gate_dense,
-               replay::permute_probs
+               replay::permute_probs, replay::gate_permute
 Backward ops:  replay::gate_backward, replay::permute_backward, replay::unpermute_backward,
-               replay::gate_dense_backward, replay::permute_probs_backward
+               replay::gate_dense_backward, replay::permute_probs_backward,
+               replay::gate_permute_backward
 
 Each op runs the backend that `backends.select` picks for the op, the input's device and
 sizes. The ops are opaque to `torch.compile` (their fake kernels give static output shapes),
@@ -36,7 +37,7 @@ from .scores import compute_dtype
 LIB = "replay"
 # Every op this module registers as torch.ops.replay.<name>: the one list the package, its
 # backends' docs and the tests name them from (a new op is added here first).
-FORWARD_OPS = ("gate", "permute", "unpermute", "gate_dense", "permute_probs")
+FORWARD_OPS = ("gate", "permute", "unpermute", "gate_dense", "permute_probs", "gate_permute")
 OPS = FORWARD_OPS + tuple(f"{name}_backward" for name in FORWARD_OPS)
 
 
@@ -569,3 +570,166 @@ def permute_probs_backward(
 @permute_probs_backward.register_fake
 def _(grad, row_id_map, expert_indices, num_experts, backend):
     return grad.new_empty(row_id_map.shape[0], num_experts)
+
+
+# ---------------------------------------------------------------- gate with permute
+def _fused(kernel: str, device_type: str, shape: OpShape, dtype, backend: str):
+    """The backend that runs the gate (`gate_fwd`) or its backward (`gate_bwd`) for this
+    call, and its fused kernel `kernel` ("gate_permute_fwd" / "gate_permute_bwd") when it
+    has one that takes the call (protocol.FUSED_OPS), else None: the op then runs the gate
+    and the permute kernels one after the other, with the same results."""
+    impl = select(kernel.replace("_permute", ""), device_type, shape, dtype, backend)
+    fn = getattr(impl, kernel, None)
+    if fn is not None and impl.supports(kernel, device_type, shape, dtype):
+        return impl, fn
+    return impl, None
+
+
+@torch.library.custom_op(f"{LIB}::gate_permute", mutates_args=())
+def gate_permute(
+    logits: Tensor,
+    expert_indices: Tensor,
+    replay_mask: Tensor | None,
+    score_func: str,
+    normalize: bool,
+    scaling_factor: float,
+    align: int,
+    padding: str,
+    selection_source: str,
+    expert_bias: Tensor | None,
+    round_scores: bool,
+    num_groups: int,
+    group_topk: int,
+    group_score_topn: int,
+    return_agreement: bool,
+    hidden: Tensor,
+    num_rows: int,
+    validate: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """replay::gate's eight outputs, then `rows` [num_rows, H]: the expert-major copy of
+    `hidden` [T, H] for that plan (replay::permute's output). See replay_ops.gate(hidden=)."""
+    sel = (selection_source, expert_bias, round_scores, num_groups, group_topk,
+           group_score_topn)
+    _check_gate_permute(logits, expert_indices, replay_mask, score_func, align, padding, sel,
+                        hidden, num_rows)
+    if validate:
+        check_index_values(expert_indices, logits.shape[1], replay_mask,
+                           repeats=padding != "select")
+    (T, E), K = logits.shape, expert_indices.shape[1]
+    opts = GateOptions.from_flat(GATE_FIELDS, (score_func, normalize, scaling_factor, align,
+                                               padding, *sel, return_agreement))
+    shape = OpShape(T, E, K, hidden.shape[1], _features(replay_mask, padding,
+                                                         return_agreement))
+    impl, fused = _fused("gate_permute_fwd", logits.device.type, shape, logits.dtype, backend)
+    if fused is not None:
+        return tuple(fused(logits, expert_indices, replay_mask, opts, hidden, num_rows))
+    out = impl.gate_fwd(logits, expert_indices, replay_mask, opts)
+    rid, slots = out[4], out[5]
+    rows = select("permute_fwd", hidden.device.type, _row_shape(rid, hidden), hidden.dtype,
+                  backend).permute_fwd(hidden, slots, rid, num_rows)
+    return (*out, rows)
+
+
+def _check_gate_permute(logits, expert_indices, replay_mask, score_func, align, padding, sel,
+                        hidden, num_rows):
+    _check_gate(logits, expert_indices, replay_mask, score_func, align, padding, sel)
+    check_hidden("gate", "hidden", hidden, logits.shape[0], "T tokens", logits.device)
+    if num_rows < 0:
+        raise ValueError(f"replay_ops.gate: num_rows must be >= 0, got {num_rows}")
+
+
+@gate_permute.register_fake
+def _(logits, expert_indices, replay_mask, score_func, normalize, scaling_factor, align, padding,
+      selection_source, expert_bias, round_scores, num_groups, group_topk, group_score_topn,
+      return_agreement, hidden, num_rows, validate, backend):
+    sel = (selection_source, expert_bias, round_scores, num_groups, group_topk,
+           group_score_topn)
+    _check_gate_permute(logits, expert_indices, replay_mask, score_func, align, padding, sel,
+                        hidden, num_rows)
+    T, E = logits.shape
+    K = expert_indices.shape[1]
+    return (logits.new_empty(T, K), torch.empty(T, K, dtype=PLAN_DTYPE, device=logits.device),
+            *_fake_plan(T, K, E, align, logits.device),
+            *_agreement_like(T, logits, return_agreement),
+            hidden.new_empty(num_rows, hidden.shape[1]))
+
+
+def _gate_permute_setup(ctx, inputs, output):
+    logits, score_func, normalize, scaling_factor = inputs[0], inputs[3], inputs[4], inputs[5]
+    ctx.save_for_backward(logits, output[1], output[4])
+    ctx.opts = (score_func, normalize, scaling_factor)
+    ctx.backend = inputs[-1]
+    ctx.agreement = inputs[14]  # return_agreement: set_logprob is an output
+    ctx.set_materialize_grads(False)
+
+
+def _gate_permute_backward(ctx, grad_weights, _idx, _counts, _offsets, _rid, _slots, _agree,
+                           grad_set_logprob, grad_rows):
+    logits, idx, rid = ctx.saved_tensors
+    if not ctx.agreement:  # the size-0 placeholder (a traced graph may hand it zeros)
+        grad_set_logprob = None
+    want_logits = ctx.needs_input_grad[0] and (grad_weights is not None
+                                               or grad_set_logprob is not None)
+    want_hidden = ctx.needs_input_grad[15] and grad_rows is not None
+    if want_logits and grad_weights is None:
+        grad_weights = torch.zeros(idx.shape, dtype=logits.dtype, device=logits.device)
+    grad_logits = grad_hidden = None
+    if want_logits and want_hidden:  # one op for both
+        grad_logits, grad_hidden = gate_permute_backward(
+            grad_weights.contiguous(), grad_rows.contiguous(), logits, idx, rid, *ctx.opts,
+            grad_set_logprob, ctx.backend)
+    elif want_logits:
+        grad_logits = gate_backward(grad_weights.contiguous(), logits, idx, *ctx.opts,
+                                    grad_set_logprob, ctx.backend)
+    elif want_hidden:
+        grad_hidden = permute_backward(grad_rows.contiguous(), rid, ctx.backend)
+    return (grad_logits,) + (None,) * 14 + (grad_hidden,) + (None,) * 3
+
+
+gate_permute.register_autograd(_gate_permute_backward, setup_context=_gate_permute_setup)
+
+
+@torch.library.custom_op(f"{LIB}::gate_permute_backward", mutates_args=())
+def gate_permute_backward(
+    grad_weights: Tensor,
+    grad_rows: Tensor,
+    logits: Tensor,
+    expert_indices: Tensor,
+    row_id_map: Tensor,
+    score_func: str,
+    normalize: bool,
+    scaling_factor: float,
+    grad_set_logprob: Tensor | None,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    """(grad_logits [T, E], grad_hidden [T, H]): replay::gate_backward's and
+    replay::permute_backward's outputs (grad_hidden[t] = sum_k grad_rows[row_id_map[t, k]],
+    in slot order, no atomics), in one op."""
+    (T, E), K = logits.shape, expert_indices.shape[1]
+    feats = frozenset() if grad_set_logprob is None else frozenset((AGREEMENT,))
+    if grad_set_logprob is not None:
+        _check_set_logprob_grad(grad_set_logprob, logits)
+    shape = OpShape(T, E, K, grad_rows.shape[1], feats)
+    _, fused = _fused("gate_permute_bwd", logits.device.type, shape, logits.dtype, backend)
+    if fused is not None:
+        opts = GateOptions.from_flat(BACKWARD_FIELDS, (score_func, normalize, scaling_factor))
+        gsl = (None if grad_set_logprob is None
+               else grad_set_logprob.to(compute_dtype(logits.dtype)))
+        return tuple(fused(grad_weights, grad_rows, logits, expert_indices, row_id_map, opts,
+                           gsl))
+    grad_logits = _logit_grad("gate_bwd", grad_weights, logits, expert_indices,
+                              (score_func, normalize, scaling_factor), grad_set_logprob,
+                              backend)
+    impl = select("permute_bwd", grad_rows.device.type, _row_shape(row_id_map, grad_rows),
+                  grad_rows.dtype, backend)
+    return grad_logits, impl.permute_bwd(grad_rows, row_id_map)
+
+
+@gate_permute_backward.register_fake
+def _(grad_weights, grad_rows, logits, expert_indices, row_id_map, score_func, normalize,
+      scaling_factor, grad_set_logprob, backend):
+    if grad_set_logprob is not None:
+        _check_set_logprob_grad(grad_set_logprob, logits)
+    return torch.empty_like(logits), grad_rows.new_empty(row_id_map.shape[0],
+                                                         grad_rows.shape[1])

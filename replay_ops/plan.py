@@ -50,6 +50,9 @@ class RoutingPlan(NamedTuple):
     # float64 logits), the log of the router's probability mass on that set (differentiable)
     agreement: torch.Tensor | None = None
     set_logprob: torch.Tensor | None = None
+    # with gate(..., hidden=x) (else None): [num_rows, H], the expert-major rows of x for this
+    # plan, exactly permute(x, plan, num_rows); differentiable into x
+    rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

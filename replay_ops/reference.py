@@ -264,8 +264,12 @@ def gate(
     padding: str = "empty",
     selection: Selection = DEFAULT_SELECTION,
     return_agreement: bool = False,
+    hidden: torch.Tensor | None = None,
+    num_rows: int | None = None,
     validate: bool = True,
 ) -> RoutingPlan:
+    """The plan of replay_ops.gate; with `hidden`, `plan.rows` = permute(hidden, plan,
+    num_rows) (num_rows: plan.max_rows when None)."""
     check_gate_inputs(logits, expert_indices, replay_mask, score_func, align)
     check_gate_padding(padding)
     _check_selection("gate", logits, expert_indices.shape[1], score_func, selection)
@@ -279,6 +283,9 @@ def gate(
     if return_agreement:
         plan = plan._replace(agreement=agreement(logits, idx, score_func, selection),
                              set_logprob=set_logprob(logits, idx, score_func))
+    if hidden is not None:
+        plan = plan._replace(rows=permute(hidden, plan,
+                                          plan.max_rows if num_rows is None else num_rows))
     return plan
 
 

@@ -150,10 +150,13 @@ def test_replay_runs_the_config_implementation_and_matches_forced_routing(arch, 
     router = [n for n in ref_grads if "gate.weight" in n and "shared" not in n]
     assert router and all(ref_grads[n].abs().max() > 0 for n in router)
     assert impl_marker(impl) in ops.names
-    # the routing goes through replay_ops' gate; the plan path only for grouped_mm
-    assert "replay::gate" in ops.names
-    assert ("replay::permute" in ops.names and "replay::unpermute" in ops.names) == \
-        (impl == "grouped_mm")
+    # the routing goes through replay_ops' gate; the plan path only for grouped_mm, where
+    # the gate also writes the experts' input rows (one op: no separate permute)
+    grouped = impl == "grouped_mm"
+    assert ("replay::gate_permute" in ops.names) == grouped
+    assert ("replay::gate" in ops.names) == (not grouped)
+    assert "replay::permute" not in ops.names
+    assert ("replay::unpermute" in ops.names) == grouped
     if impl == "custom":  # the user's function got the replayed indices, in recorded order
         assert [torch.equal(i, routing[:, n].long()) for n, (i, _) in enumerate(_calls)] == \
             [True] * L

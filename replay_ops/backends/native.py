@@ -21,7 +21,7 @@ from .._extension import load as _load_extension
 _C = _load_extension()  # registers torch.ops.replay_native.*
 from .. import scores
 from ..plan import PADDING_MODES
-from .protocol import YES, Support
+from .protocol import FUSED_OPS, YES, Support
 
 NAME = "native"
 WITH_CUDA = bool(_C.WITH_CUDA)
@@ -85,8 +85,14 @@ def supports(op, device_type, shape, dtype) -> Support:
                               f"{' and '.join(sorted(shape.features))} (the model's own "
                               f"selection of flagged rows, the agreement outputs: "
                               f"replay_ops/backends/protocol.py)")
+    if op in FUSED_OPS and not FUSED_CPU:
+        return Support(False, "this build of the native library has no fused gate + permute "
+                              "kernels (rebuild it)")
     if device_type != "cuda":
         return YES
+    if op in FUSED_OPS:
+        return Support(False, "the native CUDA kernels have no fused gate + permute yet (the "
+                              "op runs the gate and the permute kernels in turn)")
     if shape.features and shape.K > MAX_TOPK:
         return Support(False, f"K={shape.K} slots is above the CUDA gate selection's limit "
                               f"kMaxSelectList={MAX_TOPK} (its per-thread ranked lists)")
@@ -116,6 +122,8 @@ def describe() -> dict:
 # the op with the values named.
 CPU_FEATURES = True
 CUDA_FEATURES = True
+# Whether the library has the CPU fused gate + permute ops (protocol.FUSED_OPS).
+FUSED_CPU = hasattr(_ops, "gate_permute_fwd")
 # replay_ops.Selection.source, numbered as the native ops take it (replay_select.h).
 SELECTION_SOURCES = {"scores": 0, "logits": 1}
 
@@ -140,6 +148,22 @@ def gate_bwd(grad_weights, logits, idx, opts, grad_set_logprob=None):
     return _ops.gate_bwd(grad_weights, logits, idx, grad_set_logprob,
                          scores.get(opts.score_func).id, bool(opts.normalize),
                          float(opts.scaling_factor))
+
+
+def gate_permute_fwd(logits, expert_indices, replay_mask, opts, hidden, num_rows):
+    return tuple(_ops.gate_permute_fwd(
+        logits, expert_indices, replay_mask, opts.selection.expert_bias,
+        scores.get(opts.score_func).id, bool(opts.normalize), float(opts.scaling_factor),
+        int(opts.align), PADDING_MODES[opts.padding],
+        *_selection_args(opts, expert_indices.shape[1]), bool(opts.return_agreement),
+        hidden, int(num_rows)))
+
+
+def gate_permute_bwd(grad_weights, grad_rows, logits, idx, row_id_map, opts,
+                     grad_set_logprob=None):
+    return tuple(_ops.gate_permute_bwd(grad_weights, grad_rows, logits, idx, row_id_map,
+                                       grad_set_logprob, scores.get(opts.score_func).id,
+                                       bool(opts.normalize), float(opts.scaling_factor)))
 
 
 def permute_fwd(hidden, sorted_slots, row_id_map, num_rows):

@@ -34,6 +34,19 @@ with_plan):
     unpermute_bwd(grad_out [T,H], expert_out, row_id_map, sorted_slots, weights)
         -> (grad_expert_out [R,H], grad_weights [T,K])
 
+Optional fused kernels (FUSED_OPS; replay_ops.gate(..., hidden=)). A backend may define
+them; one that does not, or whose `supports` refuses them, gets gate_fwd then permute_fwd
+(gate_bwd then permute_bwd) called one after the other by the op, with the same results:
+
+    gate_permute_fwd(logits, expert_indices, replay_mask, opts, hidden [T,H], num_rows)
+        -> gate_fwd's eight outputs, then rows [num_rows, H] (permute_fwd's output for
+           that plan), bitwise as the two kernels in turn
+    gate_permute_bwd(grad_weights [T,K], grad_rows [R,H], logits, expert_indices int32,
+                     row_id_map, opts, grad_set_logprob or None)
+        -> (gate_bwd's grad_logits, permute_bwd's grad_hidden [T,H]), bitwise as those two
+
+Today the torch backend and the native CPU kernels define them.
+
 Dense mode (Megatron-Core's contract; replay_ops.gate_dense):
 
     gate_dense_fwd(logits [T,E], expert_indices [T,K] int16/32/64 any strides,
@@ -122,6 +135,8 @@ import torch
 # The ops a backend serves, by the name `supports` is asked with.
 OPS = ("gate_fwd", "gate_bwd", "permute_fwd", "permute_bwd", "unpermute_fwd", "unpermute_bwd",
        "gate_dense_fwd", "gate_dense_bwd", "permute_probs_fwd", "permute_probs_bwd")
+# Kernels a backend may define (see above); the op composes them from OPS otherwise.
+FUSED_OPS = ("gate_permute_fwd", "gate_permute_bwd")
 # Everything the registry requires of a backend module.
 REQUIRED = ("NAME", "available", "supports") + OPS
 

@@ -327,6 +327,17 @@ def _sum_slots(rows, valid, w=None):
     return acc
 
 
+def gate_permute_fwd(logits, expert_indices, replay_mask, opts, hidden, num_rows):
+    out = gate_fwd(logits, expert_indices, replay_mask, opts)
+    return (*out, permute_fwd(hidden, out[5], out[4], num_rows))
+
+
+def gate_permute_bwd(grad_weights, grad_rows, logits, idx, row_id_map, opts,
+                     grad_set_logprob=None):
+    return (gate_bwd(grad_weights, logits, idx, opts, grad_set_logprob),
+            permute_bwd(grad_rows, row_id_map))
+
+
 def permute_fwd(hidden, sorted_slots, row_id_map, num_rows):
     T, H = hidden.shape
     tok, has, _ = _rows_of_slots(sorted_slots, num_rows, row_id_map.shape[1], T)

@@ -17,7 +17,7 @@ from ..triton_kernels import gate_dense as _gate_dense
 from ..triton_kernels.gate import MAX_TOPK
 from ..triton_kernels.permute import permute_bwd, permute_fwd
 from ..triton_kernels.unpermute import unpermute_bwd, unpermute_fwd
-from .protocol import YES, Support
+from .protocol import FUSED_OPS, YES, Support
 
 NAME = "triton"
 __all__ = ["NAME", "available", "supports", "describe", "gate_fwd", "gate_bwd", "permute_fwd",
@@ -54,6 +54,9 @@ def available(device_type: str) -> Support:
 
 
 def supports(op, device_type, shape, dtype) -> Support:
+    if op in FUSED_OPS:
+        return Support(False, "the Triton kernels have no fused gate + permute yet (the op "
+                              "runs the gate and the permute kernels in turn)")
     # the gate features (OpShape.features: the model's own selection of flagged rows, the
     # agreement outputs) are implemented in the gate kernels (triton_kernels/select.py)
     if op in ("gate_fwd", "gate_bwd", "gate_dense_fwd", "gate_dense_bwd",

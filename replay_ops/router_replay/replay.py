@@ -325,6 +325,7 @@ class RouterReplay:
         selection=None,
         return_agreement: bool | None = None,
         options: GateOptions | None = None,
+        hidden: torch.Tensor | None = None,
     ) -> RoutingPlan | None:
         """The routing plan of MoE layer `layer_id` for router `logits` [T, E], or None
         when replay is disabled or there is no action (the layer runs its own path).
@@ -342,7 +343,11 @@ class RouterReplay:
 
         `return_agreement` (default: `config.agreement`): the plan also carries `agreement`
         and `set_logprob` (replay_ops.gate), and under REPLAY_FORWARD the replayed tokens
-        are counted for `agreement()`."""
+        are counted for `agreement()`.
+
+        `hidden` [T, H] (the layer's hidden states): the plan also carries `rows`, the
+        expert-major rows of `hidden` for it, written by the gate's op (replay_ops.gate's
+        `hidden`)."""
         action = self._action if action is None else self._enabled_action(action, "route")
         if not self.enabled or action is None:
             return None
@@ -368,6 +373,8 @@ class RouterReplay:
             if opts.padding == "empty" and self.config.padding != "empty":
                 opts = dataclasses.replace(opts, padding=self.config.padding)
         call = dict(validate=False, backend=backend, options=opts)
+        if hidden is not None:
+            call["hidden"] = hidden
         if action is ReplayAction.RECORD:
             plan = self._route_record(layer_id, logits, topk_fn, call)
         elif action is ReplayAction.REPLAY_FORWARD:

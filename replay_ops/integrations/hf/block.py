@@ -89,7 +89,8 @@ __all__ = [
 ]
 
 GROUPED_MM = "grouped_mm"
-PLAN_KWARG = "replay_ops_plan"  # experts_forward's keyword: (plan, run_experts)
+# experts_forward's keyword: (plan, run_experts[, x]); x: the hidden states plan.rows holds
+PLAN_KWARG = "replay_ops_plan"
 LOGITS_KWARG = "replay_ops_logits"  # router_forward's keyword: the family's logits function
 
 
@@ -134,7 +135,7 @@ def _needs_own_routing(patch, action, spec) -> bool:
 
 
 def route_block(patch, lid: int, block: torch.nn.Module,
-                hidden_states: torch.Tensor) -> BlockRouting:
+                hidden_states: torch.Tensor, permute: bool = False) -> BlockRouting:
     """Run the block's router and ask the replay object for the plan: RECORD, REPLAY_FORWARD,
     and (inside a backward pass, with auto_recompute) the recompute of either. `patch` is a
     `replay_ops.integrations.hf.ReplayPatch` (its `.replay`, `.moe.spec`,
@@ -144,7 +145,10 @@ def route_block(patch, lid: int, block: torch.nn.Module,
     family's `logits` function, inside the module's own call so that its hooks run and
     transformers' `router_logits` output still collects them), and the family's selection
     rule goes to the gate, which selects the rows without a route itself. The router's
-    whole forward runs where its own choice is needed (`_needs_own_routing`)."""
+    whole forward runs where its own choice is needed (`_needs_own_routing`).
+
+    `permute`: the gate also writes the expert-major rows of the tokens (`plan.rows`, the
+    input of the grouped GEMMs of `plan_experts`), in the same op, forward and backward."""
     replay = patch.replay
     spec = patch.moe.spec
     if spec.jitter and block.training and block.jitter_noise > 0:
@@ -190,16 +194,18 @@ def route_block(patch, lid: int, block: torch.nn.Module,
         # do not record it a second time.
         with torch.no_grad():
             idx = topk_fn(logits.detach())
-        plan = replay_ops.gate(logits, idx, validate=False, options=opts)
+        plan = replay_ops.gate(logits, idx, validate=False, options=opts,
+                               hidden=x if permute else None)
     elif recompute:
         # the recompute of a replayed forward pops the layer's queue; the replay object's
         # own action stays REPLAY_FORWARD (other layers may still run forwards)
         plan = replay.route(lid, logits, action=ReplayAction.REPLAY_BACKWARD, topk_fn=topk_fn,
-                            options=opts)
+                            options=opts, hidden=x if permute else None)
     else:
         if patch.return_agreement:  # from the gate that makes the plan
             opts = dataclasses.replace(opts, return_agreement=True)
-        plan = replay.route(lid, logits, action=action, topk_fn=topk_fn, options=opts)
+        plan = replay.route(lid, logits, action=action, topk_fn=topk_fn, options=opts,
+                            hidden=x if permute else None)
         if patch.return_agreement:
             agreement = routing_agreement(logits, plan, opts)
     if top1_norm and plan is not None:
@@ -275,7 +281,9 @@ def patched_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> torc
         return type(block).forward(block, hidden_states)
     spec = patch.moe.spec
     try:
-        r = route_block(patch, lid, block, hidden_states)
+        # one device, grouped_mm: the gate writes the experts' input rows too
+        r = route_block(patch, lid, block, hidden_states,
+                        permute=runner is None and experts_function(block.experts) == GROUPED_MM)
         plan = r.plan if r.plan is not None else own_routing_plan(r, block, spec)
     except Exception as exc:
         if runner is None:
@@ -340,7 +348,8 @@ def call_experts(experts: torch.nn.Module, x: torch.Tensor, plan: RoutingPlan,
             idx, weights = _dense_routing(plan.expert_indices, plan.weights)
             return experts(x, idx, weights)
         run_experts = plan_experts
-    return experts(x, plan.expert_indices, plan.weights, **{PLAN_KWARG: (plan, run_experts)})
+    return experts(x, plan.expert_indices, plan.weights,
+                   **{PLAN_KWARG: (plan, run_experts, x)})
 
 
 def _sharded_error(experts: torch.nn.Module) -> RuntimeError:
@@ -366,7 +375,9 @@ def experts_forward(experts: torch.nn.Module, hidden_states: torch.Tensor,
             raise _sharded_error(experts)
         return type(experts).forward(experts, hidden_states, top_k_index, top_k_weights,
                                      *args, **kwargs)
-    plan, run_experts = job
+    plan, run_experts = job[:2]
+    if plan.rows is not None and (len(job) < 3 or hidden_states is not job[2]):
+        plan = plan._replace(rows=None)  # a hook replaced the hidden states: permute them
     if top_k_index is not plan.expert_indices or top_k_weights is not plan.weights:
         # a hook gave other routing arguments (or moved them to another device) than the
         # plan's: the plan does not describe them, run them as the unpatched module would
@@ -470,7 +481,9 @@ def plan_experts(experts: torch.nn.Module, x: torch.Tensor, plan: RoutingPlan) -
     that load them have run). No host read on the grouped_mm path."""
     fn = experts_function(experts)
     if fn == GROUPED_MM:
-        rows = replay_ops.permute(x, plan, plan.max_rows, validate=False)
+        rows = plan.rows  # written by the gate (route_block's `permute`) from this very x
+        if rows is None:
+            rows = replay_ops.permute(x, plan, plan.max_rows, validate=False)
         y = grouped_mlp(experts, rows, plan.expert_offsets[1:])
         # y has plan.max_rows rows: unpermute reads only those the slots point to.
         return replay_ops.unpermute(y, plan, validate=False)
