@@ -629,6 +629,9 @@ def test_selection_bitwise_deterministic(dev_backend):
         torch.set_num_threads(threads)
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
+            if a is None or b is None:  # a field this call does not fill (plan.rows)
+                assert a is None and b is None
+                continue
             assert a.dtype == b.dtype and torch.equal(a, b)
 
 
