@@ -116,10 +116,11 @@ SGLANG_VENV ?= build/sglang-venv
 install-sglang: $(call STEP,install)
 	$(ENGINE_PIP) REPLAY_OPS_SGLANG_VENV=$(abspath $(SGLANG_VENV)) $(PY) -m replay_ops.demo.sglang_engine install
 
-# Compile every csrc/cuda/*.cu with nvcc for sm_80 and sm_90a (CUDA_CHECK_ARCHS; `make test`
-# sets sm_90a: the ceiling CUDA wheel compiles sm_80), warnings as errors, 0 spill
-# stores (no GPU needed; prints SKIP when nvcc is missing). Cached in build/cuda_check/ by a
-# hash of the sources, the flags, nvcc and torch (a cold cache is what CI runs).
+# Compile every csrc/cuda/*.cu with nvcc for sm_80 and sm_90a (CUDA_CHECK_ARCHS), warnings
+# as errors, 0 spill stores (no GPU needed; prints SKIP when nvcc is missing). Cached in
+# build/cuda_check/ by a hash of the sources, the flags, nvcc and torch. `make test` makes
+# the same checks on its CUDA wheel builds instead (warnings and ptxas spills fail those
+# jobs; sm_80 at the ceiling, sm_90 at the floor), so that it compiles each architecture once.
 check-cuda:
 	PY=$(PY) .ci/check_cuda.sh
 
@@ -197,8 +198,8 @@ test-sglang: $(call STEP,install-test install-sglang)
 # pin), the ops' suite on it (native and torch backends), and the libraries built for the
 # other torch refused with both versions named. Two jobs, the ends of the supported range:
 # * ceiling: torch 2.15.0 (CUDA 13.2, from PyPI: about 2.6 GB of downloads, 5.5 GB
-#   installed), C++20, sm_80, in build/cuda-job/ (sm_90 is the floor's, and sm_90a
-#   check-cuda's: each architecture is compiled once in `make test`);
+#   installed), C++20, sm_80, in build/cuda-job/ (sm_90 is the floor's: each architecture
+#   is compiled once in `make test`);
 # * floor: torch 2.11.0 (CUDA 13.0; the GPU machines' torch), C++17, sm_90 (what the GPU
 #   machines run), in build/cuda-job-2.11/, with the ceiling venv's CUDA libraries (the same
 #   sonames; pip's cache holds them).

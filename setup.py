@@ -20,6 +20,8 @@ Native extension `replay_ops._C` (sources in `csrc/`, see docs/native.md):
   $CUDA_HOME, $CUDA_PATH, the toolkit the `nvcc` on PATH runs (also when that `nvcc` is a
   wrapper script outside the toolkit), then /usr/local/cuda.
 * Release builds carry no debug info (REPLAY_OPS_DEBUG=1 keeps `-g`).
+* REPLAY_OPS_NVCC_FLAGS adds flags to every nvcc command (split like a shell line), e.g.
+  "-Xptxas -warn-spills" to have ptxas report register spills.
 * The build records the torch it was built against (replay_ops/_build_info.py, and a string
   inside the library), so that a library loaded under another torch is refused with both
   versions named (replay_ops/_extension.py). Every build that compiles the library (a
@@ -30,6 +32,7 @@ Native extension `replay_ops._C` (sources in `csrc/`, see docs/native.md):
 """
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -330,7 +333,8 @@ def native_extensions():
                 # of the gate (they inline the same device functions in different contexts)
                 # gives the same bits; FMAs meant as such are explicit (__fmaf_rn).
                 "nvcc": ["-O3", f"-std=c++{std}", "-lineinfo", "--expt-relaxed-constexpr",
-                         "--fmad=false"] + (["-g"] if debug else []),
+                         "--fmad=false"] + (["-g"] if debug else [])
+                        + shlex.split(os.environ.get("REPLAY_OPS_NVCC_FLAGS", "")),
             },
             extra_link_args=link,
         )

@@ -9,7 +9,10 @@
 #   1. a venv under $CUDA_JOB_DIR with $CUDA_TORCH and the build tools;
 #   2. a wheel of a copy of the tree (`pip wheel --no-build-isolation --no-deps .`) with
 #      REPLAY_OPS_CUDA=1 and TORCH_CUDA_ARCH_LIST=$CUDA_JOB_ARCHS, the toolkit found by
-#      setup.py itself (CUDA_HOME unset), compiler warnings failing the job;
+#      setup.py itself (CUDA_HOME unset), compiler warnings (g++, nvcc and cudafe, and the
+#      host side of the .cu files with -Wall -Wextra) and any register spill that ptxas
+#      reports (-warn-spills) failing the job: the checks of `make check-cuda`, on the
+#      real build, so that `make test` compiles each architecture once;
 #   3. the wheel installed into that venv (which never held replay_ops otherwise) with
 #      --no-index, so its pinned requirements are checked against the venv;
 #   4. tools/check_native_build.py: every native op has a CPU and a CUDA kernel, the library
@@ -141,18 +144,20 @@ if [[ "$PHASE" == all || "$PHASE" == build ]]; then
   git ls-files -co --exclude-standard -z | grep -zv '^build/' | xargs -0 cp --parents -t "$SRC"
   step "building the wheel (REPLAY_OPS_CUDA=1, TORCH_CUDA_ARCH_LIST=$ARCHS)"
   ( cd "$SRC" && env -u CUDA_HOME -u CUDA_PATH REPLAY_OPS_CUDA=1 TORCH_CUDA_ARCH_LIST="$ARCHS" \
+      REPLAY_OPS_NVCC_FLAGS="-Xptxas -warn-spills -Xcompiler -Wall,-Wextra" \
       MAX_JOBS="${MAX_JOBS:-2}" "$VPY" -m pip wheel -v --disable-pip-version-check --no-build-isolation --no-deps \
       -w "$ROOT/$DIST" . ) > "$JOB/build.log" 2>&1 || {
     echo "cuda-job: FAIL: the wheel did not build; the end of $JOB/build.log:"
     tail -40 "$JOB/build.log"; exit 1; }
   grep -E "^\s*replay_ops:" "$JOB/build.log" | sed 's/^ *//' | sort -u || true
-  # compiler warnings (g++ "file:line:col: warning:", nvcc/cudafe "warning #NNN-D") fail the job
-  if grep -E "(\.(cpp|cu|cuh|h):[0-9]+(:[0-9]+)?: warning:|warning #[0-9]+)" "$JOB/build.log" >"$JOB/warnings.log"; then
+  # compiler warnings (g++ "file:line:col: warning:", nvcc/cudafe "warning #NNN-D") and
+  # ptxas's ("ptxas warning : Registers are spilled ...") fail the job
+  if grep -E "(\.(cpp|cu|cuh|h):[0-9]+(:[0-9]+)?: warning:|warning #[0-9]+|ptxas (warning|error))" "$JOB/build.log" >"$JOB/warnings.log"; then
     echo "cuda-job: FAIL: compiler warnings in the CUDA build:"
     head -20 "$JOB/warnings.log"
     exit 1
   fi
-  echo "cuda-job: ok   0 compiler warnings"
+  echo "cuda-job: ok   0 compiler warnings, 0 register spills"
   # the compile time of each file (ninja's log), for where the build's time goes
   ninja_log=$(find "$SRC/build" -name .ninja_log 2>/dev/null | head -1)
   [[ -n "$ninja_log" ]] && awk 'NR > 1 { n = split($4, p, "/"); printf "cuda-job:      %5.0f s  %s\n", ($2 - $1) / 1000, p[n] }' "$ninja_log"

@@ -41,14 +41,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LOGS = ROOT / "build" / "ci"
 MAKE = os.environ.get("MAKE", "make")
-CI_CUDA_CHECK_ARCHS = "sm_90a"
 
 # Engine tests run in their own steps (they need their environments).
 ENGINE_FILES = ("tests/test_vllm_engine.py", "tests/test_sglang_engine.py")
 
 # Seconds per test file of the main suite: a whole run's times (pytest --junitxml, summed
 # per file) on the shared 2-core machine under load, divided by that run's slowdown (2.7);
-# tests/test_native.py without its CUDA compile check, a cache hit after check-cuda. Only
+# tests/test_native.py without its CUDA compile check (the CUDA wheel jobs' here). Only
 # the balance of the shards depends on them; a file not listed weighs DEFAULT_WEIGHT.
 SHARD_WEIGHTS: dict[str, float] = {
     "tests/test_extension_load.py": 148, "tests/test_gate.py": 124,
@@ -110,11 +109,13 @@ def shards(n: int) -> list[list[str]]:
 
 
 def graph(profile: str, nshards: int) -> list[Step]:
-    # tests/test_native.py runs .ci/check_cuda.sh (a cache hit after check-cuda's step)
-    after = ("install",) if profile == "core" else ("install", "check-cuda")
+    # `make test` compiles the CUDA kernels with the checks of `make check-cuda` (warnings,
+    # spills) in its CUDA wheel jobs, once per architecture; tests/test_native.py's
+    # standalone compile of the same files is left to `make check-cuda` and `make test-core`.
+    env = {} if profile == "core" else {"REPLAY_OPS_CUDA_CHECKED_IN_WHEELS": "1"}
     main = [Step(f"main-{i + 1}", f"test-main JUNIT=build/ci/main-{i + 1}.xml "
-                 f"TEST_FILES='{' '.join(files)}'", 1, after,
-                 est=sum(SHARD_WEIGHTS.get(f, DEFAULT_WEIGHT) for f in files))
+                 f"TEST_FILES='{' '.join(files)}'", 1, ("install",),
+                 est=sum(SHARD_WEIGHTS.get(f, DEFAULT_WEIGHT) for f in files), env=dict(env))
             for i, files in enumerate(shards(nshards))]
     steps = [Step("install", "install-test", 2, est=90)] + main
     if profile == "core":
@@ -128,7 +129,6 @@ def graph(profile: str, nshards: int) -> list[Step]:
         Step("cuda-venv-floor", "cuda-job-venv CUDA_JOB=floor", 0, ("cuda-venv-ceiling",),
              est=180),
         # builds and checks
-        Step("check-cuda", "check-cuda", 2, est=70),
         Step("check-triton", "check-triton-installed", 2, ("install",), est=190),
         Step("check-triton-floor", "check-triton-floor", 2, ("install", "triton-floor"), est=125),
         Step("cuda-wheel-ceiling", "cuda-job-build CUDA_JOB=ceiling", 2, ("cuda-venv-ceiling",),
@@ -398,11 +398,6 @@ def main(argv=None) -> int:
                   f"  after {', '.join(s.after) or '-'}\n    make {s.target}")
         return 0
     keep_going = os.environ.get("KEEP_GOING") == "1"
-    # The CUDA compile check (check-cuda's step, and tests/test_native.py's call, a cache
-    # hit after it) for sm_90a, the GPU machines' architecture. sm_80 is compiled by the
-    # ceiling CUDA wheel's build (its compiler warnings fail that job); `make check-cuda`
-    # alone checks both, spill stores included.
-    os.environ.setdefault("CUDA_CHECK_ARCHS", CI_CUDA_CHECK_ARCHS)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         return run(steps, args.cores, keep_going)
