@@ -124,3 +124,32 @@ def require_client(module: str, package: str, load=None) -> None:
             raise RuntimeError(f"REPLAY_OPS_EXPECT_MCORE={want} but megatron-core "
                                f"{megatron.core.__version__} was imported from "
                                f"{megatron.core.__file__}")
+
+
+def assert_native_gate_alone(calls, logits, cpu: bool) -> None:
+    """Each of `calls` (a gate that selects flagged rows) runs the native gate kernel alone:
+    no host read, only `replay_native.gate_fwd` / `gate_dense_fwd` forward, and a backward
+    to `logits` with one native gate backward op and no top-k, sort or softmax of every row.
+    `cpu`: also one launch forward, and no host read in the backward (on a GPU autograd runs
+    the backward on its own thread, where the host-read counter does not look)."""
+    from launch_counter import LaunchCounter  # bench/ (pytest pythonpath)
+
+    import replay_ops
+
+    for fn in calls:
+        with HostSyncCounter() as syncs, LaunchCounter() as c:
+            out = fn()
+        assert syncs.count == 0, syncs.events
+        assert set(c.ops) <= {"replay_native.gate_fwd", "replay_native.gate_dense_fwd"}, c.ops
+        if cpu:
+            assert c.launches == 1, c.summary()
+        w = out.weights if isinstance(out, replay_ops.RoutingPlan) else out.probs
+        loss = w.float().sum() + (out.set_logprob.sum() if out.set_logprob is not None else 0)
+        with HostSyncCounter() as syncs, LaunchCounter() as c:
+            torch.autograd.grad(loss, logits)
+        if cpu:
+            assert syncs.count == 0, syncs.events
+        assert not {"topk", "sort", "_softmax", "softmax"} & set(c.ops), c.ops
+        native = {k: v for k, v in c.ops.items() if k.startswith("replay_native")}
+        assert set(native) <= {"replay_native.gate_bwd", "replay_native.gate_dense_bwd"}, c.ops
+        assert sum(native.values()) == 1, c.ops

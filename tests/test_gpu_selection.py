@@ -228,9 +228,7 @@ def test_gpu_selecting_calls_run_on_the_native_kernels(backend):
     """On a GPU with the native library, the masked sync-free gate and the dense gate with
     padding="select" run the native gate alone (one op, no host read, no top-k, sort or
     softmax of every row)."""
-    from launch_counter import LaunchCounter  # bench/ (pytest pythonpath)
-
-    from _helpers import HostSyncCounter
+    from _helpers import assert_native_gate_alone
     from replay_ops.api import selects_in_kernel
 
     T, E, K = 512, 64, 8
@@ -247,18 +245,7 @@ def test_gpu_selecting_calls_run_on_the_native_kernels(backend):
         lambda: replay_ops.gate_dense(lg, idx, replay_mask=mask, padding="select",
                                       return_agreement=True, validate=False),
     ]
-    for fn in calls:
-        with HostSyncCounter() as syncs, LaunchCounter() as c:
-            out = fn()
-        assert syncs.count == 0, syncs.events
-        assert set(c.ops) <= {"replay_native.gate_fwd", "replay_native.gate_dense_fwd"}, c.ops
-        w = out.weights if isinstance(out, replay_ops.RoutingPlan) else out.probs
-        loss = w.float().sum() + (out.set_logprob.sum() if out.set_logprob is not None else 0)
-        with LaunchCounter() as c:
-            torch.autograd.grad(loss, lg)
-        assert not {"topk", "sort", "_softmax", "softmax"} & set(c.ops), c.ops
-        assert {k for k in c.ops if k.startswith("replay_native")} <= {
-            "replay_native.gate_bwd", "replay_native.gate_dense_bwd"}, c.ops
+    assert_native_gate_alone(calls, lg, cpu=False)
 
 
 @pytest.mark.parametrize("backend", NATIVE)

@@ -529,9 +529,8 @@ def test_masked_sync_free_gate_runs_one_kernel():
     dispatched is the native gate kernel (no aten topk, sort or softmax of every row); the
     same with padding="select", the agreement outputs, and the backward."""
     from replay_ops import backends
-    from launch_counter import LaunchCounter  # bench/ (pytest pythonpath)
 
-    from _helpers import HostSyncCounter
+    from _helpers import assert_native_gate_alone
 
     if backends.load("native") is None:
         pytest.skip("the native extension is not built")
@@ -548,19 +547,7 @@ def test_masked_sync_free_gate_runs_one_kernel():
         lambda: replay_ops.gate_dense(lg, idx, replay_mask=mask, padding="select",
                                       return_agreement=True, validate=False),
     ]
-    for fn in calls:
-        with HostSyncCounter() as syncs, LaunchCounter() as c:
-            out = fn()
-        assert syncs.count == 0, syncs.events
-        assert set(c.ops) <= {"replay_native.gate_fwd", "replay_native.gate_dense_fwd"}, c.ops
-        assert c.launches == 1, c.summary()
-        w = out.weights if isinstance(out, replay_ops.RoutingPlan) else out.probs
-        loss = w.float().sum() + (out.set_logprob.sum() if out.set_logprob is not None else 0)
-        with HostSyncCounter() as syncs, LaunchCounter() as c:
-            torch.autograd.grad(loss, lg)
-        assert syncs.count == 0, syncs.events
-        assert not {"topk", "sort", "_softmax", "softmax"} & set(c.ops), c.ops
-        assert sum(v for k, v in c.ops.items() if k.startswith("replay_native")) == 1, c.ops
+    assert_native_gate_alone(calls, lg, cpu=True)
 
 
 def test_backends_without_the_features_pass_the_call_on(monkeypatch):
