@@ -109,13 +109,9 @@ def shards(n: int) -> list[list[str]]:
 
 
 def graph(profile: str, nshards: int) -> list[Step]:
-    # `make test` compiles the CUDA kernels with the checks of `make check-cuda` (warnings,
-    # spills) in its CUDA wheel jobs, once per architecture; tests/test_native.py's
-    # standalone compile of the same files is left to `make check-cuda` and `make test-core`.
-    env = {} if profile == "core" else {"REPLAY_OPS_CUDA_CHECKED_IN_WHEELS": "1"}
     main = [Step(f"main-{i + 1}", f"test-main JUNIT=build/ci/main-{i + 1}.xml "
                  f"TEST_FILES='{' '.join(files)}'", 1, ("install",),
-                 est=sum(SHARD_WEIGHTS.get(f, DEFAULT_WEIGHT) for f in files), env=dict(env))
+                 est=sum(SHARD_WEIGHTS.get(f, DEFAULT_WEIGHT) for f in files))
             for i, files in enumerate(shards(nshards))]
     steps = [Step("install", "install-test", 2, est=90)] + main
     if profile == "core":
@@ -398,6 +394,12 @@ def main(argv=None) -> int:
                   f"  after {', '.join(s.after) or '-'}\n    make {s.target}")
         return 0
     keep_going = os.environ.get("KEEP_GOING") == "1"
+    if args.profile == "test":
+        # `make test` compiles the CUDA kernels with the checks of `make check-cuda`
+        # (warnings, spills) in its CUDA wheel jobs, once per architecture: the suites'
+        # standalone compile of the same files (tests/test_native.py, in the main shards and
+        # the CUDA jobs' suites) is left to `make check-cuda` and `make test-core`.
+        os.environ["REPLAY_OPS_CUDA_CHECKED_IN_WHEELS"] = "1"
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         return run(steps, args.cores, keep_going)
