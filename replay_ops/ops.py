@@ -88,16 +88,9 @@ def gate(
     """(weights, expert_indices int32, tokens_per_expert, expert_offsets, row_id_map,
     sorted_slots, agreement, set_logprob); the last two sized 0 unless return_agreement.
     See replay_ops.gate."""
-    sel = (selection_source, expert_bias, round_scores, num_groups, group_topk,
-           group_score_topn)
-    _check_gate(logits, expert_indices, replay_mask, score_func, align, padding, sel)
-    if validate:
-        check_index_values(expert_indices, logits.shape[1], replay_mask,
-                           repeats=padding != "select")
-    (T, E), K = logits.shape, expert_indices.shape[1]
-    opts = GateOptions.from_flat(GATE_FIELDS, (score_func, normalize, scaling_factor, align,
-                                               padding, *sel, return_agreement))
-    shape = OpShape(T, E, K, 0, _features(replay_mask, padding, return_agreement))
+    opts, shape = _gate_prologue(logits, expert_indices, replay_mask, (
+        score_func, normalize, scaling_factor, align, padding, selection_source, expert_bias,
+        round_scores, num_groups, group_topk, group_score_topn, return_agreement), validate)
     impl = select("gate_fwd", logits.device.type, shape, logits.dtype, backend)
     return impl.gate_fwd(logits, expert_indices, replay_mask, opts)
 
@@ -106,6 +99,26 @@ def _check_gate(logits, expert_indices, replay_mask, score_func, align, padding,
     check_gate_inputs(logits, expert_indices, replay_mask, score_func, align)
     check_gate_padding(padding)
     _check_selection("gate", logits, expert_indices.shape[1], score_func, sel)
+
+
+def _gate_prologue(logits, expert_indices, replay_mask, flat: tuple, validate: bool,
+                   hidden: Tensor | None = None, num_rows: int = 0):
+    """The first part of replay::gate and replay::gate_permute: the checks (with `hidden`,
+    its own after the gate's), the index values when `validate`, and the call's options
+    (`flat`: the GATE_FIELDS values) and OpShape. Returns (opts, shape)."""
+    score_func, align, padding, sel = flat[0], flat[3], flat[4], flat[5:11]
+    if hidden is None:
+        _check_gate(logits, expert_indices, replay_mask, score_func, align, padding, sel)
+    else:
+        _check_gate_permute(logits, expert_indices, replay_mask, score_func, align, padding,
+                            sel, hidden, num_rows)
+    if validate:
+        check_index_values(expert_indices, logits.shape[1], replay_mask,
+                           repeats=padding != "select")
+    opts = GateOptions.from_flat(GATE_FIELDS, flat)
+    (T, E), K = logits.shape, expert_indices.shape[1]
+    H = 0 if hidden is None else hidden.shape[1]
+    return opts, OpShape(T, E, K, H, _features(replay_mask, padding, opts.return_agreement))
 
 
 @gate.register_fake
@@ -609,18 +622,10 @@ def gate_permute(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """replay::gate's eight outputs, then `rows` [num_rows, H]: the expert-major copy of
     `hidden` [T, H] for that plan (replay::permute's output). See replay_ops.gate(hidden=)."""
-    sel = (selection_source, expert_bias, round_scores, num_groups, group_topk,
-           group_score_topn)
-    _check_gate_permute(logits, expert_indices, replay_mask, score_func, align, padding, sel,
-                        hidden, num_rows)
-    if validate:
-        check_index_values(expert_indices, logits.shape[1], replay_mask,
-                           repeats=padding != "select")
-    (T, E), K = logits.shape, expert_indices.shape[1]
-    opts = GateOptions.from_flat(GATE_FIELDS, (score_func, normalize, scaling_factor, align,
-                                               padding, *sel, return_agreement))
-    shape = OpShape(T, E, K, hidden.shape[1], _features(replay_mask, padding,
-                                                         return_agreement))
+    opts, shape = _gate_prologue(logits, expert_indices, replay_mask, (
+        score_func, normalize, scaling_factor, align, padding, selection_source, expert_bias,
+        round_scores, num_groups, group_topk, group_score_topn, return_agreement), validate,
+        hidden, num_rows)
     impl, fused = _fused("gate_permute_fwd", logits.device.type, shape, logits.dtype, backend)
     if fused is not None:
         return tuple(fused(logits, expert_indices, replay_mask, opts, hidden, num_rows))
