@@ -25,7 +25,7 @@ is what the model computes without a replay, in the same run: `torch.softmax` in
 The same gate with 1% flagged rows (FLAGGED_FRACTIONS): `replay_mask` False on 1% of the
 rows, spread over the batch, so the model's own selection (replay_ops.Selection, the default
 top-k of the softmax) runs for those rows inside the gate kernel (native CPU, Triton; the
-torch backend ranks every row). Each flagged case is labelled with the backend that
+torch backend ranks every row on a GPU, to stay sync-free). Each flagged case is labelled with the backend that
 actually serves it (`replay_ops.backends.explain`: a backend whose kernels lack the
 selection hands the call on, and the label says so), and checked against the torch backend
 before it is timed.
@@ -200,7 +200,8 @@ def run(args) -> tuple[list[dict], list[str]]:
     summary += s2
     if any(f > 0 for f in args.flagged):
         summary.append("flagged rows: replay_mask False; the model's own selection runs for "
-                       "them inside the gate kernel (the torch backend ranks every row); "
+                       "them inside the gate kernel (the torch backend on a GPU ranks every "
+                       "row, to stay sync-free); "
                        "each label names the backend that served it")
     harness.finish_run(args, rows, device, env, copy_bw)
     return rows, summary

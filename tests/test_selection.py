@@ -550,6 +550,58 @@ def test_masked_sync_free_gate_runs_one_kernel():
     assert_native_gate_alone(calls, lg, cpu=True)
 
 
+def test_torch_backend_on_cpu_ranks_the_flagged_rows_only():
+    """The torch backend on CPU tensors (the fallback where the native library is not
+    built) ranks the flagged rows only: every top-k or sort it dispatches has as many rows
+    as are flagged (a repeated expert's check sorts the K slots of every row, which is not a
+    ranking of the E experts), none with no flagged row; with return_agreement every row.
+    The routes equal the reference's."""
+    from launch_counter import _python_impl  # bench/ (pytest pythonpath)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ranked(TorchDispatchMode):
+        def __init__(self, E):
+            super().__init__()
+            self.E, self.rows = E, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "replay":  # into the Python op, as bench's counter does
+                with self:
+                    return _python_impl(func)(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.topk.default, torch.ops.aten.sort.stable,
+                        torch.ops.aten.sort.default) and args[0].dim() == 2 \
+                    and args[0].shape[-1] >= self.E:  # a ranking of the E experts
+                self.rows.append(args[0].shape[0])
+            return func(*args, **(kwargs or {}))
+
+    T, E, K = 64, 16, 4
+    lg = tie_free_logits(T, E)
+    idx = messy_rows(T, E, K)
+    sel = Selection(expert_bias=torch.linspace(-0.4, 0.3, E), num_groups=4, group_topk=2)
+    for n_masked in (0, 3):
+        mask = torch.ones(T, dtype=torch.bool)
+        mask[torch.arange(n_masked) * 7 + 10] = False
+        for padding, pad_rows in (("empty", 0), ("select", 5)):
+            for s in (Selection(), sel):
+                kw = dict(replay_mask=mask, padding=padding, selection=s, validate=False)
+                # the gate selects masked rows; gate_dense with padding="empty" empties them
+                for op, flagged in ((replay_ops.gate, n_masked + pad_rows),
+                                    (replay_ops.gate_dense,
+                                     n_masked + pad_rows if padding == "select" else 0)):
+                    mode = Ranked(E)
+                    with mode:
+                        got = op(lg, idx, backend="torch", **kw)
+                    assert (set(mode.rows) == {flagged}) if flagged else not mode.rows, \
+                        (op.__name__, n_masked, padding, mode.rows)
+                    want = op(lg, idx, backend="reference", **kw)
+                    assert_int_equal(got.expert_indices, want.expert_indices, op.__name__)
+    mode = Ranked(E)
+    with mode:
+        replay_ops.gate(lg, idx, replay_mask=mask, return_agreement=True, validate=False,
+                        backend="torch")
+    assert mode.rows and set(mode.rows) == {T}, mode.rows
+
+
 def test_backends_without_the_features_pass_the_call_on(monkeypatch):
     """supports(): the native CUDA gate kernels and the Triton kernels take the selection and
     the agreement features; the native CUDA kernels up to K = MAX_TOPK (kMaxSelectList, their

@@ -6,13 +6,17 @@ the tests compare it with): the weights come from per-row statistics and the sco
 (`replay_ops.scores`), the plan from one stable sort, the backward ops from the closed-form
 vector-Jacobian products of the table. Nothing here reads device memory on the host.
 
-The model's own selection (rows without a usable route, and the agreement outputs) is
-vectorised and sync-free, so it is not proportional to the flagged rows: when a call may
-select (a replay_mask, padding="select", return_agreement) it ranks every row with
-torch.topk of unique int64 keys (the value's bits made monotone, then the expert id, which
-makes the tie rule exact; a stable sort for fp64) and a `where` keeps the recorded rows.
-The native CPU kernel selects inside the gate pass, for the flagged rows only; this
-backend is the portable fallback.
+The model's own selection ranks with torch.topk of unique int64 keys (the value's bits
+made monotone, then the expert id, which makes the tie rule exact; a stable sort for fp64).
+Which rows it ranks (`_select_flagged`):
+  * CPU tensors: the flagged rows only (rows without a usable route: replay_mask False,
+    and with padding="select" a -1 slot, an id outside [0, E) or a repeated expert). Their
+    positions are read on the host (`nonzero`), which costs nothing on the CPU, so the cost
+    is proportional to the flagged rows and an unflagged call ranks nothing.
+  * Other devices: every row, and a `where` keeps the recorded rows, so that no host read
+    waits for the device (the native CUDA and Triton kernels select inside the gate pass,
+    for the flagged rows only; this backend is their portable last resort there).
+The agreement outputs (return_agreement) need the selection of every row on every device.
 """
 from __future__ import annotations
 
@@ -166,6 +170,21 @@ def _selected(x, logits_dtype, sf, opts, K):
                        opts.selection)
 
 
+def _select_flagged(x, logits_dtype, sf, opts, K, flagged) -> torch.Tensor:
+    """int64 [T, K]: the selection's experts in the flagged rows (bool [T]), -1 in the
+    others. On the CPU only the flagged rows are ranked; elsewhere every row (see the
+    module's docstring). Each row's selection depends on that row alone, so both give the
+    same values."""
+    T = x.shape[0]
+    if x.device.type != "cpu":
+        return torch.where(flagged[:, None], _selected(x, logits_dtype, sf, opts, K), -1)
+    out = torch.full((T, K), -1, dtype=torch.long, device=x.device)
+    rows = flagged.nonzero().squeeze(1)
+    if rows.numel():
+        out[rows] = _selected(x[rows], logits_dtype, sf, opts, K)
+    return out
+
+
 # ------------------------------------------------------------------------------- gate
 def _slot_logits(x: torch.Tensor, idx: torch.Tensor):
     """(z [T,K] the logits at the slots, valid [T,K], safe int64 indices) for int32 indices
@@ -246,10 +265,13 @@ def gate_fwd(logits, expert_indices, replay_mask, opts):
         pad = padding_rows(expert_indices, E)
         flagged = pad if flagged is None else flagged | pad
     sel_idx = None
-    if flagged is not None or opts.return_agreement:
+    if opts.return_agreement:
         sel_idx = _selected(x, logits.dtype, sf, opts, K)
-    if flagged is not None:
-        idx = torch.where(flagged[:, None], sel_idx.to(torch.int32), idx)
+        if flagged is not None:
+            idx = torch.where(flagged[:, None], sel_idx.to(torch.int32), idx)
+    elif flagged is not None:
+        fill = _select_flagged(x, logits.dtype, sf, opts, K, flagged)
+        idx = torch.where(flagged[:, None], fill.to(torch.int32), idx)
     idx = idx.contiguous()
     weights = (_weights(x, idx, sf, opts.normalize) * opts.scaling_factor).to(logits.dtype)
     return (weights, idx, *build_plan(idx, E, opts.align),
@@ -397,11 +419,13 @@ def row_flags(expert_indices, replay_mask, E: int) -> torch.Tensor:
 
 
 def dense_experts(expert_indices, replay_mask, fallback, E, padding, ep_size, offset,
-                  selected=None):
+                  selected=None, flags=None):
     """(row_flags uint8 [T], int32 [T, K] experts routed: -1 or in [0, E)). `selected`: the
-    model's own selection of every row (int64 [T, K]), for padding="select"."""
+    model's own selection (int64 [T, K]) of at least the rows `selection_rows` names, for
+    padding="select"; `flags`: row_flags(expert_indices, replay_mask, E) when known."""
     T, K = expert_indices.shape
-    flags = row_flags(expert_indices, replay_mask, E)
+    if flags is None:
+        flags = row_flags(expert_indices, replay_mask, E)
     rec = in_range_or_empty(expert_indices, E).long()
     fb = None if fallback is None else in_range_or_empty(fallback, E).long()
     if padding == "spread":
@@ -416,6 +440,15 @@ def dense_experts(expert_indices, replay_mask, fallback, E, padding, ep_size, of
     if replay_mask is not None and fb is not None:
         out = torch.where(replay_mask[:, None], out, fb)
     return flags, out.to(torch.int32).contiguous()
+
+
+def selection_rows(flags, replay_mask, fallback) -> torch.Tensor:
+    """bool [T]: the rows dense_experts routes by the selection with padding="select": the
+    flagged ones, except masked rows where a fallback routes them."""
+    need = flags != 0
+    if replay_mask is not None and fallback is not None:
+        need = need & replay_mask
+    return need
 
 
 def _per_expert_sum(v, idx):
@@ -443,11 +476,16 @@ def gate_dense_fwd(logits, expert_indices, replay_mask, fallback, opts):
     sf = scores.get(opts.score_func)
     T, E = logits.shape
     x = logits.to(scores.compute_dtype(logits.dtype))
-    sel_idx = None
-    if opts.padding == "select" or opts.return_agreement:
-        sel_idx = _selected(x, logits.dtype, sf, opts, expert_indices.shape[1])
+    K = expert_indices.shape[1]
+    flags = row_flags(expert_indices, replay_mask, E)
+    sel_idx = fill = None
+    if opts.return_agreement:
+        sel_idx = fill = _selected(x, logits.dtype, sf, opts, K)
+    elif opts.padding == "select":
+        fill = _select_flagged(x, logits.dtype, sf, opts, K,
+                               selection_rows(flags, replay_mask, fallback))
     flags, idx = dense_experts(expert_indices, replay_mask, fallback, E, opts.padding,
-                               opts.ep_size, opts.spread_offset, sel_idx)
+                               opts.ep_size, opts.spread_offset, fill, flags)
     w = _weights(x, idx, sf, opts.normalize) * opts.scaling_factor
     tot, first = _per_expert_sum(w, idx)
     probs = _scatter_rows(tot, idx, first, E, logits.dtype)
