@@ -54,6 +54,17 @@ def _features(replay_mask, padding: str, return_agreement: bool) -> frozenset:
     return frozenset(f)
 
 
+def _select_list(opts, K: int, features: frozenset) -> int:
+    """OpShape.select_list of a gate forward: the longest ranked list its selection keeps
+    (K; with groups also group_topk and the group score's n), 0 without a feature."""
+    if not features:
+        return 0
+    sel = opts.selection
+    if not sel.grouped:
+        return K
+    return max(K, sel.group_topk, sel.group_topn(K))
+
+
 def _check_selection(op, logits, K, score_func, sel_flat) -> None:
     check_selection(op, logits, K, score_func, *sel_flat)
 
@@ -118,7 +129,8 @@ def _gate_prologue(logits, expert_indices, replay_mask, flat: tuple, validate: b
     opts = GateOptions.from_flat(GATE_FIELDS, flat)
     (T, E), K = logits.shape, expert_indices.shape[1]
     H = 0 if hidden is None else hidden.shape[1]
-    return opts, OpShape(T, E, K, H, _features(replay_mask, padding, opts.return_agreement))
+    features = _features(replay_mask, padding, opts.return_agreement)
+    return opts, OpShape(T, E, K, H, features, _select_list(opts, K, features))
 
 
 @gate.register_fake
@@ -415,7 +427,8 @@ def gate_dense(
         score_func, normalize, scaling_factor, padding, ep_size, spread_offset % max(E, 1),
         underflow_guard, align, with_plan, *sel, return_agreement))
     features = _features(None, padding, return_agreement)
-    impl = select("gate_dense_fwd", logits.device.type, OpShape(T, E, K, 0, features),
+    impl = select("gate_dense_fwd", logits.device.type,
+                  OpShape(T, E, K, 0, features, _select_list(opts, K, features)),
                   logits.dtype, backend)
     out = impl.gate_dense_fwd(logits, expert_indices, replay_mask, fallback, opts)
     if validate:

@@ -166,7 +166,8 @@ def check_set_logprob_gradient(device, backend, sf, normalize, T=300, E=64, K=8)
 
 def check_limits(device, backend):
     """K = MAX_TOPK selects on the native kernels; K = MAX_TOPK + 1 is handed to the next
-    backend; a group size above the per-thread lists is refused by name."""
+    backend, and so is a group list above the per-thread lists (OpShape.select_list), which
+    the native backend refuses by name when it is requested."""
     from replay_ops import backends as rb
     from replay_ops.backends import OpShape
     from replay_ops.backends import native
@@ -187,9 +188,15 @@ def check_limits(device, backend):
     want = ref.gate(logits, idx, **kw)
     assert_plan_ints_equal(out, want)
     assert torch.equal(out.agreement, want.agreement)
+    # a group list longer than the per-thread lists: the native backend, named, refuses
+    # it by name; chosen automatically, the call goes on to the next backend
     sel = Selection(num_groups=64, group_topk=K + 1, group_score_topn=1)
-    with pytest.raises(ValueError, match=r"group_topk=33.*kMaxSelectList|kMaxSelectList.*33"):
+    with pytest.raises(RuntimeError, match=rf"largest {K + 1}\).*kMaxSelectList"):
         replay_ops.gate(logits, idx[:, :8], selection=sel, backend=backend, **kw)
+    out = replay_ops.gate(logits, idx[:, :8], selection=sel, **kw)
+    want = ref.gate(logits, idx[:, :8], selection=sel, **kw)
+    assert_plan_ints_equal(out, want)
+    assert torch.equal(out.agreement, want.agreement)
 
 
 # ------------------------------------------------------------------------------ tests

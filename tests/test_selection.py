@@ -626,6 +626,14 @@ def test_backends_without_the_features_pass_the_call_on(monkeypatch):
             # a plain gate forward above K = MAX_TOPK still runs natively
             if op.endswith("_fwd"):
                 assert mod.supports(op, "cuda", OpShape(8, 64, K + 1), torch.float32)
+            # a group list (group_topk, the group score's n) longer than the lists
+            if op.endswith("_fwd"):
+                feats = frozenset((SELECT,))
+                assert mod.supports(op, "cuda", OpShape(8, 64, 8, 0, feats, K), torch.float32)
+                why = mod.supports(op, "cuda", OpShape(8, 64, 8, 0, feats, K + 1),
+                                   torch.float32)
+                assert not why and f"largest {K + 1}" in why.reason and \
+                    "kMaxSelectList" in why.reason
         assert mod.supports("gate_fwd", "cpu", OpShape(8, 16, 2, 0, frozenset((SELECT, AGREEMENT))),
                             torch.float32)
         for device, flag in (("cuda", "CUDA_FEATURES"), ("cpu", "CPU_FEATURES")):
@@ -641,6 +649,40 @@ def test_backends_without_the_features_pass_the_call_on(monkeypatch):
                                          OpShape(8, 16, 2, 0, frozenset((SELECT,))),
                                          torch.float32, "triton")
         assert runs == "triton" and not skipped
+
+
+def test_gate_ops_tell_the_backends_the_selection_lists(monkeypatch):
+    """OpShape.select_list of the gate forwards: max(K, group_topk, the group score's n)
+    when the call selects or reports agreement, K without groups, 0 without a feature; what
+    the native CUDA supports() reads to hand a too-long group list on."""
+    from replay_ops import backends
+    from replay_ops.backends import torch as torch_backend
+
+    seen = []
+
+    def supports(op, device_type, shape, dtype):
+        seen.append((op, shape.select_list))
+        return backends.protocol.YES
+
+    monkeypatch.setattr(torch_backend, "supports", supports)
+    T, E, K = 12, 64, 4
+    lg = tie_free_logits(T, E)
+    idx = make_indices(T, E, K)
+    mask = torch.ones(T, dtype=torch.bool)
+    wide = Selection(num_groups=16, group_topk=6, group_score_topn=3)  # lists of 6
+    deep = Selection(num_groups=2, group_topk=1, group_score_topn=20)  # lists of 20
+    for kw, want in ((dict(), 0), (dict(replay_mask=mask), K),
+                     (dict(replay_mask=mask, selection=wide), 6),
+                     (dict(return_agreement=True, selection=deep), 20),
+                     (dict(padding="select", selection=Selection(num_groups=4, group_topk=2)),
+                      K)):
+        for op, name in ((replay_ops.gate, "gate_fwd"), (replay_ops.gate_dense, "gate_dense_fwd")):
+            if op is replay_ops.gate_dense and "replay_mask" in kw and "padding" not in kw:
+                kw = dict(kw, padding="select")  # a dense mask alone selects nothing
+                want = want or K
+            seen.clear()
+            op(lg, idx, backend="torch", validate=False, **kw)
+            assert (name, want) in seen, (kw, seen)
 
 
 # ------------------------------------------------------------ determinism, compile

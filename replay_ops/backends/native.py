@@ -96,6 +96,11 @@ def supports(op, device_type, shape, dtype) -> Support:
     if shape.features and shape.K > MAX_TOPK:
         return Support(False, f"K={shape.K} slots is above the CUDA gate selection's limit "
                               f"kMaxSelectList={MAX_TOPK} (its per-thread ranked lists)")
+    if shape.features and shape.select_list > MAX_TOPK:
+        return Support(False, f"the selection's group lists (group_topk or the group score's "
+                              f"n, the largest {shape.select_list}) are above the CUDA gate "
+                              f"selection's limit kMaxSelectList={MAX_TOPK} (its per-thread "
+                              f"ranked lists)")
     if op in ("gate_fwd", "gate_bwd", "gate_dense_fwd", "gate_dense_bwd") and \
             shape.E > MAX_EXPERTS:
         return Support(False, f"E={shape.E} experts is above the CUDA gate kernels' limit "
@@ -118,8 +123,8 @@ def describe() -> dict:
 # Whether the CPU and the CUDA kernels take the gate features (OpShape.features): the
 # model's own selection of flagged rows and the agreement outputs (csrc/include/
 # replay_select.h). On CUDA, K, group_topk and group_topn are at most MAX_TOPK
-# (kMaxSelectList): larger K is handed on by supports(); larger group sizes are refused by
-# the op with the values named.
+# (kMaxSelectList): supports() hands a call with larger ones on (OpShape.select_list); the
+# op, called with this backend by name, refuses them with the values named.
 CPU_FEATURES = True
 CUDA_FEATURES = True
 # Whether the library has the CPU fused gate + permute ops (protocol.FUSED_OPS).

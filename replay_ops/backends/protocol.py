@@ -166,14 +166,18 @@ FEATURES = (SELECT, AGREEMENT)
 
 class OpShape(NamedTuple):
     """The sizes `supports` decides on: tokens T, experts E (0 where the op does not know
-    them), slots per token K, hidden size H (0 for the gate), and the `features` of the call
-    that a backend may lack (a subset of FEATURES; empty for every op but the gates)."""
+    them), slots per token K, hidden size H (0 for the gate), the `features` of the call
+    that a backend may lack (a subset of FEATURES; empty for every op but the gates), and
+    `select_list`: with a feature in a gate's forward, the longest ranked list its
+    selection keeps, max(K, group_topk, the group score's n) (replay_ops.Selection); 0
+    where not given, which reads as K."""
 
     T: int
     E: int
     K: int
     H: int = 0
     features: frozenset = frozenset()
+    select_list: int = 0
 
 
 class BackendContractError(TypeError):
