@@ -107,6 +107,18 @@ def check_gate_padding(padding) -> None:
                          f"replay_ops.gate_dense's)")
 
 
+def check_weights_dtype(op: str, logits: torch.Tensor, weights_dtype) -> None:
+    """`weights_dtype` of a gate: None or the logits' dtype (weights rounded to it), or the
+    logits' compute dtype (float32 for half and bfloat16 logits: the weights as computed)."""
+    if weights_dtype is None or weights_dtype == logits.dtype:
+        return
+    cdt = scores.compute_dtype(logits.dtype) if logits.is_floating_point() else None
+    if weights_dtype != cdt:
+        raise ValueError(f"replay_ops.{op}: weights_dtype must be None, the logits' dtype "
+                         f"({logits.dtype}) or their compute dtype ({cdt}), got "
+                         f"{weights_dtype!r}")
+
+
 def check_selection(op: str, logits: torch.Tensor, top_k: int, score_func: str, source: str,
                     expert_bias: torch.Tensor | None, round_scores: bool, num_groups: int,
                     group_topk: int, group_score_topn: int) -> None:

@@ -45,6 +45,7 @@ def gate(
     padding: str = "empty",
     selection: Selection | None = None,
     return_agreement: bool = False,
+    weights_dtype: torch.dtype | None = None,
     hidden: torch.Tensor | None = None,
     num_rows: int | None = None,
     validate: bool = True,
@@ -67,6 +68,11 @@ def gate(
     the log of the router's probability mass on that set, differentiable).
     See docs/ops.md for the exact semantics.
 
+    `weights_dtype`: the weights' dtype, the logits' dtype when None; the logits' compute
+    dtype (torch.float32 for half and bfloat16 logits) gives the weights as computed,
+    unrounded, from the same kernel (as a router that keeps its weights in fp32 does:
+    `softmax(logits, dtype=torch.float)`), with no cast of the logits or of their gradient.
+
     `hidden` [T, H] (the tokens' hidden states) also gives `plan.rows`: the expert-major
     rows of `hidden` for this plan, exactly `permute(hidden, plan, num_rows)`, written by the
     same op (one op forward, and one backward op for the gradients of both the logits and
@@ -75,12 +81,13 @@ def gate(
 
     The options may come as one `options=replay_ops.GateOptions(...)` instead of the option
     keywords (score_func, normalize, scaling_factor, align, padding, selection,
-    return_agreement), never both: a call that gives `options=` and any of these keywords,
+    return_agreement, weights_dtype), never both: a call that gives `options=` and any of these keywords,
     even at its default value, raises ValueError naming the keyword.
     """
     opts = resolve(options, "gate", GATE_OPTIONS, score_func=score_func, normalize=normalize,
                    scaling_factor=scaling_factor, align=align, padding=padding,
-                   selection=selection, return_agreement=return_agreement)
+                   selection=selection, return_agreement=return_agreement,
+                   weights_dtype=weights_dtype)
     if hidden is None:
         if num_rows is not None:
             raise ValueError("replay_ops.gate: num_rows is the size of plan.rows and needs "

@@ -27,6 +27,7 @@ from ._validate import (
     check_plan_tensors,
     check_row_flags,
     check_selection,
+    check_weights_dtype,
 )
 from .backends import OpShape, select
 from .backends.protocol import AGREEMENT, SELECT
@@ -93,6 +94,7 @@ def gate(
     group_topk: int,
     group_score_topn: int,
     return_agreement: bool,
+    weights_dtype: torch.dtype | None,
     validate: bool,
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -101,15 +103,18 @@ def gate(
     See replay_ops.gate."""
     opts, shape = _gate_prologue(logits, expert_indices, replay_mask, (
         score_func, normalize, scaling_factor, align, padding, selection_source, expert_bias,
-        round_scores, num_groups, group_topk, group_score_topn, return_agreement), validate)
+        round_scores, num_groups, group_topk, group_score_topn, return_agreement,
+        weights_dtype), validate)
     impl = select("gate_fwd", logits.device.type, shape, logits.dtype, backend)
     return impl.gate_fwd(logits, expert_indices, replay_mask, opts)
 
 
-def _check_gate(logits, expert_indices, replay_mask, score_func, align, padding, sel):
+def _check_gate(logits, expert_indices, replay_mask, score_func, align, padding, sel,
+                weights_dtype=None):
     check_gate_inputs(logits, expert_indices, replay_mask, score_func, align)
     check_gate_padding(padding)
     _check_selection("gate", logits, expert_indices.shape[1], score_func, sel)
+    check_weights_dtype("gate", logits, weights_dtype)
 
 
 def _gate_prologue(logits, expert_indices, replay_mask, flat: tuple, validate: bool,
@@ -117,12 +122,12 @@ def _gate_prologue(logits, expert_indices, replay_mask, flat: tuple, validate: b
     """The first part of replay::gate and replay::gate_permute: the checks (with `hidden`,
     its own after the gate's), the index values when `validate`, and the call's options
     (`flat`: the GATE_FIELDS values) and OpShape. Returns (opts, shape)."""
-    score_func, align, padding, sel = flat[0], flat[3], flat[4], flat[5:11]
+    score_func, align, padding, sel, wdt = flat[0], flat[3], flat[4], flat[5:11], flat[12]
     if hidden is None:
-        _check_gate(logits, expert_indices, replay_mask, score_func, align, padding, sel)
+        _check_gate(logits, expert_indices, replay_mask, score_func, align, padding, sel, wdt)
     else:
         _check_gate_permute(logits, expert_indices, replay_mask, score_func, align, padding,
-                            sel, hidden, num_rows)
+                            sel, hidden, num_rows, wdt)
     if validate:
         check_index_values(expert_indices, logits.shape[1], replay_mask,
                            repeats=padding != "select")
@@ -136,13 +141,15 @@ def _gate_prologue(logits, expert_indices, replay_mask, flat: tuple, validate: b
 @gate.register_fake
 def _(logits, expert_indices, replay_mask, score_func, normalize, scaling_factor, align, padding,
       selection_source, expert_bias, round_scores, num_groups, group_topk, group_score_topn,
-      return_agreement, validate, backend):
+      return_agreement, weights_dtype, validate, backend):
     sel = (selection_source, expert_bias, round_scores, num_groups, group_topk,
            group_score_topn)
-    _check_gate(logits, expert_indices, replay_mask, score_func, align, padding, sel)
+    _check_gate(logits, expert_indices, replay_mask, score_func, align, padding, sel,
+                weights_dtype)
     T, E = logits.shape
     K = expert_indices.shape[1]
-    return (logits.new_empty(T, K), torch.empty(T, K, dtype=PLAN_DTYPE, device=logits.device),
+    return (logits.new_empty(T, K, dtype=weights_dtype or logits.dtype),
+            torch.empty(T, K, dtype=PLAN_DTYPE, device=logits.device),
             *_fake_plan(T, K, E, align, logits.device),
             *_agreement_like(T, logits, return_agreement))
 
@@ -188,7 +195,7 @@ def _gate_setup(ctx, inputs, output):
     ctx.save_for_backward(logits, output[1])
     ctx.opts = (score_func, normalize, scaling_factor)
     ctx.backend = inputs[-1]
-    ctx.agreement = inputs[-3]  # return_agreement: set_logprob is an output
+    ctx.agreement = inputs[14]  # return_agreement: set_logprob is an output
     # The integer outputs have no gradient: do not make autograd fill zeros for them.
     ctx.set_materialize_grads(False)
 
@@ -204,7 +211,7 @@ def _gate_backward(ctx, grad_weights, _idx, _counts, _offsets, _rid, _slots, _ag
             grad_weights = torch.zeros(idx.shape, dtype=logits.dtype, device=logits.device)
         grad = gate_backward(grad_weights.contiguous(), logits, idx, *ctx.opts,
                              grad_set_logprob, ctx.backend)
-    return (grad,) + (None,) * 16
+    return (grad,) + (None,) * 17
 
 
 gate.register_autograd(_gate_backward, setup_context=_gate_setup)
@@ -628,6 +635,7 @@ def gate_permute(
     group_topk: int,
     group_score_topn: int,
     return_agreement: bool,
+    weights_dtype: torch.dtype | None,
     hidden: Tensor,
     num_rows: int,
     validate: bool,
@@ -637,8 +645,8 @@ def gate_permute(
     `hidden` [T, H] for that plan (replay::permute's output). See replay_ops.gate(hidden=)."""
     opts, shape = _gate_prologue(logits, expert_indices, replay_mask, (
         score_func, normalize, scaling_factor, align, padding, selection_source, expert_bias,
-        round_scores, num_groups, group_topk, group_score_topn, return_agreement), validate,
-        hidden, num_rows)
+        round_scores, num_groups, group_topk, group_score_topn, return_agreement,
+        weights_dtype), validate, hidden, num_rows)
     impl, fused = _fused("gate_permute_fwd", logits.device.type, shape, logits.dtype, backend)
     if fused is not None:
         return tuple(fused(logits, expert_indices, replay_mask, opts, hidden, num_rows))
@@ -650,8 +658,9 @@ def gate_permute(
 
 
 def _check_gate_permute(logits, expert_indices, replay_mask, score_func, align, padding, sel,
-                        hidden, num_rows):
-    _check_gate(logits, expert_indices, replay_mask, score_func, align, padding, sel)
+                        hidden, num_rows, weights_dtype=None):
+    _check_gate(logits, expert_indices, replay_mask, score_func, align, padding, sel,
+                weights_dtype)
     check_hidden("gate", "hidden", hidden, logits.shape[0], "T tokens", logits.device)
     if num_rows < 0:
         raise ValueError(f"replay_ops.gate: num_rows must be >= 0, got {num_rows}")
@@ -660,14 +669,15 @@ def _check_gate_permute(logits, expert_indices, replay_mask, score_func, align, 
 @gate_permute.register_fake
 def _(logits, expert_indices, replay_mask, score_func, normalize, scaling_factor, align, padding,
       selection_source, expert_bias, round_scores, num_groups, group_topk, group_score_topn,
-      return_agreement, hidden, num_rows, validate, backend):
+      return_agreement, weights_dtype, hidden, num_rows, validate, backend):
     sel = (selection_source, expert_bias, round_scores, num_groups, group_topk,
            group_score_topn)
     _check_gate_permute(logits, expert_indices, replay_mask, score_func, align, padding, sel,
-                        hidden, num_rows)
+                        hidden, num_rows, weights_dtype)
     T, E = logits.shape
     K = expert_indices.shape[1]
-    return (logits.new_empty(T, K), torch.empty(T, K, dtype=PLAN_DTYPE, device=logits.device),
+    return (logits.new_empty(T, K, dtype=weights_dtype or logits.dtype),
+            torch.empty(T, K, dtype=PLAN_DTYPE, device=logits.device),
             *_fake_plan(T, K, E, align, logits.device),
             *_agreement_like(T, logits, return_agreement),
             hidden.new_empty(num_rows, hidden.shape[1]))
@@ -689,7 +699,7 @@ def _gate_permute_backward(ctx, grad_weights, _idx, _counts, _offsets, _rid, _sl
         grad_set_logprob = None
     want_logits = ctx.needs_input_grad[0] and (grad_weights is not None
                                                or grad_set_logprob is not None)
-    want_hidden = ctx.needs_input_grad[15] and grad_rows is not None
+    want_hidden = ctx.needs_input_grad[16] and grad_rows is not None
     if want_logits and grad_weights is None:
         grad_weights = torch.zeros(idx.shape, dtype=logits.dtype, device=logits.device)
     grad_logits = grad_hidden = None
@@ -702,7 +712,7 @@ def _gate_permute_backward(ctx, grad_weights, _idx, _counts, _offsets, _rid, _sl
                                     grad_set_logprob, ctx.backend)
     elif want_hidden:
         grad_hidden = permute_backward(grad_rows.contiguous(), rid, ctx.backend)
-    return (grad_logits,) + (None,) * 14 + (grad_hidden,) + (None,) * 3
+    return (grad_logits,) + (None,) * 15 + (grad_hidden,) + (None,) * 3
 
 
 gate_permute.register_autograd(_gate_permute_backward, setup_context=_gate_permute_setup)

@@ -179,7 +179,7 @@ SELECTION_FIELDS = tuple(name for name, _ in _SELECTION_FLAT)
 
 # The options each op takes (GateOptions fields), in the schema's order.
 GATE_OPTIONS = ("score_func", "normalize", "scaling_factor", "align", "padding", "selection",
-                "return_agreement")
+                "return_agreement", "weights_dtype")
 DENSE_OPTIONS = ("score_func", "normalize", "scaling_factor", "padding", "ep_size",
                  "spread_offset", "underflow_guard", "align", "with_plan", "selection",
                  "return_agreement")
@@ -228,6 +228,9 @@ class GateOptions:
     selection: Selection | None = None
     # write plan.agreement and plan.set_logprob
     return_agreement: bool = False
+    # the gate's weights dtype (the sparse gate only): None, the logits' dtype; or their
+    # compute dtype (torch.float32 for half and bfloat16 logits), the weights unrounded
+    weights_dtype: torch.dtype | None = None
     # the dense gate only
     ep_size: int = 1
     spread_offset: int = 0
@@ -302,8 +305,9 @@ def resolve(options: GateOptions | None, who: str, fields: tuple[str, ...],
     unused = [f for f in _OPTION_NAMES
               if f not in fields and getattr(options, f) != getattr(DEFAULTS, f)]
     if unused:
+        owner = "gate" if set(unused) <= set(GATE_OPTIONS) else "gate_dense"
         raise ValueError(f"{who}: options set {', '.join(unused)}, which {who} does not take "
-                         f"(they belong to replay_ops.gate_dense)")
+                         f"(they belong to replay_ops.{owner})")
     return options
 
 

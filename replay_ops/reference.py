@@ -14,7 +14,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._validate import check_gate_inputs, check_gate_padding, check_index_values, check_selection
+from ._validate import (
+    check_gate_inputs,
+    check_gate_padding,
+    check_index_values,
+    check_selection,
+    check_weights_dtype,
+)
 from .options import DEFAULT_SELECTION, Selection
 from .plan import (
     PADDING_MODES,
@@ -193,8 +199,10 @@ def gate_weights(
     score_func: str,
     normalize: bool,
     scaling_factor: float,
+    weights_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Gate weights [T, K] from the dense logits at the given indices (differentiable)."""
+    """Gate weights [T, K] from the dense logits at the given indices (differentiable), in
+    `weights_dtype` (the logits' dtype when None)."""
     cdt = compute_dtype(logits.dtype)
     x = logits.to(cdt)
     valid = (idx >= 0) & (idx < logits.shape[1])
@@ -220,7 +228,7 @@ def gate_weights(
         else:
             w = sc
     w = w * scaling_factor
-    return torch.where(valid, w, 0.0).to(logits.dtype)
+    return torch.where(valid, w, 0.0).to(weights_dtype or logits.dtype)
 
 
 def build_plan(idx: torch.Tensor, num_experts: int, align: int):
@@ -264,6 +272,7 @@ def gate(
     padding: str = "empty",
     selection: Selection = DEFAULT_SELECTION,
     return_agreement: bool = False,
+    weights_dtype: torch.dtype | None = None,
     hidden: torch.Tensor | None = None,
     num_rows: int | None = None,
     validate: bool = True,
@@ -273,12 +282,13 @@ def gate(
     check_gate_inputs(logits, expert_indices, replay_mask, score_func, align)
     check_gate_padding(padding)
     _check_selection("gate", logits, expert_indices.shape[1], score_func, selection)
+    check_weights_dtype("gate", logits, weights_dtype)
     if validate:
         check_index_values(expert_indices, logits.shape[1], replay_mask,
                            repeats=padding != "select")
     idx = resolve_indices(logits.detach(), expert_indices, replay_mask, score_func, padding,
                           selection)
-    weights = gate_weights(logits, idx, score_func, normalize, scaling_factor)
+    weights = gate_weights(logits, idx, score_func, normalize, scaling_factor, weights_dtype)
     plan = RoutingPlan(weights, idx, *build_plan(idx, logits.shape[1], align))
     if return_agreement:
         plan = plan._replace(agreement=agreement(logits, idx, score_func, selection),

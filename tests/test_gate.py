@@ -147,6 +147,61 @@ def test_gate_logit_dtypes(device, backend, case):
 
 
 @pytest.mark.parametrize(
+    "device,backend,case",
+    case_params(
+        [(d, m) for d in (torch.bfloat16, torch.float16) for m in SCORE_FUNCS]
+        + [(torch.float32, "softmax"), (torch.float64, "sigmoid")],
+        [(torch.bfloat16, "softmax"), (torch.float16, "sigmoid")],
+        ids=lambda c: f"{str(c[0])[6:]}-{c[1]}",
+    ),
+)
+def test_gate_weights_in_the_compute_dtype(device, backend, case):
+    """weights_dtype = the logits' compute dtype: the weights unrounded, bitwise those the
+    same backend computes from the logits cast to it (its math runs in that dtype either
+    way), the plan unchanged, and the logits' gradient bitwise that of the cast path
+    rounded to the logits' dtype; with a replay mask and with hidden= too. Compared with
+    the reference as well."""
+    from replay_ops.scores import compute_dtype
+
+    dtype, sf = case
+    cdt = compute_dtype(dtype)
+    T, E, K = (45, 64, 6)
+    logits = make_logits(T, E, dtype=dtype, device=device, seed=7, scale=3.0)
+    idx = make_indices(T, E, K, device=device, empty=0.1)
+    mask = (torch.arange(T, device=device) % 5 != 2)
+    hidden = make_logits(T, 8, dtype=dtype, device=device, seed=8)
+    g = torch.linspace(-1, 1, T * K, device=device).reshape(T, K).to(cdt)
+    for kw in (dict(), dict(replay_mask=mask, validate=False), dict(hidden=hidden)):
+        kw.update(score_func=sf, normalize=True, scaling_factor=0.7, backend=backend)
+        x = logits.clone().requires_grad_(True)
+        plan = replay_ops.gate(x, idx, weights_dtype=cdt, **kw)
+        assert plan.weights.dtype == cdt
+        xc = logits.to(cdt).requires_grad_(True)
+        want = replay_ops.gate(xc, idx, **kw)
+        assert torch.equal(plan.weights, want.weights), (plan.weights - want.weights).abs().max()
+        assert_plan_ints_equal(plan, want)
+        if "hidden" in kw:
+            assert torch.equal(plan.rows, want.rows)
+        (gx,) = torch.autograd.grad((plan.weights * g).sum(), x)
+        (gc,) = torch.autograd.grad((want.weights * g).sum(), xc)
+        assert gx.dtype == dtype and torch.equal(gx, gc.to(dtype))
+        kw.pop("backend")
+        ref_plan = ref.gate(logits, idx, weights_dtype=cdt, **kw)
+        assert ref_plan.weights.dtype == cdt
+        kw.pop("hidden", None)
+        ref64 = ref.gate(logits.double(), idx, **kw)
+        assert_fa_close(plan.weights, ref_plan.weights, ref64.weights,
+                        f"{backend} {dtype} {sf} weights")
+    # the logits' own dtype is the default; another dtype is refused by name
+    assert replay_ops.gate(logits, idx, weights_dtype=dtype, backend=backend).weights.dtype == dtype
+    other = torch.float16 if dtype != torch.float16 else torch.bfloat16
+    with pytest.raises(ValueError, match=rf"gate: weights_dtype must be None, the logits' "
+                                         rf"dtype \({dtype}\) or their compute dtype "
+                                         rf"\({cdt}\), got {other}"):
+        replay_ops.gate(logits, idx, weights_dtype=other, backend=backend)
+
+
+@pytest.mark.parametrize(
     "device,backend,idx_dtype",
     case_params(list(INDEX_DTYPES), ids=lambda d: str(d)[6:]),
 )

@@ -86,7 +86,7 @@ def test_options_and_keywords_together_are_refused_by_name():
 _OTHER = {"score_func": "sigmoid", "normalize": False, "scaling_factor": 2.0, "align": 4,
           "padding": "select", "selection": replay_ops.Selection(num_groups=2, group_topk=1),
           "return_agreement": True, "ep_size": 2, "spread_offset": 3,
-          "underflow_guard": True, "with_plan": False}
+          "underflow_guard": True, "with_plan": False, "weights_dtype": torch.float32}
 
 
 @pytest.mark.parametrize("op, fields", [("gate", ro.GATE_OPTIONS),
@@ -125,6 +125,11 @@ def test_dense_only_options_are_refused_by_gate():
     with pytest.raises(ValueError, match=r"gate: options set ep_size, spread_offset, which "
                                          r"gate does not take"):
         replay_ops.gate(lg, idx, options=GateOptions(ep_size=2, spread_offset=1))
+    # and the sparse gate's weights_dtype by gate_dense
+    with pytest.raises(ValueError, match=r"gate_dense: options set weights_dtype, which "
+                                         r"gate_dense does not take \(they belong to "
+                                         r"replay_ops.gate\)"):
+        replay_ops.gate_dense(lg, idx, options=GateOptions(weights_dtype=torch.float32))
     # padding is an option of both gates; gate refuses the dense gate's modes by name
     with pytest.raises(ValueError, match=r"gate: unknown padding='spread'; expected one of "
                                          r"\('empty', 'select'\)"):
@@ -156,7 +161,7 @@ def test_field_lists_match_the_registered_schemas():
         return [a.name for a in op.default._schema.arguments]
 
     fields = {f.name for f in dataclasses.fields(GateOptions)}
-    assert set(ro.DENSE_OPTIONS) == fields
+    assert set(ro.DENSE_OPTIONS) | set(ro.GATE_OPTIONS) == fields
     assert ro.DENSE_FIELDS == ro.flat_fields(ro.DENSE_OPTIONS)
     assert names(torch.ops.replay.gate)[3:3 + len(ro.GATE_FIELDS)] == list(ro.GATE_FIELDS)
     assert names(torch.ops.replay.gate_dense)[4:4 + len(ro.DENSE_FIELDS)] == list(ro.DENSE_FIELDS)

@@ -735,18 +735,19 @@ def agreement_outputs(logits, T: int, on: bool):
 
 def gate_fwd(logits, expert_indices, score_func, normalize, scaling_factor, align,
              config: GateConfig | None = None, *, replay_mask=None, pad_select: bool = False,
-             selection=None, return_agreement: bool = False):
+             selection=None, return_agreement: bool = False, weights_dtype=None):
     """Gate weights + dispatch plan + (agreement, set_logprob) (the backend contract's
     gate_fwd); `config` overrides the block sizes. Rows with replay_mask False, and with
     pad_select the rows with a -1 slot, an id out of range or a repeated expert, take the
-    model's own `selection` (replay_ops.Selection) inside the kernel."""
+    model's own `selection` (replay_ops.Selection) inside the kernel. `weights_dtype`: the
+    weights' dtype (None: the logits'; the compute type stores them unrounded)."""
     T, E = logits.shape
     K = expert_indices.shape[1]
     dev = logits.device
     agree, lp = agreement_outputs(logits, T, return_agreement)
     i32 = dict(dtype=torch.int32, device=dev)
     n_sorted = plan_capacity(T, K, E, align)
-    weights = torch.empty(T, K, dtype=logits.dtype, device=dev)
+    weights = torch.empty(T, K, dtype=weights_dtype or logits.dtype, device=dev)
     idx_out = torch.empty(T, K, **i32)
     row_id_map = torch.empty(T, K, **i32)
     tpe = torch.empty(E, **i32)

@@ -304,15 +304,18 @@ inline void agreement_tensors(const at::Tensor& logits, bool asked, at::Tensor& 
 }
 
 // The eight outputs of gate_fwd, allocated on the logits' device: weights [T, K] in the
-// logits dtype, then int32 indices [T, K], counts [E], offsets [E + 1], row_id_map [T, K]
-// and sorted_slots [plan capacity] (checked to fit int32), agreement and set_logprob.
+// logits dtype (with weights_acc in the compute type: float32 for half and bfloat16 logits),
+// then int32 indices [T, K], counts [E], offsets [E + 1], row_id_map [T, K] and
+// sorted_slots [plan capacity] (checked to fit int32), agreement and set_logprob.
 struct GateOutputs {
   at::Tensor weights, idx32, counts, offsets, row_id_map, sorted_slots, agreement, set_logprob;
 
-  GateOutputs(const at::Tensor& logits, int64_t K, int64_t align, bool asked) {
+  GateOutputs(const at::Tensor& logits, int64_t K, int64_t align, bool asked,
+              bool weights_acc = false) {
     const int64_t T = logits.size(0), E = logits.size(1);
     const auto i32 = logits.options().dtype(at::kInt);
-    weights = at::empty({T, K}, logits.options());
+    const auto acc = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    weights = at::empty({T, K}, weights_acc ? logits.options().dtype(acc) : logits.options());
     idx32 = at::empty({T, K}, i32);
     counts = at::empty({E}, i32);
     offsets = at::empty({E + 1}, i32);

@@ -28,11 +28,11 @@ gate_permute_fwd(const at::Tensor& logits, const at::Tensor& expert_indices,
                  const c10::optional<at::Tensor>& expert_bias, int64_t score_func,
                  bool normalize, double scaling_factor, int64_t align, int64_t padding,
                  int64_t selection_source, bool round_scores, int64_t num_groups,
-                 int64_t group_topk, int64_t group_topn, bool agreement,
+                 int64_t group_topk, int64_t group_topn, bool agreement, bool weights_acc,
                  const at::Tensor& hidden, int64_t num_rows) {
   auto g = gate_fwd(logits, expert_indices, replay_mask, expert_bias, score_func, normalize,
                     scaling_factor, align, padding, selection_source, round_scores,
-                    num_groups, group_topk, group_topn, agreement);
+                    num_groups, group_topk, group_topn, agreement, weights_acc);
   at::Tensor rows = permute_fwd(hidden, std::get<5>(g), std::get<4>(g), num_rows);
   return {std::get<0>(g), std::get<1>(g), std::get<2>(g), std::get<3>(g), std::get<4>(g),
           std::get<5>(g), std::get<6>(g), std::get<7>(g), rows};
@@ -59,7 +59,8 @@ TORCH_LIBRARY(replay_native, m) {
   m.def("gate_permute_fwd(Tensor logits, Tensor expert_indices, Tensor? replay_mask, "
         "Tensor? expert_bias, int score_func, bool normalize, float scaling_factor, "
         "int align, int padding, int selection_source, bool round_scores, int num_groups, "
-        "int group_topk, int group_topn, bool agreement, Tensor hidden, int num_rows) -> "
+        "int group_topk, int group_topn, bool agreement, bool weights_acc, Tensor hidden, "
+        "int num_rows) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("gate_permute_bwd(Tensor grad_weights, Tensor grad_rows, Tensor logits, "
         "Tensor expert_indices, Tensor row_id_map, Tensor? grad_set_logprob, int score_func, "

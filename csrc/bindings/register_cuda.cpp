@@ -174,7 +174,7 @@ replay_native::GateFwdResult gate_fwd(
     const c10::optional<at::Tensor>& replay_mask, const c10::optional<at::Tensor>& expert_bias,
     int64_t score_func, bool normalize, double scaling_factor, int64_t align, int64_t padding,
     int64_t selection_source, bool round_scores, int64_t num_groups, int64_t group_topk,
-    int64_t group_topn, bool agreement) {
+    int64_t group_topn, bool agreement, bool weights_acc) {
   replay_native::check_gate_fwd(logits_in, idx, logits_in.device());
   const c10::cuda::CUDAGuard guard(logits_in.device());
   const int sf = replay_native::checked_score_func(score_func);
@@ -184,7 +184,8 @@ replay_native::GateFwdResult gate_fwd(
       round_scores, num_groups, group_topk, group_topn, false, logits.device());
   replay_cuda::GateFwdArgs a = gate_fwd_args(logits, idx, sf, normalize, scaling_factor, align);
   const int64_t T = a.T, E = a.E, K = a.K;
-  replay_native::GateOutputs o(logits, K, align, agreement);
+  replay_native::GateOutputs o(logits, K, align, agreement, weights_acc);
+  a.weights_acc = o.weights.scalar_type() != logits.scalar_type();
   set_selection(a, "gate", sel, o.agreement, o.set_logprob);
   const auto path = checked_gate_path(T, K);
   const size_t ws_bytes = replay_cuda::gate_fwd_workspace_bytes(T, E, K, path);

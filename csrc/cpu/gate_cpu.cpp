@@ -56,7 +56,8 @@ struct GateFwd {
   bool normalize;
   acc_t scale;
   RowKernels<scalar_t> rk;
-  scalar_t* W;   // weights [T, K]
+  scalar_t* W = nullptr;  // weights [T, K], or
+  acc_t* WA = nullptr;    // the weights in the compute type (weights_acc)
   int32_t* I32;  // indices used [T, K]: -1 for empty slots (any value outside [0, E))
   int32_t* CNT;  // tokens_per_expert [E]
   int32_t* OFF;  // expert_offsets [E + 1]
@@ -316,9 +317,13 @@ struct GateFwd {
       }
       default: TORCH_CHECK(false, "replay_ops native gate: unknown score function id ", sf);
     }
-    if (!P)
+    if (P) {
+      write_dense_row(t, z);
+    } else if (WA) {
+      for (int64_t k = 0; k < K; ++k) WA[t * K + k] = z[k];
+    } else {
       for (int64_t k = 0; k < K; ++k) W[t * K + k] = static_cast<scalar_t>(z[k]);
-    if (P) write_dense_row(t, z);
+    }
   }
 
   // Phase 1 for chunk c: weights, indices and the chunk's slot count per expert.
@@ -435,7 +440,10 @@ void gate_fwd_impl(const at::Tensor& logits, const at::Tensor& idx, int sf, bool
                    replay_native::GateOutputs& o) {
   GateFwd<scalar_t, index_t> g;
   gate_setup(g, logits, idx, sf, normalize, scaling, align, o.sorted_slots.numel(), sel);
-  g.W = o.weights.data_ptr<scalar_t>();
+  if (o.weights.scalar_type() == logits.scalar_type())
+    g.W = o.weights.data_ptr<scalar_t>();
+  else  // weights_acc: the weights in the compute type, unrounded
+    g.WA = o.weights.data_ptr<acc_type_t<scalar_t>>();
   g.I32 = o.idx32.data_ptr<int32_t>();
   g.CNT = o.counts.data_ptr<int32_t>();
   g.OFF = o.offsets.data_ptr<int32_t>();
@@ -608,7 +616,7 @@ replay_native::GateFwdResult gate_fwd(
     const c10::optional<at::Tensor>& replay_mask, const c10::optional<at::Tensor>& expert_bias,
     int64_t score_func, bool normalize, double scaling_factor, int64_t align, int64_t padding,
     int64_t selection_source, bool round_scores, int64_t num_groups, int64_t group_topk,
-    int64_t group_topn, bool agreement) {
+    int64_t group_topn, bool agreement, bool weights_acc) {
   const c10::Device cpu(c10::kCPU);
   replay_native::check_gate_fwd(logits_in, expert_indices, cpu);
   const int sf = replay_native::checked_score_func(score_func);
@@ -616,7 +624,7 @@ replay_native::GateFwdResult gate_fwd(
   const replay_native::GateSelection sel = replay_native::checked_gate_selection(
       "gate", logits, expert_indices.size(1), sf, replay_mask, padding, expert_bias,
       selection_source, round_scores, num_groups, group_topk, group_topn, false, cpu);
-  replay_native::GateOutputs o(logits, expert_indices.size(1), align, agreement);
+  replay_native::GateOutputs o(logits, expert_indices.size(1), align, agreement, weights_acc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(),
                                   "replay_native_gate_fwd", [&] {
     dispatch_index(expert_indices, "expert_indices", [&](auto index_tag) {

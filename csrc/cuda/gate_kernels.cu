@@ -242,7 +242,8 @@ __device__ __forceinline__ void gate_row(const GateFwdArgs& a, int64_t t) {
     }
   }
   const A scale = static_cast<A>(a.scaling_factor);
-  const bool dense = a.probs != nullptr;
+  // dense mode's scratch and weights_acc hold the compute type
+  const bool dense = a.probs != nullptr || a.weights_acc;
   for (int64_t k = 0; k < K; ++k) {
     const int32_t e = i32[k];
     A v = A(0);

@@ -38,7 +38,7 @@ struct GateFwdArgs {
   bool normalize;
   double scaling_factor;
   // outputs (contiguous)
-  void* weights;           // [T, K], logits dtype
+  void* weights;           // [T, K], logits dtype (the compute type with weights_acc)
   int32_t* indices32;      // [T, K]
   int32_t* tokens_per_expert;  // [E]
   int32_t* expert_offsets;     // [E + 1]
@@ -47,6 +47,9 @@ struct GateFwdArgs {
   // Upper bound on the CTAs of the cooperative path (0: as many as fit on the device), e.g.
   // to leave SMs to a concurrent communication kernel. The result does not depend on it.
   int64_t max_ctas = 0;
+  // The weights in the compute type, unrounded (replay_ops' weights_dtype), not the logits
+  // dtype.
+  bool weights_acc = false;
   // Dense mode (probs != nullptr; gate_dense): `weights` is then a [T, K] scratch buffer in
   // the compute type, and the kernels also write the row flags, route flagged rows by the
   // padding mode, and write the dense rows (each CTA zero-fills its own rows, then each

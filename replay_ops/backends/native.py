@@ -146,7 +146,14 @@ def gate_fwd(logits, expert_indices, replay_mask, opts):
         logits, expert_indices, replay_mask, opts.selection.expert_bias,
         scores.get(opts.score_func).id, bool(opts.normalize), float(opts.scaling_factor),
         int(opts.align), PADDING_MODES[opts.padding],
-        *_selection_args(opts, expert_indices.shape[1]), bool(opts.return_agreement)))
+        *_selection_args(opts, expert_indices.shape[1]), bool(opts.return_agreement),
+        _weights_acc(logits, opts)))
+
+
+def _weights_acc(logits, opts) -> bool:
+    """The native ops' weights_acc: the weights in the compute type (opts.weights_dtype,
+    checked by the op to be the logits' dtype or their compute dtype)."""
+    return opts.weights_dtype is not None and opts.weights_dtype != logits.dtype
 
 
 def gate_bwd(grad_weights, logits, idx, opts, grad_set_logprob=None):
@@ -161,7 +168,7 @@ def gate_permute_fwd(logits, expert_indices, replay_mask, opts, hidden, num_rows
         scores.get(opts.score_func).id, bool(opts.normalize), float(opts.scaling_factor),
         int(opts.align), PADDING_MODES[opts.padding],
         *_selection_args(opts, expert_indices.shape[1]), bool(opts.return_agreement),
-        hidden, int(num_rows)))
+        _weights_acc(logits, opts), hidden, int(num_rows)))
 
 
 def gate_permute_bwd(grad_weights, grad_rows, logits, idx, row_id_map, opts,

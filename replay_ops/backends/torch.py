@@ -273,7 +273,8 @@ def gate_fwd(logits, expert_indices, replay_mask, opts):
         fill = _select_flagged(x, logits.dtype, sf, opts, K, flagged)
         idx = torch.where(flagged[:, None], fill.to(torch.int32), idx)
     idx = idx.contiguous()
-    weights = (_weights(x, idx, sf, opts.normalize) * opts.scaling_factor).to(logits.dtype)
+    weights = (_weights(x, idx, sf, opts.normalize) * opts.scaling_factor).to(
+        opts.weights_dtype or logits.dtype)
     return (weights, idx, *build_plan(idx, E, opts.align),
             *_agreement_outputs(x, idx, sel_idx, sf, opts))
 

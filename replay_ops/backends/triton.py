@@ -80,7 +80,8 @@ def gate_fwd(logits, expert_indices, replay_mask, opts):
     return _gate.gate_fwd(logits, expert_indices, opts.score_func, opts.normalize,
                           opts.scaling_factor, opts.align, replay_mask=replay_mask,
                           pad_select=opts.padding == "select", selection=opts.selection,
-                          return_agreement=bool(opts.return_agreement))
+                          return_agreement=bool(opts.return_agreement),
+                          weights_dtype=opts.weights_dtype)
 
 
 def gate_bwd(grad_weights, logits, idx, opts, grad_set_logprob=None):

@@ -163,7 +163,8 @@ def route_block(patch, lid: int, block: torch.nn.Module,
     else:
         logits, own_w, own_idx = gate(x, **{LOGITS_KWARG: spec.logits})
     router_logits = logits  # the tensor transformers' `router_logits` output collects
-    if spec.weights_fp32:
+    weights_dtype = _weights_dtype(spec, logits)
+    if spec.weights_fp32 and weights_dtype is None:
         logits = logits.float()
 
     def topk_fn(lg: torch.Tensor) -> torch.Tensor:
@@ -175,7 +176,7 @@ def route_block(patch, lid: int, block: torch.nn.Module,
     # the gate's options, as one value from here to the kernel
     opts = replay_ops.GateOptions(
         score_func=spec.score_func, normalize=spec.normalize(gate),
-        scaling_factor=spec.scaling_factor(gate),
+        scaling_factor=spec.scaling_factor(gate), weights_dtype=weights_dtype,
         **({} if spec.selection is None else {"selection": spec.selection(gate)}))
     # DeepSeek-V3 normalizes its sigmoid weights even for top-1: w = s / (s + 1e-20), then
     # the scaling. replay_ops.gate, as Megatron-Core, leaves a row with one slot as it is;
@@ -241,12 +242,23 @@ def routing_agreement(logits: torch.Tensor, plan: RoutingPlan,
     return LayerAgreement(plan.agreement, plan.set_logprob)
 
 
+def _weights_dtype(spec, logits: torch.Tensor) -> torch.dtype | None:
+    """The gate's weights_dtype in a family that keeps its gate weights in fp32
+    (`weights_fp32`: `softmax(logits, dtype=torch.float)`): from half and bfloat16 logits
+    the gate writes its fp32 weights unrounded itself, with no cast of the logits or of
+    their gradient (its math is fp32 either way); None otherwise (fp64 logits are cast)."""
+    if spec.weights_fp32 and logits.dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return None
+
+
 def own_routing_plan(r: BlockRouting, block: torch.nn.Module, spec) -> RoutingPlan:
     """A plan of the model's own routing: the router's own indices and gate weights, as
     the unpatched block uses them."""
     plan = replay_ops.gate(r.logits, r.own_indices, validate=False,
                            score_func=spec.score_func, normalize=spec.normalize(block.gate),
-                           scaling_factor=spec.scaling_factor(block.gate))
+                           scaling_factor=spec.scaling_factor(block.gate),
+                           weights_dtype=_weights_dtype(spec, r.logits))
     return plan._replace(weights=r.own_weights.to(plan.weights.dtype))
 
 
