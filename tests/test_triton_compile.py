@@ -47,7 +47,7 @@ def test_cases_reach_every_launcher_and_regime():
                                      "unpermute_fwd", "unpermute_bwd", "gate_dense_fwd",
                                      "gate_dense_bwd", "permute_probs_fwd", "permute_probs_bwd",
                                      "codec_sort", "codec_unsort", "gate_select_fwd",
-                                     "gate_select_bwd"}
+                                     "gate_select_bwd", "gate_fwd_weights32"}
     codec = [c for c in cs if c["op"].startswith("codec")]
     assert {(c["op"], c["order"], c["K"]) for c in codec} == set(
         itertools.product(["codec_sort", "codec_unsort"], ["set", "keep"], [1, 2, 8, 13, 20]))

@@ -232,6 +232,9 @@ def op_factors() -> dict[str, dict[str, list]]:
                               "shape": [(512, 64, 8), (8192, 256, 8)]}
     out["gate_select_bwd"] = {"mode": SCORE_MODES, "logits": ["fp32", "bf16", "fp64"],
                               "shape": [(512, 64, 8), (8192, 256, 8)]}
+    # fp32 weights from half / bf16 logits (weights_dtype): the weights' store differs
+    out["gate_fwd_weights32"] = {"mode": SCORE_MODES, "logits": ["fp16", "bf16"],
+                                 "shape": [(512, 64, 8), (8192, 256, 8)]}
     out["gate_dense_fwd"] = {"mode": SCORE_MODES, "shape": DENSE_SHAPES, "logits": LOGITS_DTYPES,
                              "index": INDEX_DTYPES, "padding": DENSE_PADDING,
                              "mask": [False, True], "plan": [True, False],
@@ -344,6 +347,13 @@ def run_launcher(case: dict) -> None:
         else:
             gate_dense.permute_probs_bwd(torch.empty(T * K, dtype=dt, device="meta"),
                                          torch.empty(T, K, **i32), idx, E)
+        return
+    if op == "gate_fwd_weights32":
+        T, E, K = case["shape"]
+        sf, norm = case["mode"]
+        gate.gate_fwd(_hidden((T, E), case["logits"], "contiguous"),
+                      torch.empty(T, K, **i32), sf, norm, 1.0, 1,
+                      weights_dtype=torch.float32)
         return
     if op in ("gate_select_fwd", "gate_select_bwd"):
         from replay_ops import Selection
