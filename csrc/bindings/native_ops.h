@@ -41,7 +41,7 @@ using UnpermuteBwdResult = std::tuple<at::Tensor, at::Tensor>;
     "(Tensor logits, Tensor expert_indices, Tensor? replay_mask, Tensor? expert_bias, "       \
     "int score_func, bool normalize, float scaling_factor, int align, int padding, "          \
     "int selection_source, bool round_scores, int num_groups, int group_topk, "               \
-    "int group_topn, bool agreement, bool weights_acc) -> "                                   \
+    "int group_topn, bool agreement, bool weights_acc=False) -> "                             \
     "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")                       \
   X(gate_bwd,                                                                                  \
     "(Tensor grad_weights, Tensor logits, Tensor expert_indices, Tensor? grad_set_logprob, "  \
