@@ -295,7 +295,7 @@ gpu-wheels:
 CHECK_TESTS = tests/test_gate.py tests/test_gate_dense.py tests/test_permute.py \
 	tests/test_unpermute.py tests/test_validation.py tests/test_reference.py tests/test_scores.py \
 	tests/test_codec_golden.py tests/test_adapters.py tests/test_config.py tests/test_doc_links.py \
-	tests/test_layering.py
+	tests/test_layering.py tests/test_mutants_apply.py
 check-tools:
 	@$(PY) -c "import pytest, hypothesis" 2>/dev/null && [[ "$$($(PY) -m ruff --version 2>/dev/null)" == "ruff $(RUFF_PIN)" ]] \
 		|| { echo "check: installing pytest, hypothesis and ruff==$(RUFF_PIN) into $(PY)'s environment (what make check needs; once)"; \

@@ -166,6 +166,54 @@ def test_replayed_block_runs_no_topk_sort_or_router_softmax(arch, mode):
     patch.remove()
 
 
+class GateDtypes(TorchDispatchMode):
+    """The replay gate ops' (logits dtype, weights dtype), and the casts of a [.., E] tensor
+    (the router logits or their gradient) between floating dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        self.gates, self.casts = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if func.namespace == "replay" and name in GATE_OPS:
+            self.gates.append((args[0].dtype, out[0].dtype))
+        elif name == "_to_copy" and args[0].dim() and args[0].shape[-1] == E and \
+                args[0].is_floating_point() and out.dtype != args[0].dtype:
+            self.casts.append((args[0].dtype, out.dtype))
+        return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_replayed_bf16_block_gives_the_routers_weight_dtype_without_a_cast(arch):
+    """A bf16 model replayed: the gate's weights have the dtype of the router's own weights
+    (fp32 for Mixtral and DeepSeek-V3, which keep them in fp32; bf16 for the others), and a
+    family that keeps fp32 weights of bf16 logits gets them from the gate
+    (`weights_dtype`), with no cast of the router logits or of their gradient, forward or
+    backward."""
+    model = tiny.tiny_model(arch, seed=5, num_experts=E, top_k=K, dtype=torch.bfloat16)
+    patch = hf.patch_model(model, "R3")
+    lid = patch.moe_layer_ids[0]
+    blk = patch.moe.blocks[lid]
+    x = torch.randn(2, 8, model.config.hidden_size,
+                    generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    own_logits, own_w, _ = router_own(blk.gate, x.reshape(-1, x.shape[-1]))
+    patch.replay.set_routing(random_routing(16, len(patch.moe_layer_ids), seed=4))
+    patch.replay.set_action(ReplayAction.REPLAY_FORWARD)
+    xr = x.detach().requires_grad_(True)
+    with GateDtypes() as log:
+        out = blk(xr)
+        out = out[0] if isinstance(out, tuple) else out
+        out.float().square().sum().backward()
+    (logits_dtype, weights_dtype), = log.gates
+    assert weights_dtype == own_w.dtype, (arch, log.gates)
+    assert logits_dtype == own_logits.dtype, (arch, log.gates)  # the router's, uncast
+    if hf.SUPPORTED[arch].weights_fp32 and own_logits.dtype == torch.bfloat16:
+        assert weights_dtype == torch.float32 and log.casts == [], (arch, log.casts)
+    patch.remove()
+
+
 def step(model, ids, mask_rows=None):
     model.zero_grad(set_to_none=True)
     out = model(ids).logits
