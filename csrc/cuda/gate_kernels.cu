@@ -200,8 +200,9 @@ __device__ __forceinline__ bool resolve_row(const GateFwdArgs& a, int64_t t,
 }
 
 // Gate weights of one token row (one thread), from its int32 experts: the logits dtype into
-// `weights`, or in dense mode the compute type into the [T, K] scratch `weights`; with the
-// agreement outputs also agreement[t] and set_logprob[t].
+// `weights`, or the compute type (in dense mode into the [T, K] scratch `weights`; with
+// weights_acc into the output); with the agreement outputs also agreement[t] and
+// set_logprob[t].
 template <typename scalar_t, typename index_t>
 __device__ __forceinline__ void gate_row(const GateFwdArgs& a, int64_t t) {
   using A = acc_t<scalar_t>;
