@@ -126,7 +126,7 @@ def graph(profile: str, nshards: int) -> list[Step]:
              est=180),
         # builds and checks
         Step("check-triton", "check-triton-installed", 2, ("install",), est=190),
-        Step("check-triton-floor", "check-triton-floor", 2, ("install", "triton-floor"), est=125),
+        Step("check-triton-floor", "check-triton-floor", 2, ("install", "triton-floor"), est=70),
         Step("cuda-wheel-ceiling", "cuda-job-build CUDA_JOB=ceiling", 2, ("cuda-venv-ceiling",),
              est=110),
         Step("cuda-wheel-floor", "cuda-job-build CUDA_JOB=floor", 2, ("cuda-venv-floor",),

@@ -64,25 +64,29 @@ def test_demo_is_deterministic_and_other_arch(tmp_path):
     assert "chart" not in a
 
 
-def test_cli_help_and_errors(tmp_path):
-    env = dict(os.environ)
-    run = lambda *args: subprocess.run(  # noqa: E731
-        [sys.executable, "-m", "replay_ops", *args], capture_output=True, text=True, env=env,
-        timeout=120,
-    )
-    h = run("demo", "--help")
-    assert h.returncode == 0 and "--device" in h.stdout and "--arch" in h.stdout
-    bad = run("demo", "--arch", "llama")
-    assert bad.returncode != 0 and "invalid choice: 'llama'" in bad.stderr
-    assert "--engine" in h.stdout and "vllm" in h.stdout and "sglang" in h.stdout
-    tiny_vllm = run("demo", "--engine", "vllm", "--size", "tiny", "--out", str(tmp_path / "v"))
-    assert tiny_vllm.returncode != 0 and "head_dim=8" in tiny_vllm.stderr  # before any install
-    unknown = run("nonsense")
-    assert unknown.returncode == 2 and "unknown command 'nonsense'" in unknown.stderr
+def test_cli_help_and_errors(tmp_path, capsys):
+    """The command line: its parsing and refusals in process (`replay_ops.__main__.main`),
+    then one real `python -m replay_ops demo` run of the tiny model."""
+    from replay_ops.__main__ import main as cli
+
+    with pytest.raises(SystemExit) as e:
+        cli(["demo", "--help"])
+    h = capsys.readouterr().out
+    assert e.value.code == 0 and "--device" in h and "--arch" in h
+    assert "--engine" in h and "vllm" in h and "sglang" in h
+    with pytest.raises(SystemExit) as e:
+        cli(["demo", "--arch", "llama"])
+    assert e.value.code != 0 and "invalid choice: 'llama'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="head_dim=8"):  # before any install
+        cli(["demo", "--engine", "vllm", "--size", "tiny", "--out", str(tmp_path / "v")])
+    assert cli(["nonsense"]) == 2
+    assert "unknown command 'nonsense'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="unknown size='huge'"):
         demo.DemoConfig.from_size("huge")
-    ok = run("demo", "--size", "tiny", "--out", str(tmp_path / "cli"), "--no-progress",
-             "--no-chart", "--seed", "1")
+    ok = subprocess.run(
+        [sys.executable, "-m", "replay_ops", "demo", "--size", "tiny", "--out",
+         str(tmp_path / "cli"), "--no-progress", "--no-chart", "--seed", "1"],
+        capture_output=True, text=True, env=dict(os.environ), timeout=120)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "routing difference 0.00% (exactly zero)" in ok.stdout
     assert "tokens with >= 1 differing layer" in ok.stdout
