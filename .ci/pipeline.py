@@ -45,34 +45,50 @@ MAKE = os.environ.get("MAKE", "make")
 # Engine tests run in their own steps (they need their environments).
 ENGINE_FILES = ("tests/test_vllm_engine.py", "tests/test_sglang_engine.py")
 
-# Seconds per test file of the main suite: a whole run's times (pytest --junitxml, summed
-# per file) on the shared 2-core machine under load, divided by that run's slowdown (2.7);
-# tests/test_native.py without its CUDA compile check (the CUDA wheel jobs' here). Only
-# the balance of the shards depends on them; a file not listed weighs DEFAULT_WEIGHT.
+# Seconds per test file of the main suite: the times of a fresh-clone `.ci/run`'s shards
+# (pytest --junitxml, summed per file) on the shared 2-core machine, with its
+# tests/test_native.py without the CUDA compile check (the CUDA wheel jobs' here). Only the
+# balance of the shards depends on them; a file not listed weighs DEFAULT_WEIGHT.
 SHARD_WEIGHTS: dict[str, float] = {
-    "tests/test_extension_load.py": 148, "tests/test_gate.py": 124,
-    "tests/test_skyrl_clients.py": 118, "tests/test_gpu_check.py": 102,
-    "tests/test_msswift_clients.py": 81, "tests/test_determinism.py": 48,
-    "tests/test_fuzz_codec.py": 46, "tests/test_verl_clients.py": 39,
-    "tests/test_gate_dense.py": 30, "tests/test_native.py": 25,
-    "tests/test_fuzz_routing.py": 24, "tests/test_hf_experts.py": 21,
-    "tests/test_distributed_fsdp.py": 21, "tests/test_compile.py": 20,
-    "tests/test_codec.py": 18, "tests/test_ops_registration.py": 15,
-    "tests/test_triton_kernels.py": 14, "tests/test_hf_integration.py": 14,
-    "tests/test_triton_compile.py": 13, "tests/test_megatron_router.py": 11,
-    "tests/test_megatron_dist.py": 11, "tests/test_distributed.py": 10,
-    "tests/test_demo.py": 10, "tests/test_unpermute.py": 9,
-    "tests/test_untrusted_routing.py": 8, "tests/test_replay_files.py": 7,
-    "tests/test_e2e_moe.py": 7, "tests/test_distributed_hf.py": 7,
-    "tests/test_distributed_edges.py": 7, "tests/test_hf_families.py": 6,
-    "tests/test_megatron_clients.py": 5, "tests/test_distributed_example.py": 5,
-    "tests/test_distributed_errors.py": 5, "tests/test_router_replay.py": 4,
-    "tests/test_megatron_layers.py": 4, "tests/test_megatron_data.py": 4,
-    "tests/test_sglang_launcher.py": 3, "tests/test_config.py": 3,
-    "tests/test_device_math.py": 2, "tests/test_vllm_launcher.py": 1,
-    "tests/test_static_routing.py": 1, "tests/test_routing_dtypes.py": 1,
-    "tests/test_permute.py": 1, "tests/test_megatron_compile.py": 1,
-    "tests/test_codec_golden.py": 1,
+    "tests/test_compile.py": 96, "tests/test_determinism.py": 60, "tests/test_gate.py": 69,
+    "tests/test_gpu_check.py": 67, "tests/test_skyrl_clients.py": 60,
+    "tests/test_gate_dense.py": 51, "tests/test_distributed_fsdp.py": 44,
+    "tests/test_codec.py": 39, "tests/test_verl_clients.py": 37,
+    "tests/test_msswift_clients.py": 36, "tests/test_selection_triton.py": 33,
+    "tests/test_demo.py": 32, "tests/test_ops_registration.py": 29,
+    "tests/test_gate_permute.py": 28, "tests/test_extension_load.py": 25,
+    "tests/test_distributed.py": 25, "tests/test_distributed_edges.py": 22,
+    "tests/test_triton_compile.py": 21, "tests/test_unpermute.py": 21,
+    "tests/test_untrusted_routing.py": 20, "tests/test_distributed_errors.py": 20,
+    "tests/test_native.py": 20, "tests/test_replay_files.py": 20,
+    "tests/test_hf_experts.py": 19, "tests/test_fuzz_codec.py": 18,
+    "tests/test_hf_machinery.py": 18, "tests/test_triton_kernels.py": 16,
+    "tests/test_megatron_router.py": 12, "tests/test_fuzz_routing.py": 11,
+    "tests/test_selection.py": 11, "tests/test_config.py": 10,
+    "tests/test_distributed_example.py": 9, "tests/test_megatron_dist.py": 9,
+    "tests/test_distributed_hf.py": 9, "tests/test_packaging.py": 9,
+    "tests/test_hf_integration.py": 9, "tests/test_hf_families.py": 8,
+    "tests/test_megatron_clients.py": 7, "tests/test_deprecations.py": 6,
+    "tests/test_megatron_select.py": 6, "tests/test_sglang_launcher.py": 5,
+    "tests/test_adapters.py": 5, "tests/test_e2e_moe.py": 5, "tests/test_inject.py": 5,
+    "tests/test_require_flag.py": 5, "tests/test_router_replay.py": 5,
+    "tests/test_hf_selection.py": 5, "tests/test_megatron_layers.py": 4,
+    "tests/test_permute.py": 3, "tests/test_device_math.py": 2,
+    "tests/test_megatron_data.py": 2, "tests/test_codec_golden.py": 2,
+    "tests/test_vllm_launcher.py": 2, "tests/test_megatron_compile.py": 2,
+    "tests/test_options.py": 1, "tests/test_layering.py": 1, "tests/test_reference.py": 1,
+    "tests/test_routing_dtypes.py": 1, "tests/test_host_syncs.py": 1,
+    "tests/test_checked_batch.py": 1, "tests/test_validation.py": 1,
+    "tests/test_static_routing.py": 1, "tests/test_replay_padding.py": 1,
+    "tests/test_doc_links.py": 1, "tests/test_direct_calls.py": 1,
+    "tests/test_doc_examples.py": 1, "tests/test_vllm_adapter.py": 1,
+    "tests/test_scores.py": 1, "tests/test_sglang_forms.py": 1, "tests/test_backends.py": 1,
+    "tests/test_router_replay_agreement.py": 1, "tests/test_errors.py": 1,
+    "tests/test_check_native_build.py": 1, "tests/test_mutants_apply.py": 1,
+    "tests/test_gpu_gate_edges.py": 1, "tests/test_gpu_large.py": 1,
+    "tests/test_gpu_sanitizer.py": 1, "tests/test_gpu_gate_dense.py": 1,
+    "tests/test_gpu_registry.py": 1, "tests/test_gpu_selection.py": 1,
+    "tests/test_gpu_runtime.py": 1,
 }
 DEFAULT_WEIGHT = 10.0
 
